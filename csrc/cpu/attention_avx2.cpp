@@ -1,0 +1,22 @@
+// The AVX2 + FMA build of the CPU attention kernel, chosen at run time on CPUs that have
+// them. The target applies to this file alone, so the library still loads on any x86-64.
+// Standard headers first, under the default target: only this file's own functions get the
+// wider instruction set.
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC target("avx2,fma,f16c")
+#endif
+#define VLLM_LITE_ISA_FN attention_task_avx2
+#include "cpu/attention_kernel.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#else
+#include "cpu/attention_params.h"
+vllm_lite::cpu::AttentionTaskFn vllm_lite::cpu::attention_task_avx2() { return nullptr; }
+#endif

@@ -1,0 +1,24 @@
+// The AVX-512 build of the CPU attention kernel (512-bit vectors), chosen at run time on
+// CPUs that have AVX-512F/BW/VL/DQ. The target applies to this file alone.
+// Standard headers first, under the default target: only this file's own functions get the
+// wider instruction set.
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__clang__)
+#pragma clang attribute push(                                                        \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
+    apply_to = function)
+#else
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+#endif
+#define VLLM_LITE_ISA_FN attention_task_avx512
+#include "cpu/attention_kernel.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#else
+#include "cpu/attention_params.h"
+vllm_lite::cpu::AttentionTaskFn vllm_lite::cpu::attention_task_avx512() { return nullptr; }
+#endif

@@ -1,0 +1,76 @@
+// The plain-data interface between the CPU attention entry points (attention.cpp, which
+// sees torch) and the per-ISA kernel builds (attention_<isa>.cpp, which must not: each is
+// compiled for its own instruction set, and a torch inline function emitted there could be
+// picked by the linker for the whole library).
+#pragma once
+
+#include <cstdint>
+
+namespace vllm_lite::cpu {
+
+enum class KvDType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+struct AttentionParams {
+  KvDType dtype;
+  const void* query;  // [num_seqs, num_heads, head_size] with the strides below
+  int64_t q_stride_seq;
+  int64_t q_stride_head;
+  const void* key_cache;    // [num_blocks, num_kv_heads, head_size / x, block_size, x]
+  const void* value_cache;  // [num_blocks, num_kv_heads, head_size, block_size]
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
+  const int32_t* seq_lens;      // [num_seqs]
+  const float* alibi_slopes;    // [num_heads] or null
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  int64_t max_blocks_per_seq;
+  int64_t x;
+  float scale;    // softmax scale times k_scale
+  float v_scale;
+  int64_t partition_size;
+  int64_t num_partitions;  // partition slots per (seq, head) in the outputs below
+  // Per (seq, head, partition): the partition's max logit, sum of exp(logit - max), and its
+  // output normalized by that sum (times v_scale). Partitions past a sequence's end are
+  // not written.
+  float* part_max;  // [num_seqs, num_heads, num_partitions]
+  float* part_sum;  // [num_seqs, num_heads, num_partitions]
+  float* part_out;  // [num_seqs, num_heads, num_partitions, head_size]
+};
+
+// Lanes of the token-parallel accumulators of the V pass (one 512-bit vector of floats).
+constexpr int64_t kValueLanes = 16;
+
+// Head size rounded up to whole lane groups, so dot products need no tail loop.
+inline int64_t padded_head_size(int64_t head_size) {
+  return (head_size + kValueLanes - 1) / kValueLanes * kValueLanes;
+}
+
+// Query heads whose V accumulators are live at once: bounded so they stay in L1/L2
+// (heads * head_size * lanes floats <= 32 KiB); more heads re-read V from L2.
+inline int64_t value_head_chunk(int64_t group, int64_t head_size) {
+  int64_t c = 512 / head_size;
+  c = c < 1 ? 1 : c;
+  return c < group ? c : group;
+}
+
+// Floats of per-thread scratch one task needs (see the kernel for the layout).
+inline int64_t attention_scratch_floats(const AttentionParams& p) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t dp = padded_head_size(p.head_size);
+  const int64_t gc = value_head_chunk(group, p.head_size);
+  return group * dp + dp + group * p.partition_size + gc * p.head_size * kValueLanes +
+         gc * kValueLanes + kValueLanes + 64;
+}
+
+// One task: sequence s, KV head kh, partition part, for all the query heads of kh.
+// Task index = (s * num_kv_heads + kh) * num_partitions + part.
+using AttentionTaskFn = void (*)(const AttentionParams& p, int64_t task, float* scratch);
+
+// Each ISA build defines its function; a build compiled without that ISA returns null.
+AttentionTaskFn attention_task_generic();
+AttentionTaskFn attention_task_avx2();
+AttentionTaskFn attention_task_avx512();
+
+}  // namespace vllm_lite::cpu

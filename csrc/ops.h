@@ -1,0 +1,64 @@
+// Every native op's C++ declaration, one place. Each op has one implementation per
+// device: vllm_lite::cpu (csrc/cpu/) and vllm_lite::cuda (csrc/cuda/). The schemas
+// that bind them to torch.ops.vllm_lite.* live in csrc/torch_bindings.cpp.
+//
+// Layouts (vLLM v0.6):
+//   query, out      [num_seqs, num_heads, head_size]
+//   key_cache       [num_blocks, num_kv_heads, head_size / x, block_size, x], x = 16 bytes / element size
+//   value_cache     [num_blocks, num_kv_heads, head_size, block_size]
+//   flash layout    [num_blocks, block_size, num_kv_heads, head_size] (both K and V)
+//   block_tables    int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
+//   slot_mapping    int64 [num_tokens], slot = block * block_size + offset, negative = padding
+//   v2 scratch      exp_sums, max_logits float32 [num_seqs, num_heads, max_num_partitions];
+//                   tmp_out (query dtype) [num_seqs, num_heads, max_num_partitions, head_size]
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace vllm_lite {
+
+// Sequences are cut into partitions of this many tokens by paged_attention_v2.
+constexpr int64_t kPartitionSize = 512;
+
+#define VLLM_LITE_DECLARE_OPS                                                              \
+  void paged_attention_v1(                                                                 \
+      at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,               \
+      const at::Tensor& value_cache, int64_t num_kv_heads, double scale,                   \
+      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,      \
+      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,                  \
+      const std::string& kv_cache_dtype, double k_scale, double v_scale);                  \
+  void paged_attention_v2(                                                                 \
+      at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_logits, at::Tensor& tmp_out,  \
+      const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache, \
+      int64_t num_kv_heads, double scale, const at::Tensor& block_tables,                  \
+      const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,                 \
+      const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,    \
+      double k_scale, double v_scale);                                                     \
+  void reshape_and_cache(                                                                  \
+      const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,               \
+      at::Tensor& value_cache, const at::Tensor& slot_mapping,                             \
+      const std::string& kv_cache_dtype, double k_scale, double v_scale);                  \
+  void reshape_and_cache_flash(                                                            \
+      const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,               \
+      at::Tensor& value_cache, const at::Tensor& slot_mapping,                             \
+      const std::string& kv_cache_dtype, double k_scale, double v_scale);                  \
+  void copy_blocks(                                                                        \
+      const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches, \
+      const at::Tensor& block_mapping);                                                    \
+  void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
+
+namespace cpu {
+VLLM_LITE_DECLARE_OPS
+}  // namespace cpu
+
+namespace cuda {
+VLLM_LITE_DECLARE_OPS
+}  // namespace cuda
+
+#undef VLLM_LITE_DECLARE_OPS
+
+}  // namespace vllm_lite

@@ -1,0 +1,49 @@
+// Makes the extension importable as the Python module vllm_lite._C: importing it loads the
+// shared library, which runs the op registrations in torch_bindings.cpp. It also exposes
+// the CPU ISA selection (cpu/cpu_isa.h). Only the Python build compiles this file; the
+// CMake build links the same ops without Python.
+#include <Python.h>
+
+#include <c10/util/Exception.h>
+
+#include "cpu/cpu_isa.h"
+
+namespace {
+
+PyObject* py_cpu_isas(PyObject*, PyObject*) {
+  const auto names = vllm_lite::cpu::cpu_isas();
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(names.size()));
+  for (size_t i = 0; i < names.size(); ++i) {
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), PyUnicode_FromString(names[i].c_str()));
+  }
+  return list;
+}
+
+PyObject* py_cpu_isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(vllm_lite::cpu::cpu_isa().c_str());
+}
+
+PyObject* py_set_cpu_isa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (name == nullptr) return nullptr;
+  try {
+    vllm_lite::cpu::set_cpu_isa(name);
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"cpu_isas", py_cpu_isas, METH_NOARGS,
+     "The builds of the CPU attention kernel this CPU can run, widest first."},
+    {"cpu_isa", py_cpu_isa, METH_NOARGS, "The build of the CPU attention kernel in use."},
+    {"set_cpu_isa", py_set_cpu_isa, METH_O, "Selects a build of the CPU attention kernel."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }

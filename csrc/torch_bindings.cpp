@@ -1,0 +1,45 @@
+// Every schema of torch.ops.vllm_lite, and the registration of each op's CPU and CUDA
+// implementation. Schemas and argument order follow vLLM v0.6 (without its block-sparse
+// arguments), so code that calls torch.ops._C.* can switch namespaces.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(vllm_lite, m) {
+  m.def(
+      "paged_attention_v1(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "int num_kv_heads, float scale, Tensor block_tables, Tensor seq_lens, int block_size, "
+      "int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, float k_scale, "
+      "float v_scale) -> ()");
+  m.def(
+      "paged_attention_v2(Tensor! out, Tensor! exp_sums, Tensor! max_logits, Tensor! tmp_out, "
+      "Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, float scale, "
+      "Tensor block_tables, Tensor seq_lens, int block_size, int max_seq_len, "
+      "Tensor? alibi_slopes, str kv_cache_dtype, float k_scale, float v_scale) -> ()");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
+      "Tensor slot_mapping, str kv_cache_dtype, float k_scale, float v_scale) -> ()");
+  m.def(
+      "reshape_and_cache_flash(Tensor key, Tensor value, Tensor! key_cache, "
+      "Tensor! value_cache, Tensor slot_mapping, str kv_cache_dtype, float k_scale, "
+      "float v_scale) -> ()");
+  m.def(
+      "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+      "Tensor block_mapping) -> ()");
+  m.def("swap_blocks(Tensor src, Tensor! dst, Tensor block_mapping) -> ()");
+}
+
+#define VLLM_LITE_REGISTER_IMPLS(ns)                                 \
+  m.impl("paged_attention_v1", &vllm_lite::ns::paged_attention_v1); \
+  m.impl("paged_attention_v2", &vllm_lite::ns::paged_attention_v2); \
+  m.impl("reshape_and_cache", &vllm_lite::ns::reshape_and_cache);   \
+  m.impl("reshape_and_cache_flash", &vllm_lite::ns::reshape_and_cache_flash); \
+  m.impl("copy_blocks", &vllm_lite::ns::copy_blocks);               \
+  m.impl("swap_blocks", &vllm_lite::ns::swap_blocks);
+
+TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) { VLLM_LITE_REGISTER_IMPLS(cpu) }
+
+#ifdef VLLM_LITE_WITH_CUDA
+TORCH_LIBRARY_IMPL(vllm_lite, CUDA, m) { VLLM_LITE_REGISTER_IMPLS(cuda) }
+#endif
+

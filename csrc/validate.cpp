@@ -1,0 +1,372 @@
+#include "validate.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace vllm_lite {
+namespace {
+
+// Messages name the op, the argument and what was wrong with it, e.g.
+// "paged_attention: key_cache must be contiguous (shape [8, 2, 8, 16, 8], strides ...)".
+void check_same_device(const char* op, const at::Tensor& t, const char* name,
+                       const at::Tensor& ref, const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ",
+              ref_name, " is on ", ref.device(), "; all tensors must be on one device");
+}
+
+void check_dtype(const char* op, const at::Tensor& t, const char* name, at::ScalarType want) {
+  TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", want, ", got ",
+              t.scalar_type());
+}
+
+void check_dim(const char* op, const at::Tensor& t, const char* name, int64_t dim,
+               const char* layout) {
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D ", layout, ", got shape ",
+              t.sizes());
+}
+
+void check_contiguous(const char* op, const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got shape ", t.sizes(),
+              " with strides ", t.strides());
+}
+
+void check_kv_cache_dtype(const char* op, const std::string& kv_cache_dtype, double k_scale,
+                          double v_scale) {
+  TORCH_CHECK(kv_cache_dtype == "auto", op, ": kv_cache_dtype '", kv_cache_dtype,
+              "' is not supported; only 'auto' (the cache holds the model dtype) is");
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+              op, ": k_scale and v_scale must be finite and positive, got ", k_scale, " and ",
+              v_scale);
+}
+
+void check_float_dtype(const char* op, const at::Tensor& t, const char* name) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, op, ": ", name,
+              " must be float32, float16 or bfloat16, got ", s);
+}
+
+void check_head_size(const char* op, int64_t head_size) {
+  TORCH_CHECK(head_size > 0 && head_size % 8 == 0 && head_size <= 256, op,
+              ": head_size must be a multiple of 8 in [8, 256], got ", head_size);
+}
+
+// True when the tensor's values can be read without a device round trip.
+bool on_cpu(const at::Tensor& t) { return t.device().is_cpu(); }
+
+}  // namespace
+
+PagedAttentionDims check_paged_attention(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, int64_t num_kv_heads, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+    const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
+    double k_scale, double v_scale) {
+  constexpr const char* op = "paged_attention";
+  check_kv_cache_dtype(op, kv_cache_dtype, k_scale, v_scale);
+
+  check_dim(op, query, "query", 3, "[num_seqs, num_heads, head_size]");
+  check_float_dtype(op, query, "query");
+  PagedAttentionDims d{};
+  d.num_seqs = query.size(0);
+  d.num_heads = query.size(1);
+  d.head_size = query.size(2);
+  check_head_size(op, d.head_size);
+  TORCH_CHECK(query.stride(2) == 1, op, ": query's last dimension must be contiguous, got strides ",
+              query.strides());
+  d.q_stride_seq = query.stride(0);
+  d.q_stride_head = query.stride(1);
+
+  TORCH_CHECK(out.sizes() == query.sizes(), op, ": out must have query's shape ", query.sizes(),
+              ", got ", out.sizes());
+  check_dtype(op, out, "out", query.scalar_type());
+  check_contiguous(op, out, "out");
+
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{out, "out"},
+                                {key_cache, "key_cache"},
+                                {value_cache, "value_cache"},
+                                {block_tables, "block_tables"},
+                                {seq_lens, "seq_lens"}}) {
+    check_same_device(op, t, name, query, "query");
+  }
+
+  const auto elem = query.element_size();
+  d.x = 16 / elem;
+  check_dim(op, key_cache, "key_cache", 5,
+            "[num_blocks, num_kv_heads, head_size / x, block_size, x]");
+  check_dim(op, value_cache, "value_cache", 4,
+            "[num_blocks, num_kv_heads, head_size, block_size]");
+  check_dtype(op, key_cache, "key_cache", query.scalar_type());
+  check_dtype(op, value_cache, "value_cache", query.scalar_type());
+  check_contiguous(op, key_cache, "key_cache");
+  check_contiguous(op, value_cache, "value_cache");
+
+  TORCH_CHECK(num_kv_heads > 0, op, ": num_kv_heads must be positive, got ", num_kv_heads);
+  TORCH_CHECK(block_size > 0, op, ": block_size must be positive, got ", block_size);
+  d.num_kv_heads = num_kv_heads;
+  d.block_size = block_size;
+  d.num_blocks = key_cache.size(0);
+  const std::vector<int64_t> want_k{d.num_blocks, num_kv_heads, d.head_size / d.x, block_size,
+                                    d.x};
+  TORCH_CHECK(key_cache.sizes() == at::IntArrayRef(want_k), op, ": key_cache must have shape ",
+              at::IntArrayRef(want_k), " for num_kv_heads=", num_kv_heads,
+              ", head_size=", d.head_size, ", block_size=", block_size, ", x=", d.x, ", got ",
+              key_cache.sizes());
+  const std::vector<int64_t> want_v{d.num_blocks, num_kv_heads, d.head_size, block_size};
+  TORCH_CHECK(value_cache.sizes() == at::IntArrayRef(want_v), op,
+              ": value_cache must have shape ", at::IntArrayRef(want_v), ", got ",
+              value_cache.sizes());
+
+  TORCH_CHECK(d.num_heads % num_kv_heads == 0, op, ": num_heads (", d.num_heads,
+              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(d.num_heads / num_kv_heads <= 64, op,
+              ": at most 64 query heads per KV head are supported, got ",
+              d.num_heads / num_kv_heads);
+
+  check_dim(op, block_tables, "block_tables", 2, "[num_seqs, max_blocks_per_seq]");
+  check_dtype(op, block_tables, "block_tables", at::kInt);
+  check_contiguous(op, block_tables, "block_tables");
+  TORCH_CHECK(block_tables.size(0) == d.num_seqs, op, ": block_tables has ",
+              block_tables.size(0), " rows but query has ", d.num_seqs, " sequences");
+  d.max_blocks_per_seq = block_tables.size(1);
+  check_dim(op, seq_lens, "seq_lens", 1, "[num_seqs]");
+  check_dtype(op, seq_lens, "seq_lens", at::kInt);
+  check_contiguous(op, seq_lens, "seq_lens");
+  TORCH_CHECK(seq_lens.size(0) == d.num_seqs, op, ": seq_lens has ", seq_lens.size(0),
+              " entries but query has ", d.num_seqs, " sequences");
+
+  TORCH_CHECK(max_seq_len >= 0, op, ": max_seq_len must be non-negative, got ", max_seq_len);
+  TORCH_CHECK((max_seq_len + block_size - 1) / block_size <= d.max_blocks_per_seq || d.num_seqs == 0,
+              op, ": block_tables has ", d.max_blocks_per_seq,
+              " columns, fewer than the ", (max_seq_len + block_size - 1) / block_size,
+              " blocks that max_seq_len=", max_seq_len, " needs at block_size=", block_size);
+
+  if (alibi_slopes.has_value()) {
+    const auto& a = *alibi_slopes;
+    check_same_device(op, a, "alibi_slopes", query, "query");
+    check_dtype(op, a, "alibi_slopes", at::kFloat);
+    TORCH_CHECK(a.dim() == 1 && a.size(0) == d.num_heads && a.is_contiguous(), op,
+                ": alibi_slopes must be a contiguous [num_heads=", d.num_heads,
+                "] tensor, got shape ", a.sizes());
+  }
+  return d;
+}
+
+int64_t check_paged_attention_v2_scratch(
+    const PagedAttentionDims& d, const at::Tensor& out, const at::Tensor& exp_sums,
+    const at::Tensor& max_logits, const at::Tensor& tmp_out, int64_t max_seq_len) {
+  constexpr const char* op = "paged_attention_v2";
+  const int64_t need = (max_seq_len + 511) / 512;
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{exp_sums, "exp_sums"},
+                                {max_logits, "max_logits"}}) {
+    check_same_device(op, t, name, out, "out");
+    check_dtype(op, t, name, at::kFloat);
+    check_contiguous(op, t, name);
+    check_dim(op, t, name, 3, "[num_seqs, num_heads, max_num_partitions]");
+    TORCH_CHECK(t.size(0) == d.num_seqs && t.size(1) == d.num_heads && t.size(2) >= need, op,
+                ": ", name, " must be [", d.num_seqs, ", ", d.num_heads, ", >= ", need,
+                "] for max_seq_len=", max_seq_len, ", got ", t.sizes());
+  }
+  TORCH_CHECK(max_logits.sizes() == exp_sums.sizes(), op, ": max_logits ", max_logits.sizes(),
+              " and exp_sums ", exp_sums.sizes(), " must have one shape");
+  const int64_t p = exp_sums.size(2);
+  check_same_device(op, tmp_out, "tmp_out", out, "out");
+  check_dtype(op, tmp_out, "tmp_out", out.scalar_type());
+  check_contiguous(op, tmp_out, "tmp_out");
+  const std::vector<int64_t> want{d.num_seqs, d.num_heads, p, d.head_size};
+  TORCH_CHECK(tmp_out.sizes() == at::IntArrayRef(want), op, ": tmp_out must have shape ",
+              at::IntArrayRef(want), ", got ", tmp_out.sizes());
+  return p;
+}
+
+void check_paged_attention_values(
+    const PagedAttentionDims& d, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    int64_t max_seq_len) {
+  constexpr const char* op = "paged_attention";
+  if (d.num_seqs == 0) return;
+  if (on_cpu(seq_lens)) {
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    for (int64_t s = 0; s < d.num_seqs; ++s) {
+      const int64_t len = lens[s];
+      TORCH_CHECK(len >= 0 && len <= max_seq_len, op, ": seq_lens[", s, "] = ", len,
+                  " is outside [0, max_seq_len=", max_seq_len, "]");
+      const int64_t nblocks = (len + d.block_size - 1) / d.block_size;
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t id = tables[s * d.max_blocks_per_seq + b];
+        TORCH_CHECK(id >= 0 && id < d.num_blocks, op, ": block_tables[", s, ", ", b, "] = ", id,
+                    " is outside the cache's ", d.num_blocks, " blocks");
+      }
+    }
+    return;
+  }
+  // One round trip for all checks: gather the used table entries with tensor ops.
+  const auto lens = seq_lens.to(at::kLong);
+  const auto nblocks = (lens + (d.block_size - 1)).div(d.block_size, "floor");
+  const auto cols = at::arange(d.max_blocks_per_seq, lens.options()).unsqueeze(0);
+  const auto used = cols < nblocks.unsqueeze(1);
+  const auto ids = block_tables.to(at::kLong);
+  const auto bad_id = (used & ((ids < 0) | (ids >= d.num_blocks))).any();
+  const auto stats = at::stack({lens.min(), lens.max(), bad_id.to(at::kLong)}).cpu();
+  const int64_t* v = stats.data_ptr<int64_t>();
+  TORCH_CHECK(v[0] >= 0 && v[1] <= max_seq_len, op, ": seq_lens must lie in [0, max_seq_len=",
+              max_seq_len, "], got values in [", v[0], ", ", v[1], "]");
+  TORCH_CHECK(v[2] == 0, op, ": block_tables names a block outside the cache's ", d.num_blocks,
+              " blocks within some sequence's length");
+}
+
+CacheWriteDims check_reshape_and_cache(
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const std::string& kv_cache_dtype, double k_scale, double v_scale, bool flash_layout) {
+  const char* op = flash_layout ? "reshape_and_cache_flash" : "reshape_and_cache";
+  check_kv_cache_dtype(op, kv_cache_dtype, k_scale, v_scale);
+  check_dim(op, key, "key", 3, "[num_tokens, num_kv_heads, head_size]");
+  check_float_dtype(op, key, "key");
+  TORCH_CHECK(value.sizes() == key.sizes(), op, ": value must have key's shape ", key.sizes(),
+              ", got ", value.sizes());
+  check_dtype(op, value, "value", key.scalar_type());
+  check_dtype(op, key_cache, "key_cache", key.scalar_type());
+  check_dtype(op, value_cache, "value_cache", key.scalar_type());
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{value, "value"},
+                                {key_cache, "key_cache"},
+                                {value_cache, "value_cache"},
+                                {slot_mapping, "slot_mapping"}}) {
+    check_same_device(op, t, name, key, "key");
+  }
+  CacheWriteDims d{};
+  d.num_tokens = key.size(0);
+  d.num_kv_heads = key.size(1);
+  d.head_size = key.size(2);
+  check_head_size(op, d.head_size);
+  // A token's heads must be packed; tokens may be strided (slices of a fused QKV output).
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{key, "key"},
+                                {value, "value"}}) {
+    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == d.head_size, op, ": ", name,
+                " must have packed heads (strides [*, ", d.head_size, ", 1]), got strides ",
+                t.strides());
+  }
+  d.key_stride = key.stride(0);
+  d.value_stride = value.stride(0);
+  check_contiguous(op, key_cache, "key_cache");
+  check_contiguous(op, value_cache, "value_cache");
+  d.x = 16 / key.element_size();
+  if (flash_layout) {
+    check_dim(op, key_cache, "key_cache", 4, "[num_blocks, block_size, num_kv_heads, head_size]");
+    d.num_blocks = key_cache.size(0);
+    d.block_size = key_cache.size(1);
+    const std::vector<int64_t> want{d.num_blocks, d.block_size, d.num_kv_heads, d.head_size};
+    TORCH_CHECK(key_cache.sizes() == at::IntArrayRef(want), op, ": key_cache must have shape ",
+                at::IntArrayRef(want), " to hold key ", key.sizes(), ", got ", key_cache.sizes());
+    TORCH_CHECK(value_cache.sizes() == at::IntArrayRef(want), op,
+                ": value_cache must have shape ", at::IntArrayRef(want), ", got ",
+                value_cache.sizes());
+  } else {
+    check_dim(op, key_cache, "key_cache", 5,
+              "[num_blocks, num_kv_heads, head_size / x, block_size, x]");
+    check_dim(op, value_cache, "value_cache", 4,
+              "[num_blocks, num_kv_heads, head_size, block_size]");
+    d.num_blocks = key_cache.size(0);
+    d.block_size = key_cache.size(3);
+    const std::vector<int64_t> want_k{d.num_blocks, d.num_kv_heads, d.head_size / d.x,
+                                      d.block_size, d.x};
+    TORCH_CHECK(key_cache.sizes() == at::IntArrayRef(want_k), op,
+                ": key_cache must have shape ", at::IntArrayRef(want_k), " to hold key ",
+                key.sizes(), " (x=", d.x, "), got ", key_cache.sizes());
+    const std::vector<int64_t> want_v{d.num_blocks, d.num_kv_heads, d.head_size, d.block_size};
+    TORCH_CHECK(value_cache.sizes() == at::IntArrayRef(want_v), op,
+                ": value_cache must have shape ", at::IntArrayRef(want_v), ", got ",
+                value_cache.sizes());
+  }
+  TORCH_CHECK(d.block_size > 0, op, ": the caches' block_size must be positive");
+  check_dim(op, slot_mapping, "slot_mapping", 1, "[num_tokens]");
+  check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
+  check_contiguous(op, slot_mapping, "slot_mapping");
+  TORCH_CHECK(slot_mapping.size(0) == d.num_tokens, op, ": slot_mapping has ",
+              slot_mapping.size(0), " entries but key has ", d.num_tokens, " tokens");
+  return d;
+}
+
+void check_slot_mapping_values(const CacheWriteDims& d, const at::Tensor& slot_mapping) {
+  if (d.num_tokens == 0) return;
+  const int64_t num_slots = d.num_blocks * d.block_size;
+  int64_t max_slot;
+  if (on_cpu(slot_mapping)) {
+    const int64_t* s = slot_mapping.data_ptr<int64_t>();
+    max_slot = *std::max_element(s, s + d.num_tokens);
+  } else {
+    max_slot = slot_mapping.max().item<int64_t>();
+  }
+  TORCH_CHECK(max_slot < num_slots, "reshape_and_cache: slot_mapping holds slot ", max_slot,
+              " but the cache has only ", num_slots, " slots (", d.num_blocks, " blocks of ",
+              d.block_size, ")");
+}
+
+int64_t check_copy_blocks(
+    const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+    const at::Tensor& block_mapping, bool check_values) {
+  constexpr const char* op = "copy_blocks";
+  TORCH_CHECK(key_caches.size() == value_caches.size(), op, ": got ", key_caches.size(),
+              " key caches but ", value_caches.size(), " value caches");
+  check_dim(op, block_mapping, "block_mapping", 2, "[num_pairs, 2]");
+  TORCH_CHECK(block_mapping.size(1) == 2, op, ": block_mapping must be [num_pairs, 2], got ",
+              block_mapping.sizes());
+  check_dtype(op, block_mapping, "block_mapping", at::kLong);
+  check_contiguous(op, block_mapping, "block_mapping");
+  if (key_caches.empty()) return 0;
+  const auto& ref = key_caches[0];
+  const int64_t num_blocks = ref.size(0);
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    for (const auto* t : {&key_caches[i], &value_caches[i]}) {
+      const char* name = t == &key_caches[i] ? "key_caches" : "value_caches";
+      TORCH_CHECK(t->device() == ref.device(), op, ": ", name, "[", i, "] is on ", t->device(),
+                  " but key_caches[0] is on ", ref.device());
+      TORCH_CHECK(t->scalar_type() == ref.scalar_type(), op, ": ", name, "[", i, "] is ",
+                  t->scalar_type(), " but key_caches[0] is ", ref.scalar_type());
+      TORCH_CHECK(t->is_contiguous(), op, ": ", name, "[", i, "] must be contiguous");
+      TORCH_CHECK(t->dim() >= 2 && t->size(0) == num_blocks, op, ": ", name, "[", i,
+                  "] has shape ", t->sizes(), " but key_caches[0] has ", num_blocks, " blocks");
+    }
+    TORCH_CHECK(value_caches[i].numel() == key_caches[i].numel(), op, ": value_caches[", i,
+                "] ", value_caches[i].sizes(), " must hold as many elements as key_caches[", i,
+                "] ", key_caches[i].sizes());
+  }
+  TORCH_CHECK(block_mapping.device() == ref.device(), op, ": block_mapping is on ",
+              block_mapping.device(), " but the caches are on ", ref.device());
+  if (check_values && block_mapping.numel() > 0) {
+    const auto mm = at::stack({block_mapping.min(), block_mapping.max()}).cpu();
+    const int64_t lo = mm.data_ptr<int64_t>()[0], hi = mm.data_ptr<int64_t>()[1];
+    TORCH_CHECK(lo >= 0 && hi < num_blocks, op, ": block_mapping holds block ids in [", lo, ", ",
+                hi, "] but the caches have ", num_blocks, " blocks");
+  }
+  return num_blocks;
+}
+
+int64_t check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
+                          const at::Tensor& block_mapping) {
+  constexpr const char* op = "swap_blocks";
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), op, ": src is ", src.scalar_type(),
+              " but dst is ", dst.scalar_type());
+  TORCH_CHECK(src.dim() >= 1 && dst.dim() == src.dim() &&
+                  src.sizes().slice(1) == dst.sizes().slice(1),
+              op, ": src ", src.sizes(), " and dst ", dst.sizes(),
+              " must differ only in the number of blocks");
+  check_contiguous(op, src, "src");
+  check_contiguous(op, dst, "dst");
+  TORCH_CHECK(block_mapping.device().is_cpu(), op, ": block_mapping must be on the CPU, got ",
+              block_mapping.device());
+  check_dim(op, block_mapping, "block_mapping", 2, "[num_pairs, 2]");
+  TORCH_CHECK(block_mapping.size(1) == 2, op, ": block_mapping must be [num_pairs, 2], got ",
+              block_mapping.sizes());
+  check_dtype(op, block_mapping, "block_mapping", at::kLong);
+  check_contiguous(op, block_mapping, "block_mapping");
+  const int64_t* m = block_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < block_mapping.size(0); ++i) {
+    TORCH_CHECK(m[2 * i] >= 0 && m[2 * i] < src.size(0), op, ": block_mapping[", i,
+                ", 0] = ", m[2 * i], " is outside src's ", src.size(0), " blocks");
+    TORCH_CHECK(m[2 * i + 1] >= 0 && m[2 * i + 1] < dst.size(0), op, ": block_mapping[", i,
+                ", 1] = ", m[2 * i + 1], " is outside dst's ", dst.size(0), " blocks");
+  }
+  return src.size(0) == 0 ? 0 : src.numel() / src.size(0) * src.element_size();
+}
+
+}  // namespace vllm_lite

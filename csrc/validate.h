@@ -1,0 +1,78 @@
+// Argument validation shared by the CPU and CUDA implementations, so every device
+// rejects the same bad input with the same message. Shape, dtype and device checks
+// read only metadata; the *_values checks read tensor contents (a device sync on
+// CUDA, which the CUDA launchers skip while a CUDA graph is being captured).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace vllm_lite {
+
+struct PagedAttentionDims {
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  int64_t num_blocks;
+  int64_t max_blocks_per_seq;
+  int64_t x;  // elements per 16-byte chunk of the key cache
+  int64_t q_stride_seq;
+  int64_t q_stride_head;
+};
+
+// Checks every argument of paged_attention_v1/v2 but the v2 scratch tensors.
+PagedAttentionDims check_paged_attention(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, int64_t num_kv_heads, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+    const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
+    double k_scale, double v_scale);
+
+// exp_sums / max_logits float32 [num_seqs, num_heads, P], tmp_out [num_seqs, num_heads, P,
+// head_size] in the query dtype, P >= ceil(max_seq_len / 512). Returns P.
+int64_t check_paged_attention_v2_scratch(
+    const PagedAttentionDims& d, const at::Tensor& out, const at::Tensor& exp_sums,
+    const at::Tensor& max_logits, const at::Tensor& tmp_out, int64_t max_seq_len);
+
+// Every seq_len in [0, max_seq_len], and every block the sequence reads is in the table
+// and names a block of the pool.
+void check_paged_attention_values(
+    const PagedAttentionDims& d, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    int64_t max_seq_len);
+
+struct CacheWriteDims {
+  int64_t num_tokens;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  int64_t num_blocks;
+  int64_t x;  // paged layout only
+  int64_t key_stride;    // between tokens, in elements
+  int64_t value_stride;
+};
+
+// key/value [num_tokens, num_kv_heads, head_size] (rows may be strided, e.g. slices of a
+// fused QKV tensor); caches in the paged (flash_layout=false) or flash layout.
+CacheWriteDims check_reshape_and_cache(
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const std::string& kv_cache_dtype, double k_scale, double v_scale, bool flash_layout);
+
+// Every non-negative slot addresses the cache.
+void check_slot_mapping_values(const CacheWriteDims& d, const at::Tensor& slot_mapping);
+
+// Returns the number of blocks per cache; checks the mapping's values too.
+int64_t check_copy_blocks(
+    const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+    const at::Tensor& block_mapping, bool check_values);
+
+// Returns the bytes of one block; checks the mapping's values (it lives on the CPU).
+int64_t check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
+                          const at::Tensor& block_mapping);
+
+}  // namespace vllm_lite

@@ -1,0 +1,236 @@
+"""Typed wrappers over the native ops in ``torch.ops.vllm_lite``.
+
+Each wrapper calls its op directly (PyTorch dispatches to the CPU or CUDA kernel by the
+tensors' device). Every op has a fake implementation registered here, so the wrappers
+trace under ``torch.compile(fullgraph=True)``. Layouts follow vLLM v0.6; see README.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import vllm_lite
+
+if vllm_lite._C is None:
+    raise ImportError(
+        "vllm_lite's native extension (vllm_lite._C) is not built or failed to load: "
+        f"{vllm_lite._C_IMPORT_ERROR}. Install the package with `pip install .` "
+        "(or `pip install --no-build-isolation .` with torch already installed)."
+    )
+
+_ops = torch.ops.vllm_lite
+
+#: Tokens per partition of paged_attention_v2 (kPartitionSize in csrc/ops.h).
+PARTITION_SIZE = 512
+
+
+def kv_cache_x(dtype: torch.dtype) -> int:
+    """Elements per 16-byte chunk of the key cache's last dimension."""
+    return 16 // torch.tensor([], dtype=dtype).element_size()
+
+
+def kv_cache_shapes(
+    num_blocks: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the paged key and value caches for one layer."""
+    x = kv_cache_x(dtype)
+    return (
+        (num_blocks, num_kv_heads, head_size // x, block_size, x),
+        (num_blocks, num_kv_heads, head_size, block_size),
+    )
+
+
+def paged_attention_v1(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Decode attention of one query token per sequence over its paged KV cache, in one pass.
+
+    Writes ``out`` [num_seqs, num_heads, head_size]. ``block_tables`` int32
+    [num_seqs, max_blocks_per_seq], ``seq_lens`` int32 [num_seqs] (each <= max_seq_len).
+    """
+    _ops.paged_attention_v1(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+    )
+
+
+def paged_attention_v2(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Paged attention split into 512-token partitions, then reduced.
+
+    ``exp_sums``/``max_logits`` float32 [num_seqs, num_heads, max_num_partitions] and
+    ``tmp_out`` [num_seqs, num_heads, max_num_partitions, head_size] (query dtype) receive
+    each partition's softmax sum, maximum logit and normalized output.
+    """
+    _ops.paged_attention_v2(
+        out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
+        scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+        kv_cache_dtype, k_scale, v_scale,
+    )
+
+
+def use_v2(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
+    """v2 when there is too little parallelism per partition or the sequences are long."""
+    num_partitions = (max_seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE
+    return max_seq_len > 8192 or (num_partitions > 1 and num_seqs * num_heads <= 512)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged decode attention; picks v1 or v2 and allocates v2's scratch. Returns ``out``."""
+    num_seqs, num_heads, head_size = query.shape
+    if out is None:
+        out = torch.empty((num_seqs, num_heads, head_size), dtype=query.dtype, device=query.device)
+    if use_v2(max_seq_len, num_seqs, num_heads):
+        partitions = max(1, (max_seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE)
+        exp_sums = torch.empty(
+            (num_seqs, num_heads, partitions), dtype=torch.float32, device=query.device
+        )
+        max_logits = torch.empty_like(exp_sums)
+        tmp_out = torch.empty(
+            (num_seqs, num_heads, partitions, head_size), dtype=query.dtype, device=query.device
+        )
+        paged_attention_v2(
+            out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
+            scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+            kv_cache_dtype, k_scale, v_scale,
+        )
+    else:
+        paged_attention_v1(
+            out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+            block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+        )
+    return out
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Writes key/value [num_tokens, num_kv_heads, head_size] into the paged caches.
+
+    ``slot_mapping`` int64 [num_tokens]: slot = block * block_size + offset; a negative
+    slot is padding and is skipped. The cache stores key / k_scale and value / v_scale.
+    """
+    _ops.reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale
+    )
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Like reshape_and_cache, for caches in the flash layout [num_blocks, block_size,
+    num_kv_heads, head_size]."""
+    _ops.reshape_and_cache_flash(
+        key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale
+    )
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """For each (src, dst) row of int64 ``block_mapping`` [n, 2] (on the caches' device),
+    copies block src to block dst in every layer's key and value cache."""
+    _ops.copy_blocks(key_caches, value_caches, block_mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copies block src of ``src`` to block dst of ``dst`` for each row of the CPU int64
+    ``block_mapping`` [n, 2]; the caches may be on the CPU or a CUDA device, in any mix."""
+    _ops.swap_blocks(src, dst, block_mapping)
+
+
+# Fake (meta) implementations: every op only mutates its outputs, so tracing needs no
+# shape computation, just the promise that nothing is returned.
+def _register_fakes() -> None:
+    def _none(*args: object, **kwargs: object) -> None:
+        return None
+
+    for name in (
+        "paged_attention_v1",
+        "paged_attention_v2",
+        "reshape_and_cache",
+        "reshape_and_cache_flash",
+        "copy_blocks",
+        "swap_blocks",
+    ):
+        torch.library.register_fake(f"vllm_lite::{name}")(_none)
+
+
+_register_fakes()
+
+
+def cpu_isas() -> list[str]:
+    """Builds of the CPU attention kernel this CPU can run, widest first
+    (a subset of "avx512", "avx2", "generic")."""
+    return list(vllm_lite._C.cpu_isas())
+
+
+def cpu_isa() -> str:
+    """The build of the CPU attention kernel in use (VLLM_LITE_CPU_ISA picks it at load)."""
+    return str(vllm_lite._C.cpu_isa())
+
+
+def set_cpu_isa(name: str) -> None:
+    """Selects a build of the CPU attention kernel; ValueError if this CPU can't run it."""
+    vllm_lite._C.set_cpu_isa(name)
