@@ -1,0 +1,331 @@
+"""Block tables of sequences over the GPU and CPU block pools.
+
+Each sequence holding KV has a block table: logical block i of the sequence lives in
+physical block table[i]. Tables of a RUNNING sequence point into the GPU pool, those of a
+SWAPPED one into the CPU pool. Forked sequences share blocks (ref counts) and copy a shared
+block only when about to write into it.
+
+The manager never touches tensors: it returns (src, dst) block-id pairs for the cache
+engine's ``swap_blocks`` / ``copy_blocks`` and leaves sequence statuses to the scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Dict, Iterable, List, Tuple
+
+from vllm_lite.config import CacheConfig
+from vllm_lite.core.block_allocator import BlockAllocator
+from vllm_lite.core.prefix_cache import PrefixCacheStats, extend_block_hashes
+from vllm_lite.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+BlockTable = List[int]
+BlockMapping = List[Tuple[int, int]]
+
+
+class AllocStatus(enum.Enum):
+    """Whether a group's blocks can be had now, after others free some, or never."""
+
+    OK = enum.auto()
+    LATER = enum.auto()
+    NEVER = enum.auto()
+
+
+class BlockSpaceManager:
+    def __init__(self, cache_config: CacheConfig) -> None:
+        if cache_config.num_gpu_blocks is None:
+            raise ValueError("cache_config.num_gpu_blocks must be set to build a block manager")
+        self.block_size = cache_config.block_size
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.watermark_blocks = cache_config.watermark_blocks
+        self.gpu_allocator = BlockAllocator(
+            cache_config.num_gpu_blocks, enable_caching=self.enable_caching, name="gpu"
+        )
+        # Swap-in lands in fresh GPU blocks, so the CPU pool needs no prefix index.
+        self.cpu_allocator = BlockAllocator(cache_config.num_cpu_blocks or 0, name="cpu")
+        self.gpu_block_tables: Dict[int, BlockTable] = {}
+        self.cpu_block_tables: Dict[int, BlockTable] = {}
+        # Per sequence, how many leading full blocks are already published in the cache.
+        self._num_registered: Dict[int, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def num_total_gpu_blocks(self) -> int:
+        return self.gpu_allocator.get_num_total_blocks()
+
+    @property
+    def num_total_cpu_blocks(self) -> int:
+        return self.cpu_allocator.get_num_total_blocks()
+
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.gpu_allocator.get_num_free_blocks()
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu_allocator.get_num_free_blocks()
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_table(self, seq: Sequence) -> BlockTable:
+        table = self.gpu_block_tables.get(seq.seq_id)
+        if table is None:
+            raise ValueError(f"seq {seq.seq_id} has no GPU blocks")
+        return list(table)
+
+    def has_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.gpu_block_tables or seq.seq_id in self.cpu_block_tables
+
+    # -- prompt allocation -----------------------------------------------------------------
+    def _blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
+        """Worst case, cache hits aside: what decides whether the group can ever fit."""
+        return sum(self._blocks_for(s.get_len()) for s in seq_group.get_seqs(SequenceStatus.WAITING))
+
+    def _free_blocks_consumed(self, seq_group: SequenceGroup) -> int:
+        """Free blocks allocate() would take now: hits on blocks in use cost nothing, hits
+        in the evictor still take a free block. (Overlapping hits of several sequences are
+        counted twice, which only errs on the safe side.)"""
+        total = 0
+        for seq in seq_group.get_seqs(SequenceStatus.WAITING):
+            in_use = 0
+            for block_hash in self._prefix_hashes(seq):
+                block_id = self.gpu_allocator.peek(block_hash)
+                if block_id is None:
+                    break
+                in_use += self.gpu_allocator.ref_count(block_id) > 0
+            total += self._blocks_for(seq.get_len()) - in_use
+        return total
+
+    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
+        if self._blocks_to_allocate(seq_group) > self.num_total_gpu_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.get_num_free_gpu_blocks() - self._free_blocks_consumed(seq_group) < self.watermark_blocks:
+            return AllocStatus.LATER
+        return AllocStatus.OK
+
+    def allocate(self, seq_group: SequenceGroup) -> None:
+        """Give every WAITING sequence of the group a table, reusing cached prefix blocks.
+
+        Sets each sequence's num_computed_tokens to the tokens found in the cache.
+        """
+        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
+        for seq in seqs:
+            if self.has_blocks(seq):
+                raise ValueError(f"seq {seq.seq_id} already holds blocks")
+        required = self._free_blocks_consumed(seq_group)
+        if required > self.get_num_free_gpu_blocks():
+            raise ValueError(
+                f"request {seq_group.request_id} needs {required} GPU blocks, "
+                f"{self.get_num_free_gpu_blocks()} free"
+            )
+        for seq in seqs:
+            table = self._claim_cached_prefix(seq)
+            num_hits = len(table)
+            table.extend(
+                self.gpu_allocator.allocate() for _ in range(self._blocks_for(seq.get_len()) - num_hits)
+            )
+            self.gpu_block_tables[seq.seq_id] = table
+            self._num_registered[seq.seq_id] = num_hits
+            seq.num_computed_tokens = num_hits * self.block_size
+
+    def _prefix_hashes(self, seq: Sequence) -> List[bytes]:
+        """Hashes of the full blocks a prefix-cache hit may cover."""
+        if not self.enable_caching:
+            return []
+        # At least one token must be computed to get the logits of the next one.
+        max_hits = (seq.get_len() - 1) // self.block_size
+        hashes = extend_block_hashes(
+            seq.block_hashes, seq.get_token_ids(), self.block_size, max_hits, seq.cache_salt
+        )
+        return hashes[:max_hits]
+
+    def _claim_cached_prefix(self, seq: Sequence) -> BlockTable:
+        hashes = self._prefix_hashes(seq)
+        table: BlockTable = []
+        for block_hash in hashes:
+            block_id = self.gpu_allocator.lookup(block_hash)
+            if block_id is None:
+                break
+            table.append(block_id)
+        self.prefix_cache_stats.queries += len(hashes)
+        self.prefix_cache_stats.hits += len(table)
+        return table
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Publish the sequence's full blocks whose KV is now computed in the prefix cache."""
+        if not self.enable_caching:
+            return
+        table = self.gpu_block_tables.get(seq.seq_id)
+        if table is None:
+            return
+        done = self._num_registered[seq.seq_id]
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        if num_full <= done:
+            return
+        hashes = extend_block_hashes(
+            seq.block_hashes, seq.get_token_ids(), self.block_size, num_full, seq.cache_salt
+        )
+        for i in range(done, num_full):
+            if self.gpu_allocator.block_hash(table[i]) is None:
+                self.gpu_allocator.register(table[i], hashes[i])
+        self._num_registered[seq.seq_id] = num_full
+
+    # -- growth and copy-on-write -----------------------------------------------------------
+    def _append_plan(self, seq: Sequence, ref_counts: Dict[int, int]) -> Tuple[int, List[int]]:
+        """(new blocks at the tail, table indices to copy) for seq to hold all its tokens.
+
+        ``ref_counts`` carries the counts as earlier sequences' copies would leave them, so
+        a block shared by k sequences of a group is copied k - 1 times, not k.
+        """
+        table = self.gpu_block_tables[seq.seq_id]
+        num_new = max(0, self._blocks_for(seq.get_len()) - len(table))
+        to_copy = []
+        for i in range(seq.num_computed_tokens // self.block_size, len(table)):
+            block_id = table[i]
+            count = ref_counts.get(block_id, self.gpu_allocator.ref_count(block_id))
+            if count > 1:
+                to_copy.append(i)
+                ref_counts[block_id] = count - 1
+        return num_new, to_copy
+
+    def _running_seqs_with_blocks(self, seq_group: SequenceGroup) -> List[Sequence]:
+        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+        for seq in seqs:
+            if seq.seq_id not in self.gpu_block_tables:
+                raise ValueError(f"seq {seq.seq_id} is RUNNING but holds no GPU blocks")
+        return seqs
+
+    def can_append_slots(self, seq_group: SequenceGroup) -> bool:
+        """Whether every running sequence of the group can get slots for its uncomputed tokens."""
+        ref_counts: Dict[int, int] = {}
+        needed = 0
+        for seq in self._running_seqs_with_blocks(seq_group):
+            num_new, to_copy = self._append_plan(seq, ref_counts)
+            needed += num_new + len(to_copy)
+        return needed <= self.get_num_free_gpu_blocks()
+
+    def append_slots(self, seq_group: SequenceGroup) -> BlockMapping:
+        """Make room for the uncomputed tokens of every running sequence.
+
+        Returns the copy-on-write (src, dst) pairs for ``copy_blocks``: only the shared
+        blocks about to be written are copied, never a whole table.
+        """
+        seqs = self._running_seqs_with_blocks(seq_group)
+        if not self.can_append_slots(seq_group):
+            raise ValueError(f"not enough free GPU blocks to grow request {seq_group.request_id}")
+        copies: BlockMapping = []
+        for seq in seqs:
+            num_new, to_copy = self._append_plan(seq, {})
+            table = self.gpu_block_tables[seq.seq_id]
+            for i in to_copy:
+                src = table[i]
+                dst = self.gpu_allocator.allocate()
+                self.gpu_allocator.free(src)
+                table[i] = dst
+                copies.append((src, dst))
+            table.extend(self.gpu_allocator.allocate() for _ in range(num_new))
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent."""
+        table = self.gpu_block_tables.get(parent.seq_id)
+        if table is None:
+            raise ValueError(f"parent seq {parent.seq_id} holds no GPU blocks")
+        if self.has_blocks(child):
+            raise ValueError(f"child seq {child.seq_id} already holds blocks")
+        for block_id in table:
+            self.gpu_allocator.incref(block_id)
+        self.gpu_block_tables[child.seq_id] = list(table)
+        self._num_registered[child.seq_id] = self._num_registered[parent.seq_id]
+
+    # -- swapping ---------------------------------------------------------------------------
+    @staticmethod
+    def _distinct_blocks(tables: Iterable[BlockTable]) -> int:
+        return len({block_id for table in tables for block_id in table})
+
+    def _tables_of(self, seqs: List[Sequence], tables: Dict[int, BlockTable], where: str) -> List[BlockTable]:
+        missing = [seq.seq_id for seq in seqs if seq.seq_id not in tables]
+        if missing:
+            raise ValueError(f"seqs {missing} hold no {where} blocks")
+        return [tables[seq.seq_id] for seq in seqs]
+
+    def can_swap_out(self, seq_group: SequenceGroup) -> bool:
+        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+        tables = self._tables_of(seqs, self.gpu_block_tables, "GPU")
+        return self._distinct_blocks(tables) <= self.get_num_free_cpu_blocks()
+
+    def can_swap_in(self, seq_group: SequenceGroup) -> AllocStatus:
+        seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
+        tables = self._tables_of(seqs, self.cpu_block_tables, "CPU")
+        # Each sequence may need a block right after it comes back (vLLM's bound); without
+        # it a group that cannot grow would bounce between the pools forever.
+        required = self._distinct_blocks(tables) + len(seqs)
+        if required > self.num_total_gpu_blocks:
+            return AllocStatus.NEVER
+        if required > self.get_num_free_gpu_blocks():
+            return AllocStatus.LATER
+        return AllocStatus.OK
+
+    def swap_out(self, seq_group: SequenceGroup) -> BlockMapping:
+        """Move the group's running sequences to the CPU pool; returns (gpu, cpu) pairs."""
+        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+        if not self.can_swap_out(seq_group):
+            raise ValueError(f"not enough free CPU blocks to swap out request {seq_group.request_id}")
+        mapping = self._move(seqs, self.gpu_block_tables, self.cpu_block_tables, self.gpu_allocator, self.cpu_allocator)
+        for seq in seqs:
+            del self._num_registered[seq.seq_id]
+        return mapping
+
+    def swap_in(self, seq_group: SequenceGroup) -> BlockMapping:
+        """Bring the group's swapped sequences back; returns (cpu, gpu) pairs."""
+        seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
+        if self.can_swap_in(seq_group) != AllocStatus.OK:
+            raise ValueError(f"not enough free GPU blocks to swap in request {seq_group.request_id}")
+        mapping = self._move(seqs, self.cpu_block_tables, self.gpu_block_tables, self.cpu_allocator, self.gpu_allocator)
+        for seq in seqs:
+            # The fresh GPU blocks are unpublished; mark_computed re-registers them.
+            self._num_registered[seq.seq_id] = 0
+        return mapping
+
+    @staticmethod
+    def _move(
+        seqs: List[Sequence],
+        src_tables: Dict[int, BlockTable],
+        dst_tables: Dict[int, BlockTable],
+        src_alloc: BlockAllocator,
+        dst_alloc: BlockAllocator,
+    ) -> BlockMapping:
+        # A block shared inside the group is moved once and stays shared on the other side.
+        mapping: Dict[int, int] = {}
+        for seq in seqs:
+            new_table = []
+            for src in src_tables[seq.seq_id]:
+                if src in mapping:
+                    dst_alloc.incref(mapping[src])
+                else:
+                    mapping[src] = dst_alloc.allocate()
+                new_table.append(mapping[src])
+                src_alloc.free(src)
+            del src_tables[seq.seq_id]
+            dst_tables[seq.seq_id] = new_table
+        return list(mapping.items())
+
+    # -- release ------------------------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, wherever they are; a no-op if it holds none."""
+        for tables, allocator in (
+            (self.gpu_block_tables, self.gpu_allocator),
+            (self.cpu_block_tables, self.cpu_allocator),
+        ):
+            table = tables.pop(seq.seq_id, None)
+            if table is not None:
+                # Tail first, so a cached prefix outlives the blocks that hang from it.
+                for block_id in reversed(table):
+                    allocator.free(block_id)
+        self._num_registered.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        return self.gpu_allocator.reset_prefix_cache()

@@ -1,0 +1,530 @@
+"""Iteration-level (continuous-batching) scheduler.
+
+Every step re-decides the batch: running groups first (growing their block tables, and
+preempting the lowest-priority newest group when blocks run out), then swapped groups
+coming back, then new prompts. A finished sequence frees its blocks in ``update`` at once,
+so a waiting request can join on the very next step.
+
+A step is ``out = scheduler.schedule()``, the model runs ``out``, then
+``scheduler.update(out, sampled)`` records the computed tokens and the sampled ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence as Seq, Tuple, Union
+
+from vllm_lite.config import CacheConfig, SchedulerConfig
+from vllm_lite.core.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
+from vllm_lite.core.policy import running_key, waiting_key
+from vllm_lite.core.prefix_cache import PrefixCacheStats
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.sequence import Sequence, SequenceGroup, SequenceStatus, next_seq_id
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's work in a step: compute tokens [num_computed_tokens,
+    num_computed_tokens + num_new_tokens) of its token ids, with KV slots from block_table."""
+
+    seq_id: int
+    num_computed_tokens: int
+    num_new_tokens: int
+    # Physical GPU block of each logical block, as it stands for this step.
+    block_table: List[int]
+    is_prompt: bool
+    # This step computes the sequence's last token, so its logits are sampled.
+    do_sample: bool
+
+
+@dataclass
+class ScheduledSequenceGroup:
+    seq_group: SequenceGroup
+    seqs: List[ScheduledSequence] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.seq_group.request_id
+
+    @property
+    def is_prompt(self) -> bool:
+        return any(s.is_prompt for s in self.seqs)
+
+    @property
+    def token_chunk_size(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs. Apply the block operations in this order before the forward:
+    blocks_to_swap_out (GPU->CPU), blocks_to_swap_in (CPU->GPU), blocks_to_copy (GPU->GPU,
+    copy-on-write): a block swapped out may be handed out again in the same step."""
+
+    step: int
+    scheduled_seq_groups: List[ScheduledSequenceGroup]
+    num_batched_tokens: int
+    blocks_to_swap_in: BlockMapping
+    blocks_to_swap_out: BlockMapping
+    blocks_to_copy: BlockMapping
+    # Finished this step without running (FINISHED_IGNORED; the reason is in group.error).
+    ignored_seq_groups: List[SequenceGroup]
+    num_preempted: int
+
+    @property
+    def num_prefill_groups(self) -> int:
+        return sum(1 for g in self.scheduled_seq_groups if g.is_prompt)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.scheduled_seq_groups
+            or self.blocks_to_swap_in
+            or self.blocks_to_swap_out
+            or self.blocks_to_copy
+        )
+
+
+@dataclass
+class _StepState:
+    token_budget: int
+    num_batched_tokens: int = 0
+    # A sequence did not get its tokens: admit nothing more, or it could starve.
+    blocked: bool = False
+    scheduled: Dict[str, ScheduledSequenceGroup] = field(default_factory=dict)
+    swap_in: BlockMapping = field(default_factory=list)
+    swap_out: BlockMapping = field(default_factory=list)
+    copies: BlockMapping = field(default_factory=list)
+    ignored: List[SequenceGroup] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def tokens_left(self) -> int:
+        return self.token_budget - self.num_batched_tokens
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = BlockSpaceManager(cache_config)
+        if scheduler_config.max_model_len > cache_config.num_gpu_blocks * cache_config.block_size:
+            logger.warning(
+                "max_model_len %d exceeds the KV cache (%d tokens): long requests will end "
+                "with an error",
+                scheduler_config.max_model_len,
+                cache_config.num_gpu_blocks * cache_config.block_size,
+            )
+        self.waiting: List[SequenceGroup] = []
+        self.running: List[SequenceGroup] = []
+        self.swapped: List[SequenceGroup] = []
+        self._requests: Dict[str, SequenceGroup] = {}
+        self._arrivals = itertools.count()
+        self._step = 0
+        self._pending_output: Optional[SchedulerOutput] = None
+        self.num_preemptions: Dict[str, int] = {"recompute": 0, "swap": 0}
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        sampling_params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        cache_salt: Optional[Union[str, bytes]] = None,
+        eos_token_id: Optional[int] = None,
+    ) -> SequenceGroup:
+        """Build the request's group (one sequence holding the prompt) and queue it."""
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt_token_ids):
+            raise ValueError("prompt_token_ids must hold non-negative ints")
+        if isinstance(cache_salt, str):
+            cache_salt = cache_salt.encode()
+        seq = Sequence(next_seq_id(), prompt_token_ids, self.cache_config.block_size, cache_salt)
+        group = SequenceGroup(
+            request_id,
+            [seq],
+            sampling_params if sampling_params is not None else SamplingParams(),
+            arrival_time=arrival_time,
+            priority=priority,
+            eos_token_id=eos_token_id,
+        )
+        self.add_seq_group(group)
+        return group
+
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        if not isinstance(seq_group.request_id, str) or not seq_group.request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {seq_group.request_id!r}")
+        if seq_group.request_id in self._requests:
+            raise ValueError(f"request_id {seq_group.request_id!r} is already in the scheduler")
+        if isinstance(seq_group.priority, bool) or not isinstance(seq_group.priority, int):
+            raise ValueError(f"priority must be an int, got {seq_group.priority!r}")
+        for seq in seq_group.get_seqs():
+            if seq.status != SequenceStatus.WAITING or self.block_manager.has_blocks(seq):
+                raise ValueError(f"seq {seq.seq_id} of a new request must be WAITING without blocks")
+            if seq.block_size != self.cache_config.block_size:
+                raise ValueError(
+                    f"seq {seq.seq_id} has block_size {seq.block_size}, the cache "
+                    f"{self.cache_config.block_size}"
+                )
+        seq_group.sampling_params.verify_max_n(self.config.max_num_seqs)
+        seq_group.arrival_index = next(self._arrivals)
+        seq_group.waiting_steps = 0
+        self._requests[seq_group.request_id] = seq_group
+        self.waiting.append(seq_group)
+
+    def abort_seq_group(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Finish the request(s) as aborted and free their blocks; unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self._requests.pop(rid, None)
+            if group is None:
+                continue
+            for queue in (self.waiting, self.running, self.swapped):
+                if group in queue:
+                    queue.remove(group)
+            self._finish_all(group, SequenceStatus.FINISHED_ABORTED)
+
+    def _finish_all(self, group: SequenceGroup, status: SequenceStatus) -> None:
+        for seq in group.get_unfinished_seqs():
+            self.block_manager.free(seq)
+            seq.status = status
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def get_seq_group(self, request_id: str) -> Optional[SequenceGroup]:
+        return self._requests.get(request_id)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.block_manager.prefix_cache_stats
+
+    # -- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._step += 1
+        state = _StepState(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(state)
+        if state.num_preempted == 0:
+            # A preemption means blocks are short: bringing groups back would only thrash.
+            self._schedule_swapped(state)
+        self._schedule_waiting(state)
+        for group in self.waiting:
+            group.waiting_steps += 1
+        out = SchedulerOutput(
+            step=self._step,
+            scheduled_seq_groups=list(state.scheduled.values()),
+            num_batched_tokens=state.num_batched_tokens,
+            blocks_to_swap_in=state.swap_in,
+            blocks_to_swap_out=state.swap_out,
+            blocks_to_copy=state.copies,
+            ignored_seq_groups=state.ignored,
+            num_preempted=state.num_preempted,
+        )
+        self._pending_output = out
+        return out
+
+    def _schedule_running(self, state: _StepState) -> None:
+        queue = sorted(self.running, key=running_key)
+        kept: List[SequenceGroup] = []
+        while queue:
+            group = queue.pop(0)
+            while not self.block_manager.can_append_slots(group):
+                # Victims come from the back only: groups already served this step keep
+                # their slots, so nothing scheduled is taken away again.
+                victim = queue.pop() if queue else group
+                self._preempt(victim, state)
+                if victim is group:
+                    break
+            else:
+                state.copies.extend(self.block_manager.append_slots(group))
+                kept.append(group)
+        self.running = kept
+        # Decodes before prefill chunks: a long prompt must not stall the running batch.
+        for group in kept:
+            self._assign_tokens(group, state, decodes=True)
+        for group in kept:
+            self._assign_tokens(group, state, decodes=False)
+
+    def _schedule_swapped(self, state: _StepState) -> None:
+        self.swapped.sort(key=running_key)
+        while self.swapped and not state.blocked:
+            group = self.swapped[0]
+            status = self.block_manager.can_swap_in(group)
+            if status == AllocStatus.NEVER:
+                self.swapped.pop(0)
+                self._ignore(group, "it no longer fits the GPU KV cache", state)
+                continue
+            if status == AllocStatus.LATER or not self._fits_budgets(group, SequenceStatus.SWAPPED, state):
+                break
+            self.swapped.pop(0)
+            state.swap_in.extend(self.block_manager.swap_in(group))
+            for seq in group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            state.copies.extend(self.block_manager.append_slots(group))
+            self.running.append(group)
+            self._assign_tokens(group, state)
+
+    def _schedule_waiting(self, state: _StepState) -> None:
+        # Hopeless requests end now, wherever they stand in the queue.
+        for group in list(self.waiting):
+            reason = self._never_reason(group)
+            if reason is not None:
+                self.waiting.remove(group)
+                self._ignore(group, reason, state)
+        if self.swapped:
+            return  # swapped groups come back before any new prompt
+        self.waiting.sort(
+            key=lambda g: waiting_key(
+                self.config.policy, g, self.config.max_model_len, self.config.max_wait_steps
+            )
+        )
+        while self.waiting and not state.blocked:
+            group = self.waiting[0]
+            if self.block_manager.can_allocate(group) != AllocStatus.OK:
+                break  # head of line waits: nothing may overtake it on memory
+            if not self._fits_budgets(group, SequenceStatus.WAITING, state):
+                break
+            self.waiting.pop(0)
+            self.block_manager.allocate(group)
+            for seq in group.get_seqs(SequenceStatus.WAITING):
+                seq.status = SequenceStatus.RUNNING
+            group.waiting_steps = 0
+            self.running.append(group)
+            self._assign_tokens(group, state)
+
+    def _never_reason(self, group: SequenceGroup) -> Optional[str]:
+        prompt_len = len(group.prompt_token_ids)
+        if prompt_len > self.config.max_model_len:
+            return f"prompt length {prompt_len} exceeds max_model_len {self.config.max_model_len}"
+        if self.block_manager.can_allocate(group) == AllocStatus.NEVER:
+            return (
+                f"it needs more KV blocks than the cache has "
+                f"({self.block_manager.num_total_gpu_blocks} blocks of "
+                f"{self.cache_config.block_size} tokens, {self.block_manager.watermark_blocks} "
+                f"held back)"
+            )
+        return None
+
+    def _ignore(self, group: SequenceGroup, reason: str, state: _StepState) -> None:
+        logger.warning("request %s finished without running: %s", group.request_id, reason)
+        group.error = reason
+        self._finish_all(group, SequenceStatus.FINISHED_IGNORED)
+        self._requests.pop(group.request_id, None)
+        state.ignored.append(group)
+
+    def _num_running_seqs(self) -> int:
+        return sum(g.get_max_num_running_seqs() for g in self.running)
+
+    def _fits_budgets(self, group: SequenceGroup, status: SequenceStatus, state: _StepState) -> bool:
+        if self._num_running_seqs() + group.get_max_num_running_seqs() > self.config.max_num_seqs:
+            return False
+        # At least one sequence must make progress, or admitting it only pins blocks.
+        if self.config.enable_chunked_prefill:
+            needed = 1
+        else:
+            needed = min(s.get_len() - s.num_computed_tokens for s in group.get_seqs(status))
+        return state.tokens_left >= needed
+
+    def _assign_tokens(self, group: SequenceGroup, state: _StepState, decodes: Optional[bool] = None) -> None:
+        """Give the group's running sequences their tokens for this step, within the budget.
+
+        decodes=True only serves sequences with a single token to compute, False only the
+        others, None both.
+        """
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            need = seq.get_num_uncomputed_tokens()
+            if need <= 0 or (decodes is not None and decodes != (need == 1)):
+                continue
+            if self.config.enable_chunked_prefill:
+                take = min(need, state.tokens_left)
+            else:
+                take = need if need <= state.tokens_left else 0
+            if take == 0:
+                state.blocked = True
+                continue
+            state.num_batched_tokens += take
+            entry = state.scheduled.get(group.request_id)
+            if entry is None:
+                entry = state.scheduled[group.request_id] = ScheduledSequenceGroup(group)
+            entry.seqs.append(
+                ScheduledSequence(
+                    seq_id=seq.seq_id,
+                    num_computed_tokens=seq.num_computed_tokens,
+                    num_new_tokens=take,
+                    block_table=self.block_manager.get_block_table(seq),
+                    is_prompt=seq.is_prefill(),
+                    do_sample=take == need,
+                )
+            )
+
+    def _preemption_mode(self, group: SequenceGroup) -> str:
+        mode = self.config.preemption_mode
+        if mode is None:
+            mode = "recompute" if group.get_max_num_running_seqs() == 1 else "swap"
+        if mode == "swap" and not self.block_manager.can_swap_out(group):
+            logger.debug("no CPU room to swap out %s; recomputing it instead", group.request_id)
+            mode = "recompute"
+        return mode
+
+    def _preempt(self, group: SequenceGroup, state: _StepState) -> None:
+        mode = self._preemption_mode(group)
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        if mode == "swap":
+            state.swap_out.extend(self.block_manager.swap_out(group))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+        else:
+            for seq in seqs:
+                self.block_manager.free(seq)
+                seq.reset_state_for_recompute()
+                seq.status = SequenceStatus.WAITING
+            self.waiting.append(group)
+        if group in self.running:
+            self.running.remove(group)
+        group.num_preemptions += 1
+        self.num_preemptions[mode] += 1
+        state.num_preempted += 1
+        logger.debug("preempted %s by %s", group.request_id, mode)
+
+    # -- after the model ran -----------------------------------------------------------
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[int, Seq[int]],
+        logprobs: Optional[Mapping[int, Seq[float]]] = None,
+    ) -> List[SequenceGroup]:
+        """Record a step: the scheduled tokens are now computed; each sequence that was
+        sampled (do_sample) gets its new token from ``sampled[seq_id]``.
+
+        A group's first sample carries best_of tokens: the sequence forks into best_of
+        sequences sharing its blocks. Finished sequences free their blocks now. Returns the
+        groups that finished in this update.
+        """
+        if output is not self._pending_output:
+            raise ValueError("output must be the latest schedule() result, not yet updated")
+        todo = self._validate_samples(output, sampled, logprobs)
+        self._pending_output = None
+        finished: List[SequenceGroup] = []
+        for sched in output.scheduled_seq_groups:
+            group = sched.seq_group
+            if group.is_finished():
+                continue  # aborted after it was scheduled
+            for s in sched.seqs:
+                seq = group.get_seq(s.seq_id)
+                if seq is not None and seq.status == SequenceStatus.RUNNING:
+                    seq.num_computed_tokens += s.num_new_tokens
+                    self.block_manager.mark_computed(seq)
+            for seq, tokens in todo.get(group.request_id, []):
+                lps = list(logprobs[seq.seq_id]) if logprobs is not None else [0.0] * len(tokens)
+                self._append_samples(group, seq, tokens, lps)
+            if group.is_finished():
+                self.running.remove(group)
+                self._requests.pop(group.request_id, None)
+                finished.append(group)
+        return finished
+
+    def _validate_samples(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[int, Seq[int]],
+        logprobs: Optional[Mapping[int, Seq[float]]],
+    ) -> Dict[str, List[Tuple[Sequence, List[int]]]]:
+        todo: Dict[str, List[Tuple[Sequence, List[int]]]] = {}
+        for sched in output.scheduled_seq_groups:
+            group = sched.seq_group
+            if group.is_finished():
+                continue
+            expected = group.sampling_params.best_of if group.awaiting_first_sample() else 1
+            for s in sched.seqs:
+                seq = group.get_seq(s.seq_id)
+                if not s.do_sample or seq is None or seq.is_finished():
+                    continue
+                tokens = sampled.get(s.seq_id)
+                if tokens is None or len(tokens) != expected:
+                    raise ValueError(f"sampled[{s.seq_id}] must hold {expected} token id(s), got {tokens!r}")
+                if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
+                    raise ValueError(f"sampled[{s.seq_id}] must hold non-negative ints, got {tokens!r}")
+                if logprobs is not None and len(logprobs.get(s.seq_id, ())) != expected:
+                    raise ValueError(f"logprobs[{s.seq_id}] must hold {expected} value(s)")
+                todo.setdefault(group.request_id, []).append((seq, list(tokens)))
+        return todo
+
+    def _append_samples(self, group: SequenceGroup, seq: Sequence, tokens: List[int], lps: List[float]) -> None:
+        targets = [seq]
+        for _ in tokens[1:]:
+            targets.append(self._fork(group, seq))
+        for target, token, lp in zip(targets, tokens, lps):
+            target.append_token_id(token, lp)
+            self._check_stop(group, target)
+            if target.is_finished():
+                self.block_manager.free(target)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        child = parent.fork(next_seq_id())
+        self.block_manager.fork(parent, child)
+        group.add(child)
+        return child
+
+    def fork_seq(self, request_id: str, parent_seq_id: int) -> Sequence:
+        """A new running sequence sharing every block of the parent (beam search)."""
+        group = self._requests.get(request_id)
+        parent = group.get_seq(parent_seq_id) if group is not None else None
+        if parent is None or parent.status != SequenceStatus.RUNNING:
+            raise ValueError(f"no running seq {parent_seq_id} in request {request_id!r}")
+        return self._fork(group, parent)
+
+    def finish_seq(
+        self,
+        request_id: str,
+        seq_id: int,
+        status: SequenceStatus = SequenceStatus.FINISHED_STOPPED,
+        stop_reason: Optional[Union[int, str]] = None,
+    ) -> bool:
+        """End one sequence early (a stop string, a dropped beam) and free its blocks.
+
+        Returns True when that finished the whole request.
+        """
+        if not SequenceStatus.is_finished(status):
+            raise ValueError(f"status must be a finished status, got {status}")
+        group = self._requests.get(request_id)
+        seq = group.get_seq(seq_id) if group is not None else None
+        if seq is None or seq.is_finished():
+            raise ValueError(f"no unfinished seq {seq_id} in request {request_id!r}")
+        self.block_manager.free(seq)
+        seq.status = status
+        seq.stop_reason = stop_reason
+        if not group.is_finished():
+            return False
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        del self._requests[request_id]
+        return True
+
+    def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
+        params = group.sampling_params
+        token = seq.get_last_token_id()
+        if seq.get_output_len() >= params.min_tokens:
+            if not params.ignore_eos and group.eos_token_id is not None and token == group.eos_token_id:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if token in params.stop_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                seq.stop_reason = token
+                return
+        if params.max_tokens is not None and seq.get_output_len() >= params.max_tokens:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        elif seq.get_len() > self.config.max_model_len:
+            # As vLLM: the model never sees more than max_model_len tokens; the last
+            # sampled one is not fed back.
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED

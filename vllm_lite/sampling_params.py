@@ -1,0 +1,199 @@
+"""Per-request sampling parameters, with vLLM 0.6's fields, defaults and checks."""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+from dataclasses import dataclass
+from typing import List, Literal, Optional, Union
+
+# Below this a temperature counts as zero: greedy sampling (the same bound as vLLM).
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+    BEAM = 3
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one request.
+
+    n: completions returned. best_of: completions generated, the best n returned
+    (defaults to n; the beam width under beam search). The penalties, temperature,
+    top_p/top_k/min_p follow vLLM's meaning. stop: strings that end a completion (checked by
+    the detokenizer); stop_token_ids: tokens that end it. max_tokens=None generates up to
+    the model's max_model_len. Every check raises ValueError naming the field.
+    """
+
+    n: int = 1
+    best_of: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._verify_args()
+        if self.use_beam_search:
+            self._verify_beam_search()
+        else:
+            self._verify_non_beam_search()
+            if self.temperature < _SAMPLING_EPS:
+                # Greedy: the truncation knobs mean nothing, normalise them as vLLM does.
+                self.top_p = 1.0
+                self.top_k = -1
+                self.min_p = 0.0
+                self._verify_greedy_sampling()
+
+    def _verify_args(self) -> None:
+        _require_int("n", self.n)
+        _require_int("best_of", self.best_of)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.best_of < self.n:
+            raise ValueError(
+                f"best_of must be greater than or equal to n, got n={self.n} and "
+                f"best_of={self.best_of}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(
+                f"repetition_penalty must be a finite number greater than zero, "
+                f"got {self.repetition_penalty}"
+            )
+        if not self.temperature >= 0.0:  # written so that NaN fails too
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _require_int("top_k", self.top_k)
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _require_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _require_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be non-negative, got {value}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(
+                f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}"
+            )
+        if any(not isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop cannot contain an empty string")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
+            )
+
+    def _verify_beam_search(self) -> None:
+        if self.best_of == 1:
+            raise ValueError(f"best_of must be greater than 1 when using beam search, got {self.best_of}")
+        if self.temperature > _SAMPLING_EPS:
+            raise ValueError("temperature must be 0 when using beam search")
+        if self.top_p < 1.0 - _SAMPLING_EPS:
+            raise ValueError("top_p must be 1 when using beam search")
+        if self.top_k != -1:
+            raise ValueError("top_k must be -1 when using beam search")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping must be True, False, or 'never', got {self.early_stopping!r}"
+            )
+
+    def _verify_non_beam_search(self) -> None:
+        if self.early_stopping is not False:
+            raise ValueError("early_stopping is not effective and must be False when not using beam search")
+        if abs(self.length_penalty - 1.0) > _SAMPLING_EPS:
+            raise ValueError(
+                "length_penalty is not effective and must be the default value of 1.0 when "
+                "not using beam search"
+            )
+
+    def _verify_greedy_sampling(self) -> None:
+        if self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
+        if self.best_of > 1:
+            raise ValueError(
+                f"best_of must be 1 when using greedy sampling (temperature 0), got {self.best_of}"
+            )
+
+    def verify_max_n(self, max_n: int) -> None:
+        """Reject a request that would run more sequences at once than the engine allows."""
+        if self.best_of > max_n:
+            name = "n" if self.best_of == self.n else "best_of"
+            raise ValueError(
+                f"{name} must be at most {max_n} (the configured max_num_seqs), "
+                f"got {self.best_of}"
+            )
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.use_beam_search:
+            return SamplingType.BEAM
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+
+def _require_int(name: str, value: object) -> None:
+    # bool is an int subclass; n=True is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")

@@ -1,0 +1,215 @@
+"""Sequences and sequence groups: the scheduler's unit of work.
+
+A request becomes a SequenceGroup; it starts with one Sequence holding the prompt and
+forks into best_of (or beam-width) sequences at its first sample, the children sharing
+the prompt's KV blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import Dict, Iterable, List, Optional, Sequence as Seq, Union
+
+from vllm_lite.sampling_params import SamplingParams
+
+# Sequence ids are unique in the process, so block tables keyed by them never collide
+# whoever builds the groups (engine, tests, forks inside the scheduler).
+_seq_ids = itertools.count()
+
+
+def next_seq_id() -> int:
+    return next(_seq_ids)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    # Could never be scheduled (prompt too long for max_model_len or the whole cache).
+    FINISHED_IGNORED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "SequenceStatus") -> bool:
+        return status in _FINISHED
+
+    @staticmethod
+    def get_finished_reason(status: "SequenceStatus") -> Optional[str]:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISHED = frozenset(
+    {
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH_CAPPED,
+        SequenceStatus.FINISHED_ABORTED,
+        SequenceStatus.FINISHED_IGNORED,
+    }
+)
+# vLLM's finish_reason strings; an ignored prompt reports "length" there too.
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Sequence:
+    """One token stream (prompt + output) and how much of it the KV cache holds."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_token_ids: Seq[int],
+        block_size: int,
+        cache_salt: Optional[bytes] = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.prompt_token_ids: List[int] = list(prompt_token_ids)
+        self.output_token_ids: List[int] = []
+        self.block_size = block_size
+        self.cache_salt = cache_salt
+        self.status = SequenceStatus.WAITING
+        # Tokens whose KV is in the cache (prefix-cache hits, earlier chunks, earlier steps).
+        self.num_computed_tokens = 0
+        self.cumulative_logprob = 0.0
+        # Memo of the chained prefix hashes of this sequence's full blocks. Content-derived,
+        # so it stays valid across preemption and is copied on fork.
+        self.block_hashes: List[bytes] = []
+        self.stop_reason: Optional[Union[int, str]] = None
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.output_token_ids)
+
+    def get_token_ids(self) -> List[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def get_num_uncomputed_tokens(self) -> int:
+        return self.get_len() - self.num_computed_tokens
+
+    def is_prefill(self) -> bool:
+        """True while more than the last token lacks KV (prompt or recompute stage)."""
+        return self.get_num_uncomputed_tokens() > 1 or not self.output_token_ids
+
+    def append_token_id(self, token_id: int, logprob: float = 0.0) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def is_finished(self) -> bool:
+        return SequenceStatus.is_finished(self.status)
+
+    def reset_state_for_recompute(self) -> None:
+        """Forget the KV progress; the tokens stay and are recomputed as a prompt."""
+        self.num_computed_tokens = 0
+
+    def fork(self, new_seq_id: int) -> "Sequence":
+        child = Sequence(new_seq_id, self.prompt_token_ids, self.block_size, self.cache_salt)
+        child.output_token_ids = list(self.output_token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.cumulative_logprob = self.cumulative_logprob
+        child.block_hashes = list(self.block_hashes)
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
+            f"len={self.get_len()}, computed={self.num_computed_tokens})"
+        )
+
+
+class SequenceGroup:
+    """The sequences generated from one request's prompt."""
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: Iterable[Sequence],
+        sampling_params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        eos_token_id: Optional[int] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.seqs_dict: Dict[int, Sequence] = {seq.seq_id: seq for seq in seqs}
+        if not self.seqs_dict:
+            raise ValueError("seqs must hold at least one sequence")
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Lower value runs first (vLLM's convention).
+        self.priority = priority
+        self.eos_token_id = eos_token_id
+        # Set by the scheduler: arrival order, ties broken by when it was added.
+        self.arrival_index = 0
+        # Steps spent in the waiting queue since it last entered it (anti-starvation).
+        self.waiting_steps = 0
+        self.num_preemptions = 0
+        # Why the group finished without being served (FINISHED_IGNORED).
+        self.error: Optional[str] = None
+
+    @property
+    def seqs(self) -> List[Sequence]:
+        return list(self.seqs_dict.values())
+
+    @property
+    def prompt_token_ids(self) -> List[int]:
+        return next(iter(self.seqs_dict.values())).prompt_token_ids
+
+    def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
+        if status is None:
+            return list(self.seqs_dict.values())
+        return [seq for seq in self.seqs_dict.values() if seq.status == status]
+
+    def get_unfinished_seqs(self) -> List[Sequence]:
+        return [seq for seq in self.seqs_dict.values() if not seq.is_finished()]
+
+    def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
+        return len(self.get_seqs(status))
+
+    def get_seq(self, seq_id: int) -> Optional[Sequence]:
+        return self.seqs_dict.get(seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs_dict:
+            raise ValueError(f"seq_id {seq.seq_id} is already in request {self.request_id}")
+        self.seqs_dict[seq.seq_id] = seq
+
+    def remove(self, seq_id: int) -> None:
+        if seq_id not in self.seqs_dict:
+            raise ValueError(f"seq_id {seq_id} is not in request {self.request_id}")
+        del self.seqs_dict[seq_id]
+
+    def awaiting_first_sample(self) -> bool:
+        """No sequence has sampled yet, so best_of children are still to be forked."""
+        return len(self.seqs_dict) == 1 and all(
+            not seq.output_token_ids for seq in self.seqs_dict.values()
+        )
+
+    def get_max_num_running_seqs(self) -> int:
+        """Sequences this group may run at once: best_of before the fork, else the live ones."""
+        if self.awaiting_first_sample():
+            return self.sampling_params.best_of
+        return len(self.get_unfinished_seqs())
+
+    def is_finished(self) -> bool:
+        return all(seq.is_finished() for seq in self.seqs_dict.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"SequenceGroup(request_id={self.request_id!r}, priority={self.priority}, "
+            f"seqs={list(self.seqs_dict.values())})"
+        )
