@@ -234,6 +234,7 @@ CacheWriteDims check_reshape_and_cache(
     check_same_device(op, t, name, key, "key");
   }
   CacheWriteDims d{};
+  d.op = op;
   d.num_tokens = key.size(0);
   d.num_kv_heads = key.size(1);
   d.head_size = key.size(2);
@@ -296,7 +297,7 @@ void check_slot_mapping_values(const CacheWriteDims& d, const at::Tensor& slot_m
   } else {
     max_slot = slot_mapping.max().item<int64_t>();
   }
-  TORCH_CHECK(max_slot < num_slots, "reshape_and_cache: slot_mapping holds slot ", max_slot,
+  TORCH_CHECK(max_slot < num_slots, d.op, ": slot_mapping holds slot ", max_slot,
               " but the cache has only ", num_slots, " slots (", d.num_blocks, " blocks of ",
               d.block_size, ")");
 }

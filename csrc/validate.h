@@ -46,6 +46,7 @@ void check_paged_attention_values(
     int64_t max_seq_len);
 
 struct CacheWriteDims {
+  const char* op;  // for messages: reshape_and_cache or reshape_and_cache_flash
   int64_t num_tokens;
   int64_t num_kv_heads;
   int64_t head_size;

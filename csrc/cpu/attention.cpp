@@ -100,7 +100,11 @@ void run_tasks(const AttentionParams& p) {
   // ranges; each worker keeps one scratch buffer.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<float[]> scratch(new float[scratch_floats]);
+    // 64-byte aligned: the kernel keeps whole vectors in it.
+    const size_t bytes = (scratch_floats * sizeof(float) + 63) / 64 * 64;
+    std::unique_ptr<float, decltype(&std::free)> scratch(
+        static_cast<float*>(std::aligned_alloc(64, bytes)), &std::free);
+    TORCH_CHECK(scratch != nullptr, "paged_attention: out of memory for ", bytes, " bytes of scratch");
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
         fn(p, t, scratch.get());

@@ -12,6 +12,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #endif
 #define VLLM_LITE_ISA_FN attention_task_avx2
+#define VLLM_LITE_VEC_WIDTH 8
 #include "cpu/attention_kernel.h"
 #if defined(__clang__)
 #pragma clang attribute pop

@@ -14,6 +14,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
 #endif
 #define VLLM_LITE_ISA_FN attention_task_avx512
+#define VLLM_LITE_VEC_WIDTH 16
 #include "cpu/attention_kernel.h"
 #if defined(__clang__)
 #pragma clang attribute pop

@@ -10,13 +10,15 @@
 // Grid: one task per (sequence, KV head, partition of partition_size tokens); the caller
 // runs tasks in parallel. A task serves all num_heads / num_kv_heads query heads of its KV
 // head, so each K/V block of the partition is read from memory once (GQA/MQA):
-//   1. K pass: per token, convert its key to float32 (L1 buffer), one dot product per
-//      query head -> logits [group, partition_size] in scratch.
-//   2. softmax statistics per head: max, exp (a branchless polynomial that vectorizes),
-//      sum; logits become probabilities.
-//   3. V pass: value rows are token-contiguous, so accumulate p * v with tokens across
-//      kLanes lanes per (head, dim) and reduce lanes once at the end: no horizontal sum in
-//      the inner loop. Heads are processed in chunks whose accumulators fit in L1/L2.
+//   1. K pass: per token, convert its key to float32 (an L1 buffer), then the dot products
+//      of all query heads at once -> logits [group, partition_size] in scratch. Meanwhile
+//      prefetch the next block's K tile and this block's V tile (blocks are scattered).
+//   2. Softmax per head: max, exp (a branchless polynomial that vectorizes), sum; logits
+//      become probabilities.
+//   3. V pass: value rows are token-contiguous, so for each dim accumulate p * v with
+//      tokens across the lanes, four heads' accumulators in registers, and reduce lanes
+//      once per (head, dim).
+// Vectors are VLLM_LITE_VEC_WIDTH floats wide, the target's native width (4, 8 or 16).
 // Output per (seq, head, partition): max logit, exp sum, normalized output (float32), which
 // attention.cpp combines across partitions. Limits: head_size a multiple of 8 up to 256,
 // any block size, up to 64 query heads per KV head.
@@ -29,24 +31,28 @@
 #error "define VLLM_LITE_ISA_FN before including attention_kernel.h"
 #endif
 
+// Wide vectors must never cross a call boundary: without AVX-512 they would be passed in
+// memory (GCC's -Wpsabi warning), so every helper is forced inline.
+#define VLLM_LITE_INLINE inline __attribute__((always_inline))
+
 namespace vllm_lite::cpu {
 // Internal linkage: this ISA's copies of these functions never merge with another build's.
 namespace {
 
-inline float bits_to_float(uint32_t b) {
+VLLM_LITE_INLINE float bits_to_float(uint32_t b) {
   float f;
   std::memcpy(&f, &b, sizeof(f));
   return f;
 }
 
-inline uint32_t float_to_bits(float f) {
+VLLM_LITE_INLINE uint32_t float_to_bits(float f) {
   uint32_t b;
   std::memcpy(&b, &f, sizeof(b));
   return b;
 }
 
 // IEEE half -> float without branches (so loops over it vectorize), exact for all inputs.
-inline float half_to_float(uint16_t h) {
+VLLM_LITE_INLINE float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t em = h & 0x7fffu;
   uint32_t bits = (em << 13) + ((127u - 15u) << 23);
@@ -56,27 +62,86 @@ inline float half_to_float(uint16_t h) {
   return bits_to_float(bits | sign);
 }
 
+// Fixed-width vectors through the GCC/Clang vector extension: the compiler maps them onto
+// whatever registers this file's target has (4 x SSE, 2 x AVX2 or 1 x AVX-512 for 16
+// floats), with no intrinsics.
+// (GCC drops vector_size on a dependent alias, so each width is spelled out.)
+template <typename T, int64_t N>
+struct VecOf;
+#define VLLM_LITE_VEC(T, N)                                         \
+  template <>                                                       \
+  struct VecOf<T, N> {                                              \
+    typedef T type __attribute__((vector_size(sizeof(T) * N)));     \
+  };
+VLLM_LITE_VEC(float, 4)
+VLLM_LITE_VEC(float, 8)
+VLLM_LITE_VEC(float, 16)
+VLLM_LITE_VEC(uint32_t, 4)
+VLLM_LITE_VEC(uint32_t, 8)
+VLLM_LITE_VEC(uint32_t, 16)
+VLLM_LITE_VEC(uint16_t, 4)
+VLLM_LITE_VEC(uint16_t, 8)
+VLLM_LITE_VEC(uint16_t, 16)
+#undef VLLM_LITE_VEC
+template <typename T, int64_t N>
+using Vec = typename VecOf<T, N>::type;
+
+template <typename V, typename T>
+VLLM_LITE_INLINE V load_vec(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V, typename T>
+VLLM_LITE_INLINE void store_vec(T* p, const V& v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
 template <KvDType DT>
 struct Elem;
 template <>
 struct Elem<KvDType::kFloat32> {
   using T = float;
-  static float to_float(float v) { return v; }
+  VLLM_LITE_INLINE static float to_float(float v) { return v; }
+  template <int64_t N>
+  VLLM_LITE_INLINE static Vec<float, N> load(const float* p) {
+    return load_vec<Vec<float, N>>(p);
+  }
 };
 template <>
 struct Elem<KvDType::kFloat16> {
   using T = uint16_t;
-  static float to_float(uint16_t v) { return half_to_float(v); }
+  VLLM_LITE_INLINE static float to_float(uint16_t v) { return half_to_float(v); }
+  // The branchless half_to_float, lane-wise.
+  template <int64_t N>
+  VLLM_LITE_INLINE static Vec<float, N> load(const uint16_t* p) {
+    using U = Vec<uint32_t, N>;
+    const U h = __builtin_convertvector(load_vec<Vec<uint16_t, N>>(p), U);
+    const U sign = (h & 0x8000u) << 16;
+    const U em = h & 0x7fffu;
+    U bits = (em << 13) + ((127u - 15u) << 23);
+    bits = em >= 0x7c00u ? bits + ((128u - 16u) << 23) : bits;
+    const Vec<float, N> sub = __builtin_convertvector(em, Vec<float, N>) * 5.9604644775390625e-08f;
+    bits = em < 0x400u ? (U)sub : bits;
+    return (Vec<float, N>)(bits | sign);
+  }
 };
 template <>
 struct Elem<KvDType::kBFloat16> {
   using T = uint16_t;
-  static float to_float(uint16_t v) { return bits_to_float(static_cast<uint32_t>(v) << 16); }
+  VLLM_LITE_INLINE static float to_float(uint16_t v) { return bits_to_float(static_cast<uint32_t>(v) << 16); }
+  template <int64_t N>
+  VLLM_LITE_INLINE static Vec<float, N> load(const uint16_t* p) {
+    using U = Vec<uint32_t, N>;
+    const U w = __builtin_convertvector(load_vec<Vec<uint16_t, N>>(p), U) << 16;
+    return (Vec<float, N>)w;
+  }
 };
 
 // exp(x) for x <= 0 (logits minus their max): 2^n * poly(r), |r| <= ln2/2, relative error
 // ~2e-7. Branchless so the softmax loop vectorizes; below -87 it flushes towards zero.
-inline float exp_nonpositive(float x) {
+VLLM_LITE_INLINE float exp_nonpositive(float x) {
   x = x < -87.0f ? -87.0f : x;
   const float t = x * 1.44269504088896341f;
   const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
@@ -94,34 +159,105 @@ inline float exp_nonpositive(float x) {
   return p * bits_to_float(static_cast<uint32_t>(e) << 23);
 }
 
-// Dot product of two float arrays of n elements, n a multiple of kValueLanes.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[kValueLanes] = {};
-  for (int64_t i = 0; i < n; i += kValueLanes) {
-    for (int64_t l = 0; l < kValueLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  }
-  for (int64_t w = kValueLanes / 2; w > 0; w /= 2) {
-    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
-  }
-  return acc[0];
+// Blocks sit at random places in the pool, beyond the reach of the hardware prefetcher:
+// fetch the next block's tile of this KV head while working on the current one.
+VLLM_LITE_INLINE void prefetch_tile(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
-template <int64_t L>
-inline float lane_sum(const float* a) {
-  float acc[L];
-  for (int64_t l = 0; l < L; ++l) acc[l] = a[l];
-  for (int64_t w = L / 2; w > 0; w /= 2) {
-    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
-  }
-  return acc[0];
+// Floats per native vector of this build's target (set by the including file).
+constexpr int64_t VW = VLLM_LITE_VEC_WIDTH;
+using FV = Vec<float, VW>;
+
+VLLM_LITE_INLINE float hsum(Vec<float, 4> v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+VLLM_LITE_INLINE float hsum(Vec<float, 8> v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+}
+VLLM_LITE_INLINE float hsum(Vec<float, 16> v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
-// L: token lanes of the V pass; 16 when the block size is a multiple of 16, else 8.
-template <KvDType DT, int64_t L>
+// dot(q_g, k) for NG query heads at once: k is loaded once per vector for all of them, and
+// the NG independent accumulators hide the FMA latency.
+template <int64_t NG>
+VLLM_LITE_INLINE void dots(const float* q, int64_t q_stride, const float* k, int64_t n, float* out,
+                           int64_t out_stride) {
+  FV acc[NG] = {};
+  for (int64_t i = 0; i < n; i += VW) {
+    const FV kv = load_vec<FV>(k + i);
+    for (int64_t g = 0; g < NG; ++g) acc[g] += load_vec<FV>(q + g * q_stride + i) * kv;
+  }
+  for (int64_t g = 0; g < NG; ++g) out[g * out_stride] = hsum(acc[g]);
+}
+
+// Lane-wise max of n floats (n >= 1): vectorizes where a scalar running max cannot.
+VLLM_LITE_INLINE float max_of(const float* x, int64_t n) {
+  FV m = FV{} + x[0];
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) {
+    const FV v = load_vec<FV>(x + i);
+    m = v > m ? v : m;
+  }
+  float r = m[0];
+  for (int64_t l = 1; l < VW; ++l) r = m[l] > r ? m[l] : r;
+  for (; i < n; ++i) r = x[i] > r ? x[i] : r;
+  return r;
+}
+
+// Runs of one partition: partition_size tokens at one token per block at worst.
+constexpr int64_t kMaxRuns = 512;
+// The partition as runs of consecutive tokens within one block: where each run's V tile
+// starts for this KV head, and how many tokens it holds (at most partition_size runs).
+template <typename T>
+struct Runs {
+  const T* tile[kMaxRuns];
+  int64_t len[kMaxRuns];
+  int64_t count;
+};
+
+// The V pass for NG query heads (compile-time, so their accumulators live in registers):
+// out[g, d] = sum_t p[g, t] * V[t, d], walking each dim d over the partition's runs with
+// tokens across the lanes. The V tiles were prefetched during the K pass, so these reads
+// hit the caches.
+template <typename E, int64_t NG>
+VLLM_LITE_INLINE void value_pass(const Runs<typename E::T>& runs, int64_t bs, int64_t D,
+                                 const float* const* probs, float* const* outs, float v_scale) {
+  using T = typename E::T;
+  for (int64_t d = 0; d < D; ++d) {
+    FV acc[NG] = {};
+    int64_t i0 = 0;  // the run's first token within the partition
+    for (int64_t r = 0; r < runs.count; ++r) {
+      const T* row = runs.tile[r] + d * bs;
+      const int64_t cnt = runs.len[r];
+      int64_t i = 0;
+      for (; i + VW <= cnt; i += VW) {
+        const FV v = E::template load<VW>(row + i);
+        for (int64_t g = 0; g < NG; ++g) acc[g] += load_vec<FV>(probs[g] + i0 + i) * v;
+      }
+      if (i < cnt) {  // a partial vector: never read past the last token (it may end the pool)
+        float tail[VW] = {};
+        for (int64_t l = 0; l < cnt - i; ++l) tail[l] = E::to_float(row[i + l]);
+        const FV v = load_vec<FV>(tail);
+        for (int64_t g = 0; g < NG; ++g) {
+          float pt[VW] = {};
+          for (int64_t l = 0; l < cnt - i; ++l) pt[l] = probs[g][i0 + i + l];
+          acc[g] += load_vec<FV>(pt) * v;
+        }
+      }
+      i0 += cnt;
+    }
+    for (int64_t g = 0; g < NG; ++g) outs[g][d] = hsum(acc[g]) * v_scale;
+  }
+}
+
+template <KvDType DT>
 void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   using E = Elem<DT>;
   using T = typename E::T;
-  constexpr int64_t X = 16 / sizeof(T);
+  constexpr int64_t X = 16 / sizeof(T);            // key cache chunk
+  constexpr int64_t CW = X < VW ? X : VW;          // conversion width for a chunk
 
   const int64_t part = task % p.num_partitions;
   const int64_t kh = (task / p.num_partitions) % p.num_kv_heads;
@@ -138,15 +274,11 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   const int64_t D = p.head_size;
   const int64_t Dp = padded_head_size(D);
   const int64_t bs = p.block_size;
-  const int64_t gc_max = value_head_chunk(G, D);
 
-  // Scratch layout (attention_scratch_floats): q [G, Dp] | kbuf [Dp] | logits [G, P] |
-  // vacc [gc_max, D, L] | pv [gc_max, L].
+  // Scratch layout (attention_scratch_floats): q [G, Dp] | kbuf [Dp] | logits [G, P].
   float* q = scratch;
   float* kbuf = q + G * Dp;
   float* logits = kbuf + Dp;
-  float* vacc = logits + G * P;
-  float* pv = vacc + gc_max * D * kValueLanes;
 
   const T* qs = static_cast<const T*>(p.query) + s * p.q_stride_seq;
   for (int64_t g = 0; g < G; ++g) {
@@ -157,102 +289,86 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   for (int64_t d = D; d < Dp; ++d) kbuf[d] = 0.0f;
 
   const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
-  const int64_t head_stride = D * bs;                     // elements of one (block, kv head)
+  const int64_t head_stride = D * bs;  // elements of one (block, KV head) tile
   const int64_t block_stride = p.num_kv_heads * head_stride;
   const T* kc = static_cast<const T*>(p.key_cache) + kh * head_stride;
   const T* vc = static_cast<const T*>(p.value_cache) + kh * head_stride;
+  const int64_t tile_bytes = head_stride * static_cast<int64_t>(sizeof(T));
 
-  // 1. K pass.
+  // 1. K pass; prefetch the next block's K tile and this block's V tile for step 3.
+  Runs<T> runs;
+  runs.count = 0;
   for (int64_t t = start; t < end;) {
     const int64_t block = table[t / bs];
     const int64_t off = t % bs;
     const int64_t cnt = bs - off < end - t ? bs - off : end - t;
     const T* kblk = kc + block * block_stride;
+    if (t + cnt < end) prefetch_tile(kc + table[(t + cnt) / bs] * block_stride, tile_bytes);
+    prefetch_tile(vc + block * block_stride, tile_bytes);
+    runs.tile[runs.count] = vc + block * block_stride + off;
+    runs.len[runs.count++] = cnt;
     for (int64_t i = 0; i < cnt; ++i) {
       const T* kt = kblk + (off + i) * X;
       for (int64_t c = 0; c < D / X; ++c) {
-        for (int64_t j = 0; j < X; ++j) kbuf[c * X + j] = E::to_float(kt[c * bs * X + j]);
+        for (int64_t j = 0; j < X; j += CW) {
+          store_vec(kbuf + c * X + j, E::template load<CW>(kt + c * bs * X + j));
+        }
       }
-      for (int64_t g = 0; g < G; ++g) logits[g * P + (t - start) + i] = dot(q + g * Dp, kbuf, Dp);
+      float* lg = logits + (t - start) + i;
+      int64_t g = 0;
+      for (; g + 4 <= G; g += 4) dots<4>(q + g * Dp, Dp, kbuf, Dp, lg + g * P, P);
+      switch (G - g) {
+        case 3: dots<3>(q + g * Dp, Dp, kbuf, Dp, lg + g * P, P); break;
+        case 2: dots<2>(q + g * Dp, Dp, kbuf, Dp, lg + g * P, P); break;
+        case 1: dots<1>(q + g * Dp, Dp, kbuf, Dp, lg + g * P, P); break;
+        default: break;
+      }
     }
     t += cnt;
   }
 
-  // 2. Softmax statistics.
-  float sums[64];
+  // 2. Softmax statistics; logits become unnormalized probabilities.
+  float* outs[64];
+  const float* probs[64];
   for (int64_t g = 0; g < G; ++g) {
     float* lg = logits + g * P;
     if (p.alibi_slopes != nullptr) {
       const float slope = p.alibi_slopes[h0 + g];
       for (int64_t i = 0; i < n; ++i) lg[i] += slope * static_cast<float>(start + i - len + 1);
     }
-    float m = lg[0];
-    for (int64_t i = 1; i < n; ++i) m = lg[i] > m ? lg[i] : m;
+    const float m = max_of(lg, n);
     float sum = 0.0f;
     for (int64_t i = 0; i < n; ++i) {
       lg[i] = exp_nonpositive(lg[i] - m);
       sum += lg[i];
     }
-    sums[g] = sum;
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; ++i) lg[i] *= inv;
     const int64_t idx = (s * p.num_heads + h0 + g) * p.num_partitions + part;
     p.part_max[idx] = m;
     p.part_sum[idx] = sum;
+    probs[g] = lg;
+    outs[g] = p.part_out + idx * D;
   }
 
-  // 3. V pass, gc_max heads at a time.
-  for (int64_t g0 = 0; g0 < G; g0 += gc_max) {
-    const int64_t gc = G - g0 < gc_max ? G - g0 : gc_max;
-    std::memset(vacc, 0, sizeof(float) * gc * D * L);
-    for (int64_t t = start; t < end;) {
-      const int64_t block = table[t / bs];
-      const int64_t off = t % bs;
-      const int64_t cnt = bs - off < end - t ? bs - off : end - t;
-      const T* vblk = vc + block * block_stride + off;
-      for (int64_t i0 = 0; i0 < cnt; i0 += L) {
-        const int64_t m = cnt - i0 < L ? cnt - i0 : L;
-        for (int64_t g = 0; g < gc; ++g) {
-          const float* lg = logits + (g0 + g) * P + (t - start) + i0;
-          // The clamped index keeps the load in bounds, so the loop vectorizes unmasked.
-          for (int64_t l = 0; l < L; ++l) pv[g * L + l] = l < m ? lg[l < m ? l : 0] : 0.0f;
-        }
-        for (int64_t d = 0; d < D; ++d) {
-          const T* vr = vblk + d * bs + i0;
-          float vf[L];
-          if (m == L) {
-            for (int64_t l = 0; l < L; ++l) vf[l] = E::to_float(vr[l]);
-          } else {  // never read past the partition's last token: it may end the pool
-            for (int64_t l = 0; l < m; ++l) vf[l] = E::to_float(vr[l]);
-            for (int64_t l = m; l < L; ++l) vf[l] = 0.0f;
-          }
-          for (int64_t g = 0; g < gc; ++g) {
-            float* a = vacc + (g * D + d) * L;
-            const float* pg = pv + g * L;
-            for (int64_t l = 0; l < L; ++l) a[l] += pg[l] * vf[l];
-          }
-        }
-      }
-      t += cnt;
-    }
-    for (int64_t g = 0; g < gc; ++g) {
-      const float inv = p.v_scale / sums[g0 + g];
-      float* out = p.part_out + ((s * p.num_heads + h0 + g0 + g) * p.num_partitions + part) * D;
-      for (int64_t d = 0; d < D; ++d) out[d] = lane_sum<L>(vacc + (g * D + d) * L) * inv;
-    }
+  // 3. V pass, four heads at a time (then the remainder).
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) {
+    value_pass<E, 4>(runs, bs, D, probs + g, outs + g, p.v_scale);
+  }
+  switch (G - g) {
+    case 3: value_pass<E, 3>(runs, bs, D, probs + g, outs + g, p.v_scale); break;
+    case 2: value_pass<E, 2>(runs, bs, D, probs + g, outs + g, p.v_scale); break;
+    case 1: value_pass<E, 1>(runs, bs, D, probs + g, outs + g, p.v_scale); break;
+    default: break;
   }
 }
 
 void run_task(const AttentionParams& p, int64_t task, float* scratch) {
-  const bool wide = p.block_size % 16 == 0;
   switch (p.dtype) {
-    case KvDType::kFloat32:
-      return wide ? attention_task<KvDType::kFloat32, 16>(p, task, scratch)
-                  : attention_task<KvDType::kFloat32, 8>(p, task, scratch);
-    case KvDType::kFloat16:
-      return wide ? attention_task<KvDType::kFloat16, 16>(p, task, scratch)
-                  : attention_task<KvDType::kFloat16, 8>(p, task, scratch);
-    case KvDType::kBFloat16:
-      return wide ? attention_task<KvDType::kBFloat16, 16>(p, task, scratch)
-                  : attention_task<KvDType::kBFloat16, 8>(p, task, scratch);
+    case KvDType::kFloat32: return attention_task<KvDType::kFloat32>(p, task, scratch);
+    case KvDType::kFloat16: return attention_task<KvDType::kFloat16>(p, task, scratch);
+    case KvDType::kBFloat16: return attention_task<KvDType::kBFloat16>(p, task, scratch);
   }
 }
 

@@ -39,29 +39,16 @@ struct AttentionParams {
   float* part_out;  // [num_seqs, num_heads, num_partitions, head_size]
 };
 
-// Lanes of the token-parallel accumulators of the V pass (one 512-bit vector of floats).
-constexpr int64_t kValueLanes = 16;
+// Head size rounded up to a multiple of 16, so dot products need no tail loop at any
+// vector width.
+inline int64_t padded_head_size(int64_t head_size) { return (head_size + 15) / 16 * 16; }
 
-// Head size rounded up to whole lane groups, so dot products need no tail loop.
-inline int64_t padded_head_size(int64_t head_size) {
-  return (head_size + kValueLanes - 1) / kValueLanes * kValueLanes;
-}
-
-// Query heads whose V accumulators are live at once: bounded so they stay in L1/L2
-// (heads * head_size * lanes floats <= 32 KiB); more heads re-read V from L2.
-inline int64_t value_head_chunk(int64_t group, int64_t head_size) {
-  int64_t c = 512 / head_size;
-  c = c < 1 ? 1 : c;
-  return c < group ? c : group;
-}
-
-// Floats of per-thread scratch one task needs (see the kernel for the layout).
+// Floats of per-thread scratch one task needs: q [group, padded head] | k [padded head] |
+// logits [group, partition]. The caller aligns it to 64 bytes.
 inline int64_t attention_scratch_floats(const AttentionParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t dp = padded_head_size(p.head_size);
-  const int64_t gc = value_head_chunk(group, p.head_size);
-  return group * dp + dp + group * p.partition_size + gc * p.head_size * kValueLanes +
-         gc * kValueLanes + kValueLanes + 64;
+  return group * dp + dp + group * p.partition_size;
 }
 
 // One task: sequence s, KV head kh, partition part, for all the query heads of kh.
