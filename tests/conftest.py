@@ -1,0 +1,51 @@
+"""Shared pytest configuration for vllm_lite's tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Plain `pytest` from a checkout with an in-place build (`python3 setup.py build_ext
+# --inplace`) but no install: make the checkout's vllm_lite importable. An installed
+# vllm_lite always wins.
+if importlib.util.find_spec("vllm_lite") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "grid(cases): parametrize a kernel test over (backend, case); non-default CPU ISAs "
+        "run only the cases marked reduced, CUDA skips the cases marked cpu_only",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [f"torch {torch.__version__} (CUDA {torch.version.cuda}), "
+             f"CUDA device: {torch.cuda.is_available()}"]
+    try:
+        import vllm_lite
+        from vllm_lite import ops
+
+        isas = getattr(ops, "cpu_isas", lambda: ["default"])()
+        try:
+            from vllm_lite import _build_info
+
+            with_cuda = getattr(_build_info, "WITH_CUDA", "?")
+        except ImportError:
+            with_cuda = "? (no vllm_lite._build_info)"
+        lines.append(f"vllm_lite {vllm_lite.__version__}: CPU ISAs {list(isas)}, "
+                     f"built with CUDA: {with_cuda}")
+    except Exception as e:  # noqa: BLE001  (the header must never break collection)
+        lines.append(f"vllm_lite native ops not importable: {e}")
+    return lines
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch() -> None:
+    """Tests draw from explicit generators; this only pins anything that does not."""
+    torch.manual_seed(0)
