@@ -1,0 +1,532 @@
+// CUDA paged-attention kernels (decode: one query token per sequence).
+//
+// Layouts (vLLM v0.6, see csrc/ops.h):
+//   query        [num_seqs, num_heads, head_size], strides q_stride_seq / q_stride_head,
+//                last dim contiguous (read element-wise, any alignment)
+//   key_cache    [num_blocks, num_kv_heads, head_size / x, block_size, x], x = 16 B / elem
+//   value_cache  [num_blocks, num_kv_heads, head_size, block_size]
+//   block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
+//   out          [num_seqs, num_heads, head_size] (contiguous)
+//   v2 scratch   exp_sums / max_logits float32 [num_seqs, num_heads, P],
+//                tmp_out [num_seqs, num_heads, P, head_size] in the query dtype
+//
+// paged_attention_kernel<T, BLOCK_SIZE, HEAD_MAX> serves v1 and v2.
+//   Grid   x = num_seqs * num_kv_heads * ctas_per_kv_head, y = partitions (v1: 1).
+//          A CTA serves up to kMaxHeadsPerCta (8) query heads of ONE kv head (GQA/MQA: each
+//          K/V block is read once for all of them); a group of g query heads is split over
+//          ceil(g / heads_per_cta) CTAs (64:1 GQA -> 8 CTAs per kv head). The launcher
+//          lowers heads_per_cta when that would leave the GPU with too few CTAs.
+//   Block  kThreads = 128 threads (4 warps).
+//   Work   the CTA's token range (v1: the whole sequence; v2: one 512-token partition) is
+//          walked in chunks of kChunkTokens = 512 tokens with an online softmax:
+//     1. block numbers of the chunk -> shared memory (ids outside [0, num_blocks) -> -1:
+//        that block reads as zeros, so a corrupt table can never fault).
+//     2. K pass: a warp step covers TPW tokens; TGS = 32 / TPW lanes share a token, each
+//        holding up to 8 16-byte chunks of its key (lane-interleaved, so a warp's loads of
+//        one step are contiguous 16-byte chunks). Per query head: dot with q (float32,
+//        shared memory), xor-shuffle reduce over the TGS lanes, logit -> shared memory.
+//     3. softmax: one warp per head: chunk max, new running max m, p = exp(logit - m)
+//        written back in place, running sum l = l * exp(m_old - m) + sum(p).
+//     4. V pass: thread <-> value row d (head_size rows; for head_size <= 64 several
+//        "splits" of threads share a row and take alternate blocks). Each row of a block is
+//        block_size contiguous elements: 16-byte loads, U blocks in flight per step.
+//        acc[row][head] = acc * exp(m_old - m) + sum_t p[t] * v[t].
+//   Output v1: out = acc * v_scale / l (0 when the sequence is empty).
+//          v2: tmp_out = acc * v_scale / l, max_logits = m, exp_sums = l, per partition;
+//              partitions at or past a sequence's end exit at once (write nothing).
+//   Shared memory: dynamic heads_per_cta * (head_size + 512) * 4 B (q and logits; at most
+//          8 * (256 + 512) * 4 = 24 KiB, under the 48 KiB default: no opt-in needed), plus
+//          static 512 / block_size ints and 3 * 8 floats. It does NOT grow with the sequence
+//          length: long sequences only add chunks, so v1 has no length limit.
+//   Head sizes: every multiple of 8 up to 256, at runtime; HEAD_MAX in {64, 128, 256} is a
+//          bucket that fixes register arrays (chunks per lane, value rows per thread) and
+//          the loops are guarded by the runtime head_size.
+//   Block sizes: 8, 16, 32 (template). dtypes: float, half, bfloat16 (math in float32).
+//   Bounds: seq_len is clamped to [0, max_tokens] (max_tokens <= max_blocks_per_seq *
+//          block_size, and <= P * 512 for v2), so the table is never indexed past its row
+//          and partitions stay inside the scratch, even when values were not validated
+//          (CUDA graph capture).
+//
+// paged_attention_v2_reduce_kernel<T>: grid x = num_seqs * num_heads, 128 threads. Combines
+//   the partitions: M = max_p max_logits, w_p = exp_sums_p * exp(max_logits_p - M),
+//   out = sum_p w_p tmp_out_p / sum_p w_p (a single partition is copied as is, an empty
+//   sequence writes zeros). Weights are staged in shared memory 256 partitions at a time,
+//   so any number of partitions works with 1 KiB of shared memory.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+
+#include "../dtype.cuh"
+
+namespace vllm_lite {
+namespace cuda {
+namespace attn {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunkTokens = 512;  // softmax chunk of the online loop == v2 partition
+constexpr int kMaxHeadsPerCta = 8;
+
+struct AttentionParams {
+  void* out;          // v1: out [S, H, D]; v2: tmp_out [S, H, P, D]
+  float* exp_sums;    // v2: [S, H, P]; v1: nullptr (selects the v1 output)
+  float* max_logits;  // v2: [S, H, P]; v1: nullptr
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const float* alibi_slopes;  // [H] or nullptr
+  int64_t q_stride_seq;       // elements
+  int64_t q_stride_head;
+  int64_t kv_block_stride;  // elements between blocks: num_kv_heads * head_size * block_size
+  int64_t num_blocks;
+  int64_t max_tokens;  // sequence lengths are clamped to [0, max_tokens]
+  int num_heads;
+  int num_kv_heads;
+  int head_size;
+  int group_size;        // num_heads / num_kv_heads
+  int heads_per_cta;     // <= kMaxHeadsPerCta
+  int ctas_per_kv_head;  // ceil(group_size / heads_per_cta)
+  int max_blocks_per_seq;
+  int num_partitions;    // P of the v2 scratch (1 for v1)
+  int partition_tokens;  // v2: kChunkTokens; v1: INT_MAX (one range per sequence)
+  float qk_scale;        // scale * k_scale
+  float v_scale;
+};
+
+struct ReduceParams {
+  void* out;  // [S, H, D]
+  const float* exp_sums;
+  const float* max_logits;
+  const void* tmp_out;
+  const int32_t* seq_lens;
+  int64_t max_tokens;  // same clamp as the attention kernel
+  int num_heads;
+  int head_size;
+  int num_partitions;
+};
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+// Block-wide reductions for kThreads threads; `red` holds kWarps floats. Every thread
+// must call them; they return the result to all threads.
+__device__ __forceinline__ float block_max(float v, float* red) {
+  v = warp_max(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = red[0];
+#pragma unroll
+  for (int i = 1; i < kWarps; ++i) r = fmaxf(r, red[i]);
+  __syncthreads();  // red may be reused right after
+  return r;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = red[0];
+#pragma unroll
+  for (int i = 1; i < kWarps; ++i) r += red[i];
+  __syncthreads();
+  return r;
+}
+
+// Dynamic shared memory of the attention kernel, in bytes.
+inline size_t attention_smem_bytes(int heads_per_cta, int head_size) {
+  return static_cast<size_t>(heads_per_cta) * (head_size + kChunkTokens) * sizeof(float);
+}
+
+template <typename T, int BLOCK_SIZE, int HEAD_MAX>
+__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const AttentionParams p) {
+  constexpr int BS = BLOCK_SIZE;
+  constexpr int X = kChunkElems<T>;                       // elements per 16-byte chunk
+  constexpr int kTokenChunks = HEAD_MAX / X;              // chunks of one key (bucket max)
+  constexpr int KCPL = kTokenChunks < 8 ? kTokenChunks : 8;  // key chunks per lane
+  constexpr int TGS = kTokenChunks / KCPL;                // lanes per token
+  constexpr int TPW = 32 / TGS;                           // tokens per warp step
+  constexpr int ROWS = (HEAD_MAX + kThreads - 1) / kThreads;  // value rows per thread
+  constexpr int VCH = BS / X;                             // chunks per value row of a block
+  constexpr int kRowBytes = ROWS * BS * static_cast<int>(sizeof(T));
+  constexpr int U = kRowBytes >= 128 ? 1 : 128 / kRowBytes;  // blocks per V-pass step
+  constexpr int kBlocksPerChunk = kChunkTokens / BS;
+  static_assert(BS == 8 || BS == 16 || BS == 32, "block size");
+  static_assert(HEAD_MAX % (8 * X) == 0 || kTokenChunks < 8, "head bucket");
+  static_assert(TGS * KCPL == kTokenChunks && TGS >= 1 && TGS <= 32 && 32 % TGS == 0,
+                "lanes per token");
+  static_assert(VCH >= 1 && VCH * X == BS, "value rows are whole chunks");
+  static_assert(BS % 4 == 0 && kChunkTokens % BS == 0, "float4 reads of probabilities");
+
+  extern __shared__ __align__(16) float smem[];
+  __shared__ int blk_s[kBlocksPerChunk];
+  __shared__ float m_s[kMaxHeadsPerCta];      // running max per head
+  __shared__ float l_s[kMaxHeadsPerCta];      // running sum of exp per head
+  __shared__ float alpha_s[kMaxHeadsPerCta];  // rescale of acc for the current chunk
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+
+  const int ctas_per_seq = p.num_kv_heads * p.ctas_per_kv_head;
+  const int seq = blockIdx.x / ctas_per_seq;
+  const int rem = blockIdx.x - seq * ctas_per_seq;
+  const int kvh = rem / p.ctas_per_kv_head;
+  const int first = (rem - kvh * p.ctas_per_kv_head) * p.heads_per_cta;
+  const int G = min(p.heads_per_cta, p.group_size - first);  // query heads of this CTA
+  const int head0 = kvh * p.group_size + first;               // its first query head
+  const int part = blockIdx.y;
+  const int HS = p.head_size;
+  const bool is_v2 = p.exp_sums != nullptr;
+
+  const int L = static_cast<int>(
+      min(static_cast<int64_t>(max(p.seq_lens[seq], 0)), p.max_tokens));
+  const int start = part * p.partition_tokens;  // v1: part == 0
+  if (is_v2 && start >= L) return;              // CTA-uniform: before any barrier
+  const int end = static_cast<int>(
+      min(static_cast<int64_t>(L), static_cast<int64_t>(start) + p.partition_tokens));
+
+  float* q_s = smem;                              // [G][HS]
+  float* logit_s = smem + p.heads_per_cta * HS;   // [G][kChunkTokens]
+
+  {
+    const T* q = static_cast<const T*>(p.query) + seq * p.q_stride_seq +
+                 static_cast<int64_t>(head0) * p.q_stride_head;
+    for (int i = tid; i < G * HS; i += kThreads) {
+      const int h = i / HS;
+      const int d = i - h * HS;
+      q_s[i] = to_float(q[h * p.q_stride_head + d]);
+    }
+  }
+  if (tid < kMaxHeadsPerCta) {
+    m_s[tid] = -FLT_MAX;
+    l_s[tid] = 0.f;
+    alpha_s[tid] = 1.f;
+  }
+
+  // V-pass mapping: thread -> (row0 [+ r * kThreads], split).
+  int splits, split, row0;
+  if (HS <= kThreads) {
+    splits = kThreads / HS;
+    split = tid / HS;
+    row0 = tid - split * HS;
+  } else {
+    splits = 1;
+    split = 0;
+    row0 = tid;
+  }
+  const bool v_active = split < splits;
+
+  float acc[ROWS][kMaxHeadsPerCta];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int h = 0; h < kMaxHeadsPerCta; ++h) acc[r][h] = 0.f;
+  }
+
+  const int64_t head_offset = static_cast<int64_t>(kvh) * HS * BS;
+  const T* kc = static_cast<const T*>(p.key_cache) + head_offset;
+  const T* vc = static_cast<const T*>(p.value_cache) + head_offset;
+  const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
+
+  for (int c0 = start; c0 < end; c0 += kChunkTokens) {
+    const int n = min(kChunkTokens, end - c0);  // tokens of this chunk
+    const int nb = (n + BS - 1) / BS;           // blocks of this chunk
+    // c0 is a multiple of 512, hence of BS; c0 / BS + i <= (end - 1) / BS < max_blocks.
+    for (int i = tid; i < nb; i += kThreads) {
+      const int id = table[c0 / BS + i];
+      blk_s[i] = (id >= 0 && id < p.num_blocks) ? id : -1;
+    }
+    __syncthreads();  // blk_s ready (first chunk: q_s and the running stats too)
+
+    // ---- K pass: logits of the chunk for all G heads -> logit_s.
+    {
+      const int tok = lane % TPW;
+      const int tg = lane / TPW;
+      const int nck = HS / X;  // chunks of one key (runtime)
+      for (int t0 = warp * TPW; t0 < n; t0 += kWarps * TPW) {  // warp-uniform loop
+        const int t = t0 + tok;
+        const int blk = t < n ? blk_s[t / BS] : -1;
+        const T* kp = kc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
+                      (t % BS) * X;
+        uint4 kr[KCPL];
+#pragma unroll
+        for (int k = 0; k < KCPL; ++k) {
+          const int dc = tg + k * TGS;
+          kr[k] = (blk >= 0 && dc < nck) ? load_chunk(kp + dc * (BS * X)) : zero_chunk();
+        }
+        for (int h = 0; h < G; ++h) {
+          const float* qh = q_s + h * HS;
+          float dot = 0.f;
+#pragma unroll
+          for (int k = 0; k < KCPL; ++k) {
+            const int dc = tg + k * TGS;
+            if (dc < nck) {
+              float kf[X];
+              chunk_to_float<T>(kr[k], kf);
+              const float4* q4 = reinterpret_cast<const float4*>(qh + dc * X);
+#pragma unroll
+              for (int i = 0; i < X / 4; ++i) {
+                const float4 qv = q4[i];
+                dot += qv.x * kf[4 * i] + qv.y * kf[4 * i + 1] + qv.z * kf[4 * i + 2] +
+                       qv.w * kf[4 * i + 3];
+              }
+            }
+          }
+          // All 32 lanes run this (the loops above are warp-uniform).
+#pragma unroll
+          for (int m = TPW; m < 32; m <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+          if (tg == 0 && t < n) {
+            float logit = dot * p.qk_scale;
+            if (p.alibi_slopes != nullptr) {
+              logit += p.alibi_slopes[head0 + h] * static_cast<float>(c0 + t - L + 1);
+            }
+            logit_s[h * kChunkTokens + t] = logit;
+          }
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- softmax update, one warp per head: logits -> exp(logit - m_new) in place.
+    for (int h = warp; h < G; h += kWarps) {  // warp-uniform
+      float* lg = logit_s + h * kChunkTokens;
+      float mx = -FLT_MAX;
+      for (int t = lane; t < n; t += 32) mx = fmaxf(mx, lg[t]);
+      mx = warp_max(mx);
+      const float m_old = m_s[h];
+      const float m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      // Up to the end of the last block: the V pass reads whole blocks, tail p = 0.
+      for (int t = lane; t < nb * BS; t += 32) {
+        const float e = t < n ? __expf(lg[t] - m_new) : 0.f;
+        lg[t] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);  // also orders every lane's read of m_s[h] before the write
+      if (lane == 0) {
+        const float alpha = __expf(m_old - m_new);  // first chunk: exp(-huge) = 0
+        alpha_s[h] = alpha;
+        l_s[h] = l_s[h] * alpha + sum;
+        m_s[h] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // ---- V pass: acc = acc * alpha + sum_t p[t] * v[t].
+    if (v_active) {
+#pragma unroll
+      for (int h = 0; h < kMaxHeadsPerCta; ++h) {
+        if (h < G) {
+          const float a = alpha_s[h];
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) acc[r][h] *= a;
+        }
+      }
+      for (int b0 = split; b0 < nb; b0 += U * splits) {
+        uint4 raw[U][ROWS][VCH];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int b = b0 + u * splits;
+          const int blk = b < nb ? blk_s[b] : -1;
+          const T* vb = vc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride;
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            const int d = row0 + r * kThreads;
+            const bool ok = blk >= 0 && d < HS;
+#pragma unroll
+            for (int c = 0; c < VCH; ++c) {
+              raw[u][r][c] = ok ? load_chunk(vb + d * BS + c * X) : zero_chunk();
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int b = b0 + u * splits;
+          if (b < nb) {
+            const int valid = n - b * BS;  // tokens of block b inside the chunk (>= 1)
+            const float* pb = logit_s + b * BS;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+              const int d = row0 + r * kThreads;
+              if (d < HS) {
+                float v[BS];
+#pragma unroll
+                for (int c = 0; c < VCH; ++c) chunk_to_float<T>(raw[u][r][c], v + c * X);
+                if (valid < BS) {  // slots past the end may hold anything (NaN * 0 = NaN)
+#pragma unroll
+                  for (int j = 0; j < BS; ++j) v[j] = j < valid ? v[j] : 0.f;
+                }
+#pragma unroll
+                for (int h = 0; h < kMaxHeadsPerCta; ++h) {
+                  if (h < G) {
+                    const float4* p4 = reinterpret_cast<const float4*>(pb + h * kChunkTokens);
+                    float s = 0.f;
+#pragma unroll
+                    for (int j = 0; j < BS / 4; ++j) {
+                      const float4 pv = p4[j];
+                      s += pv.x * v[4 * j] + pv.y * v[4 * j + 1] + pv.z * v[4 * j + 2] +
+                           pv.w * v[4 * j + 3];
+                    }
+                    acc[r][h] += s;
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // logit_s / blk_s are rewritten by the next chunk
+  }
+  __syncthreads();  // running stats visible even when the loop did not run (empty seq)
+
+  // ---- combine the splits of a row (head_size <= 64), reusing the logit buffer.
+  if (splits > 1) {  // CTA-uniform
+    float* red = logit_s;  // (splits - 1) * G * HS < kThreads * G <= kChunkTokens * G
+    if (v_active && split > 0) {
+#pragma unroll
+      for (int h = 0; h < kMaxHeadsPerCta; ++h) {
+        if (h < G) red[((split - 1) * G + h) * HS + row0] = acc[0][h];
+      }
+    }
+    __syncthreads();
+    if (v_active && split == 0) {
+      for (int s = 1; s < splits; ++s) {
+#pragma unroll
+        for (int h = 0; h < kMaxHeadsPerCta; ++h) {
+          if (h < G) acc[0][h] += red[((s - 1) * G + h) * HS + row0];
+        }
+      }
+    }
+  }
+
+  // ---- output
+  if (v_active && split == 0) {
+#pragma unroll
+    for (int h = 0; h < kMaxHeadsPerCta; ++h) {
+      if (h < G) {
+        const float l = l_s[h];
+        const float inv = l > 0.f ? p.v_scale / l : 0.f;
+        const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head0 + h;
+        T* o = static_cast<T*>(p.out) +
+               (is_v2 ? (row * p.num_partitions + part) * HS : row * HS);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          const int d = row0 + r * kThreads;
+          if (d < HS) o[d] = from_float<T>(acc[r][h] * inv);
+        }
+      }
+    }
+  }
+  if (is_v2 && tid < G) {
+    const int64_t idx =
+        (static_cast<int64_t>(seq) * p.num_heads + head0 + tid) * p.num_partitions + part;
+    p.max_logits[idx] = m_s[tid];
+    p.exp_sums[idx] = l_s[tid];
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) paged_attention_v2_reduce_kernel(
+    const ReduceParams p) {
+  constexpr int kTile = 256;  // partitions whose weights are staged at once
+  constexpr int ROWS = 256 / kThreads;  // head_size <= 256
+  __shared__ float w_s[kTile];
+  __shared__ float red_s[kWarps];
+
+  const int tid = threadIdx.x;
+  const int seq = blockIdx.x / p.num_heads;
+  const int head = blockIdx.x - seq * p.num_heads;
+  const int HS = p.head_size;
+  const int P = p.num_partitions;
+  const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head;
+  T* out = static_cast<T*>(p.out) + row * HS;
+
+  const int64_t L = min(static_cast<int64_t>(max(p.seq_lens[seq], 0)), p.max_tokens);
+  const int np = static_cast<int>((L + kChunkTokens - 1) / kChunkTokens);  // <= P
+  if (np == 0) {  // CTA-uniform exits
+    for (int d = tid; d < HS; d += kThreads) out[d] = from_float<T>(0.f);
+    return;
+  }
+  const T* tmp = static_cast<const T*>(p.tmp_out) + row * P * HS;
+  if (np == 1) {
+    for (int d = tid; d < HS; d += kThreads) out[d] = tmp[d];
+    return;
+  }
+  const float* ml = p.max_logits + row * P;
+  const float* es = p.exp_sums + row * P;
+
+  float m = -FLT_MAX;
+  for (int i = tid; i < np; i += kThreads) m = fmaxf(m, ml[i]);
+  m = block_max(m, red_s);
+  float w = 0.f;
+  for (int i = tid; i < np; i += kThreads) w += es[i] * __expf(ml[i] - m);
+  w = block_sum(w, red_s);
+  const float inv = w > 0.f ? 1.f / w : 0.f;
+
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  for (int p0 = 0; p0 < np; p0 += kTile) {
+    const int cnt = min(kTile, np - p0);
+    for (int i = tid; i < cnt; i += kThreads) w_s[i] = es[p0 + i] * __expf(ml[p0 + i] - m);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int d = tid + r * kThreads;
+      if (d < HS) {
+        const T* tp = tmp + static_cast<int64_t>(p0) * HS + d;
+        float a = 0.f;
+        for (int i = 0; i < cnt; ++i) a += w_s[i] * to_float(tp[static_cast<int64_t>(i) * HS]);
+        acc[r] += a;
+      }
+    }
+    __syncthreads();  // w_s is rewritten by the next tile
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int d = tid + r * kThreads;
+    if (d < HS) out[d] = from_float<T>(acc[r] * inv);
+  }
+}
+
+// Launches paged_attention_kernel<T, block_size, bucket(head_size)>.
+template <typename T>
+void launch_paged_attention_kernel(const AttentionParams& p, int block_size, dim3 grid,
+                                   size_t smem, cudaStream_t stream) {
+#define VLLM_LITE_ATTN_LAUNCH(BS, HM) \
+  paged_attention_kernel<T, BS, HM><<<grid, kThreads, smem, stream>>>(p)
+#define VLLM_LITE_ATTN_HEADS(BS)           \
+  if (p.head_size <= 64) {                 \
+    VLLM_LITE_ATTN_LAUNCH(BS, 64);         \
+  } else if (p.head_size <= 128) {         \
+    VLLM_LITE_ATTN_LAUNCH(BS, 128);        \
+  } else {                                 \
+    VLLM_LITE_ATTN_LAUNCH(BS, 256);        \
+  }
+  switch (block_size) {
+    case 8: VLLM_LITE_ATTN_HEADS(8); break;
+    case 16: VLLM_LITE_ATTN_HEADS(16); break;
+    case 32: VLLM_LITE_ATTN_HEADS(32); break;
+    default: TORCH_CHECK(false, "paged_attention: block_size ", block_size,
+                         " is not supported on CUDA; use 8, 16 or 32");
+  }
+#undef VLLM_LITE_ATTN_HEADS
+#undef VLLM_LITE_ATTN_LAUNCH
+}
+
+}  // namespace attn
+}  // namespace cuda
+}  // namespace vllm_lite

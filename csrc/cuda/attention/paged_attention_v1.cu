@@ -1,0 +1,119 @@
+// paged_attention_v1 on CUDA, and the launcher of the attention kernel shared with v2
+// (this file is the only one that instantiates paged_attention_kernel; see
+// attention_kernels.cuh for the design). v1 runs one CTA per (sequence, kv head[, head
+// group]) over the whole sequence with an online softmax in 512-token chunks, so it has
+// no sequence-length limit and needs no scratch.
+#include <algorithm>
+#include <climits>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/attention/attention_kernels.cuh"
+#include "cuda/attention/attention_launch.h"
+#include "cuda/cuda_utils.cuh"
+#include "ops.h"
+#include "validate.h"
+
+namespace vllm_lite {
+namespace cuda {
+namespace attn {
+
+static_assert(kChunkTokens == kPartitionSize, "the CUDA chunk is the v2 partition");
+
+void launch_paged_attention(const PagedAttentionDims& d, void* out, float* exp_sums,
+                            float* max_logits, int64_t num_partitions, int64_t grid_partitions,
+                            int64_t max_tokens, const at::Tensor& query,
+                            const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            double scale, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens,
+                            const std::optional<at::Tensor>& alibi_slopes, double k_scale,
+                            double v_scale, cudaStream_t stream) {
+  if (d.num_seqs == 0 || d.num_heads == 0 || grid_partitions == 0) return;
+  TORCH_CHECK(is_aligned16(key_cache.data_ptr()) && is_aligned16(value_cache.data_ptr()),
+              "paged_attention: key_cache and value_cache must start at 16-byte aligned "
+              "addresses on CUDA");
+
+  const int64_t group = d.num_heads / d.num_kv_heads;
+  // Heads per CTA: at most kMaxHeadsPerCta, balanced over the CTAs of a kv head; fewer
+  // when the grid would otherwise leave SMs idle (K/V are then shared through L2).
+  int64_t ctas = ceil_div(group, kMaxHeadsPerCta);
+  int64_t hpc = ceil_div(group, ctas);
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  while (hpc > 1 && d.num_seqs * d.num_kv_heads * ctas * grid_partitions < 2 * sms) {
+    ctas = std::min(group, ctas * 2);
+    hpc = ceil_div(group, ctas);
+    ctas = ceil_div(group, hpc);
+  }
+
+  const int64_t grid_x = d.num_seqs * d.num_kv_heads * ctas;
+  TORCH_CHECK(grid_x <= INT_MAX, "paged_attention: too many sequences for one launch (",
+              d.num_seqs, " sequences x ", d.num_kv_heads * ctas, " CTAs each)");
+  TORCH_CHECK(grid_partitions <= 65535, "paged_attention: ", grid_partitions,
+              " partitions of ", kChunkTokens, " tokens exceed the CUDA grid limit of 65535");
+
+  AttentionParams p{};
+  p.out = out;
+  p.exp_sums = exp_sums;
+  p.max_logits = max_logits;
+  p.query = query.data_ptr();
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+  p.q_stride_seq = d.q_stride_seq;
+  p.q_stride_head = d.q_stride_head;
+  p.kv_block_stride = d.num_kv_heads * d.head_size * d.block_size;
+  p.num_blocks = d.num_blocks;
+  p.max_tokens = std::max<int64_t>(0, std::min<int64_t>(max_tokens, INT_MAX - kChunkTokens));
+  p.num_heads = static_cast<int>(d.num_heads);
+  p.num_kv_heads = static_cast<int>(d.num_kv_heads);
+  p.head_size = static_cast<int>(d.head_size);
+  p.group_size = static_cast<int>(group);
+  p.heads_per_cta = static_cast<int>(hpc);
+  p.ctas_per_kv_head = static_cast<int>(ctas);
+  p.max_blocks_per_seq = static_cast<int>(d.max_blocks_per_seq);
+  p.num_partitions = static_cast<int>(num_partitions);
+  p.partition_tokens = exp_sums != nullptr ? kChunkTokens : INT_MAX;
+  p.qk_scale = static_cast<float>(scale * k_scale);
+  p.v_scale = static_cast<float>(v_scale);
+
+  const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_partitions));
+  const size_t smem = attention_smem_bytes(p.heads_per_cta, p.head_size);
+  VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention", [&] {
+    launch_paged_attention_kernel<scalar_t>(p, static_cast<int>(d.block_size), grid, smem,
+                                            stream);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace attn
+
+void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t block_size, int64_t max_seq_len,
+                        const std::optional<at::Tensor>& alibi_slopes,
+                        const std::string& kv_cache_dtype, double k_scale, double v_scale) {
+  const PagedAttentionDims d = check_paged_attention(
+      out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, block_size,
+      max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale);
+  TORCH_CHECK(query.is_cuda(), "paged_attention: the CUDA kernel needs CUDA tensors, got query on ",
+              query.device());
+  attn::check_cuda_block_size(block_size);
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (!stream_is_capturing(stream)) {
+    check_paged_attention_values(d, block_tables, seq_lens, max_seq_len);
+  }
+  attn::launch_paged_attention(d, out.data_ptr(), nullptr, nullptr, /*num_partitions=*/1,
+                               /*grid_partitions=*/1,
+                               /*max_tokens=*/d.max_blocks_per_seq * block_size, query,
+                               key_cache, value_cache, scale, block_tables, seq_lens,
+                               alibi_slopes, k_scale, v_scale, stream);
+}
+
+}  // namespace cuda
+}  // namespace vllm_lite
