@@ -209,46 +209,62 @@ VLLM_LITE_INLINE float max_of(const float* x, int64_t n) {
 // Runs of one partition: partition_size tokens at one token per block at worst.
 constexpr int64_t kMaxRuns = 512;
 // The partition as runs of consecutive tokens within one block: where each run's V tile
-// starts for this KV head, and how many tokens it holds (at most partition_size runs).
+// starts for this KV head, its first token within the partition, and its length.
 template <typename T>
 struct Runs {
   const T* tile[kMaxRuns];
+  int64_t first[kMaxRuns];
   int64_t len[kMaxRuns];
   int64_t count;
 };
 
+// Dims per step of the V pass: NG x DD accumulators must fit the register file.
+constexpr int64_t DD = VW >= 16 ? 4 : 2;
+
 // The V pass for NG query heads (compile-time, so their accumulators live in registers):
-// out[g, d] = sum_t p[g, t] * V[t, d], walking each dim d over the partition's runs with
-// tokens across the lanes. The V tiles were prefetched during the K pass, so these reads
-// hit the caches.
+// out[g, d] = sum_t p[g, t] * V[t, d]. For DD dims at a time it walks the partition's runs
+// with tokens across the lanes: whole vectors first, then each run's partial vector, so
+// the hot loop has no tail handling. The V tiles were prefetched during the K pass.
 template <typename E, int64_t NG>
 VLLM_LITE_INLINE void value_pass(const Runs<typename E::T>& runs, int64_t bs, int64_t D,
                                  const float* const* probs, float* const* outs, float v_scale) {
   using T = typename E::T;
-  for (int64_t d = 0; d < D; ++d) {
-    FV acc[NG] = {};
-    int64_t i0 = 0;  // the run's first token within the partition
+  for (int64_t d = 0; d < D; d += DD) {
+    FV acc[NG][DD] = {};
     for (int64_t r = 0; r < runs.count; ++r) {
       const T* row = runs.tile[r] + d * bs;
-      const int64_t cnt = runs.len[r];
-      int64_t i = 0;
-      for (; i + VW <= cnt; i += VW) {
-        const FV v = E::template load<VW>(row + i);
-        for (int64_t g = 0; g < NG; ++g) acc[g] += load_vec<FV>(probs[g] + i0 + i) * v;
+      const int64_t i0 = runs.first[r];
+      const int64_t full = runs.len[r] / VW * VW;
+      for (int64_t i = 0; i < full; i += VW) {
+        FV v[DD];
+        for (int64_t k = 0; k < DD; ++k) v[k] = E::template load<VW>(row + k * bs + i);
+        for (int64_t g = 0; g < NG; ++g) {
+          const FV pg = load_vec<FV>(probs[g] + i0 + i);
+          for (int64_t k = 0; k < DD; ++k) acc[g][k] += pg * v[k];
+        }
       }
-      if (i < cnt) {  // a partial vector: never read past the last token (it may end the pool)
+    }
+    for (int64_t r = 0; r < runs.count; ++r) {
+      const int64_t full = runs.len[r] / VW * VW;
+      const int64_t rem = runs.len[r] - full;
+      if (rem == 0) continue;
+      // A partial vector: never read past the run's last token (it may end the pool).
+      const T* row = runs.tile[r] + d * bs + full;
+      const int64_t i0 = runs.first[r] + full;
+      for (int64_t k = 0; k < DD; ++k) {
         float tail[VW] = {};
-        for (int64_t l = 0; l < cnt - i; ++l) tail[l] = E::to_float(row[i + l]);
+        for (int64_t l = 0; l < rem; ++l) tail[l] = E::to_float(row[k * bs + l]);
         const FV v = load_vec<FV>(tail);
         for (int64_t g = 0; g < NG; ++g) {
           float pt[VW] = {};
-          for (int64_t l = 0; l < cnt - i; ++l) pt[l] = probs[g][i0 + i + l];
-          acc[g] += load_vec<FV>(pt) * v;
+          for (int64_t l = 0; l < rem; ++l) pt[l] = probs[g][i0 + l];
+          acc[g][k] += load_vec<FV>(pt) * v;
         }
       }
-      i0 += cnt;
     }
-    for (int64_t g = 0; g < NG; ++g) outs[g][d] = hsum(acc[g]) * v_scale;
+    for (int64_t g = 0; g < NG; ++g) {
+      for (int64_t k = 0; k < DD; ++k) outs[g][d + k] = hsum(acc[g][k]) * v_scale;
+    }
   }
 }
 
@@ -306,6 +322,7 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
     if (t + cnt < end) prefetch_tile(kc + table[(t + cnt) / bs] * block_stride, tile_bytes);
     prefetch_tile(vc + block * block_stride, tile_bytes);
     runs.tile[runs.count] = vc + block * block_stride + off;
+    runs.first[runs.count] = t - start;
     runs.len[runs.count++] = cnt;
     for (int64_t i = 0; i < cnt; ++i) {
       const T* kt = kblk + (off + i) * X;
