@@ -32,6 +32,9 @@ struct IsaBuild {
 bool cpu_supports(const char* name) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   const std::string n(name);
+  if (n == "avx512bf16") {
+    return cpu_supports("avx512") && __builtin_cpu_supports("avx512bf16");
+  }
   if (n == "avx512") {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -46,7 +49,8 @@ bool cpu_supports(const char* name) {
 
 const std::vector<IsaBuild>& available_builds() {
   static const std::vector<IsaBuild> builds = [] {
-    std::vector<IsaBuild> all{{"avx512", attention_task_avx512()},
+    std::vector<IsaBuild> all{{"avx512bf16", attention_task_avx512bf16()},
+                              {"avx512", attention_task_avx512()},
                               {"avx2", attention_task_avx2()},
                               {"generic", attention_task_generic()}};
     std::vector<IsaBuild> ok;

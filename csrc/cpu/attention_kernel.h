@@ -79,6 +79,9 @@ VLLM_LITE_VEC(float, 16)
 VLLM_LITE_VEC(uint32_t, 4)
 VLLM_LITE_VEC(uint32_t, 8)
 VLLM_LITE_VEC(uint32_t, 16)
+VLLM_LITE_VEC(int32_t, 4)
+VLLM_LITE_VEC(int32_t, 8)
+VLLM_LITE_VEC(int32_t, 16)
 VLLM_LITE_VEC(uint16_t, 4)
 VLLM_LITE_VEC(uint16_t, 8)
 VLLM_LITE_VEC(uint16_t, 16)
@@ -139,15 +142,16 @@ struct Elem<KvDType::kBFloat16> {
   }
 };
 
-// exp(x) for x <= 0 (logits minus their max): 2^n * poly(r), |r| <= ln2/2, relative error
-// ~2e-7. Branchless so the softmax loop vectorizes; below -87 it flushes towards zero.
-VLLM_LITE_INLINE float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.44269504088896341f;
-  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = x - n * 0.693145751953125f;              // Cody-Waite: ln2 = hi + lo
+// exp(x) for x <= 0 (logits minus their max), lane-wise: 2^n * poly(r), |r| <= ln2/2,
+// relative error ~2e-7; below -87 it flushes towards zero. V is float or a float vector.
+template <typename V, typename I>
+VLLM_LITE_INLINE V exp_nonpositive(V x) {
+  x = x < -87.0f ? V{} - 87.0f : x;
+  const V t = x * 1.44269504088896341f;
+  const V n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  V r = x - n * 0.693145751953125f;             // Cody-Waite: ln2 = hi + lo
   r = r - n * 1.42860682030941723212e-6f;
-  float p = 1.0f / 5040.0f;
+  V p = V{} + 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
@@ -155,8 +159,8 @@ VLLM_LITE_INLINE float exp_nonpositive(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t e = static_cast<int32_t>(n) + 127;
-  return p * bits_to_float(static_cast<uint32_t>(e) << 23);
+  const I e = (__builtin_convertvector(n, I) + 127) << 23;
+  return p * (V)e;
 }
 
 // Blocks sit at random places in the pool, beyond the reach of the hardware prefetcher:
@@ -268,6 +272,44 @@ VLLM_LITE_INLINE void value_pass(const Runs<typename E::T>& runs, int64_t bs, in
   }
 }
 
+// Softmax over one partition's logits [G, partition_size] (G = the KV head's query heads,
+// from h0): adds ALiBi, records each head's max logit and exp sum, turns the logits into
+// probabilities in place, and points probs/outs at each head's row and output.
+VLLM_LITE_INLINE void softmax(const AttentionParams& p, int64_t s, int64_t part, int64_t h0,
+                              int64_t start, int64_t n, float* logits, const float** probs,
+                              float** outs) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t len = p.seq_lens[s];
+  for (int64_t g = 0; g < G; ++g) {
+    float* lg = logits + g * p.partition_size;
+    if (p.alibi_slopes != nullptr) {
+      const float slope = p.alibi_slopes[h0 + g];
+      for (int64_t i = 0; i < n; ++i) lg[i] += slope * static_cast<float>(start + i - len + 1);
+    }
+    const float m = max_of(lg, n);
+    // Lane-wise sums (a scalar running sum would keep the loop from vectorizing); the
+    // slots past n are zeroed first so whole vectors can be read.
+    const int64_t nv = (n + VW - 1) / VW * VW;
+    for (int64_t i = n; i < nv; ++i) lg[i] = -87.0f + m;
+    FV acc = {};
+    for (int64_t i = 0; i < nv; i += VW) {
+      const FV e = exp_nonpositive<FV, Vec<int32_t, VW>>(load_vec<FV>(lg + i) - m);
+      store_vec(lg + i, e);
+      acc += e;
+    }
+    for (int64_t i = n; i < nv; ++i) acc[0] -= lg[i];
+    for (int64_t i = n; i < nv; ++i) lg[i] = 0.0f;
+    const float sum = hsum(acc);
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; ++i) lg[i] *= inv;
+    const int64_t idx = (s * p.num_heads + h0 + g) * p.num_partitions + part;
+    p.part_max[idx] = m;
+    p.part_sum[idx] = sum;
+    probs[g] = lg;
+    outs[g] = p.part_out + idx * p.head_size;
+  }
+}
+
 template <KvDType DT>
 void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   using E = Elem<DT>;
@@ -344,29 +386,10 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
     t += cnt;
   }
 
-  // 2. Softmax statistics; logits become unnormalized probabilities.
+  // 2. Softmax; logits become probabilities.
   float* outs[64];
   const float* probs[64];
-  for (int64_t g = 0; g < G; ++g) {
-    float* lg = logits + g * P;
-    if (p.alibi_slopes != nullptr) {
-      const float slope = p.alibi_slopes[h0 + g];
-      for (int64_t i = 0; i < n; ++i) lg[i] += slope * static_cast<float>(start + i - len + 1);
-    }
-    const float m = max_of(lg, n);
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      lg[i] = exp_nonpositive(lg[i] - m);
-      sum += lg[i];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t i = 0; i < n; ++i) lg[i] *= inv;
-    const int64_t idx = (s * p.num_heads + h0 + g) * p.num_partitions + part;
-    p.part_max[idx] = m;
-    p.part_sum[idx] = sum;
-    probs[g] = lg;
-    outs[g] = p.part_out + idx * D;
-  }
+  softmax(p, s, part, h0, start, n, logits, probs, outs);
 
   // 3. V pass, four heads at a time (then the remainder).
   int64_t g = 0;
@@ -381,11 +404,26 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   }
 }
 
+}  // namespace
+}  // namespace vllm_lite::cpu
+
+#ifdef VLLM_LITE_BF16_DOT
+#include "cpu/attention_bf16dp.h"
+#endif
+
+namespace vllm_lite::cpu {
+namespace {
+
 void run_task(const AttentionParams& p, int64_t task, float* scratch) {
   switch (p.dtype) {
     case KvDType::kFloat32: return attention_task<KvDType::kFloat32>(p, task, scratch);
     case KvDType::kFloat16: return attention_task<KvDType::kFloat16>(p, task, scratch);
-    case KvDType::kBFloat16: return attention_task<KvDType::kBFloat16>(p, task, scratch);
+    case KvDType::kBFloat16:
+#ifdef VLLM_LITE_BF16_DOT
+      return attention_task_bf16dp(p, task, scratch);
+#else
+      return attention_task<KvDType::kBFloat16>(p, task, scratch);
+#endif
   }
 }
 

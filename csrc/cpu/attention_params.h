@@ -44,11 +44,13 @@ struct AttentionParams {
 inline int64_t padded_head_size(int64_t head_size) { return (head_size + 15) / 16 * 16; }
 
 // Floats of per-thread scratch one task needs: q [group, padded head] | k [padded head] |
-// logits [group, partition]. The caller aligns it to 64 bytes.
+// logits [group, partition]; the AVX512-BF16 task instead keeps logits | the query chunks
+// repeated 4x in bf16 [group, head / 8, 32] | probabilities as bf16 pairs [group, 2, partition],
+// which fits in the same size plus 2 x group x padded head. The caller aligns it to 64 bytes.
 inline int64_t attention_scratch_floats(const AttentionParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t dp = padded_head_size(p.head_size);
-  return group * dp + dp + group * p.partition_size;
+  return group * dp + dp + 2 * group * p.partition_size + 2 * group * dp;
 }
 
 // One task: sequence s, KV head kh, partition part, for all the query heads of kh.
@@ -59,5 +61,6 @@ using AttentionTaskFn = void (*)(const AttentionParams& p, int64_t task, float* 
 AttentionTaskFn attention_task_generic();
 AttentionTaskFn attention_task_avx2();
 AttentionTaskFn attention_task_avx512();
+AttentionTaskFn attention_task_avx512bf16();
 
 }  // namespace vllm_lite::cpu
