@@ -126,11 +126,12 @@ void attention_task_bf16dp(const AttentionParams& p, int64_t task, float* scratc
 
   Runs<uint16_t> runs;
   runs.count = 0;
+  const KeyPrefetcher kpf(kc, table, block_stride * 2, tile_bytes, start / bs, (end - 1) / bs);
   for (int64_t t = start; t < end;) {
     const int64_t block = table[t / bs];
     const int64_t off = t % bs;
     const int64_t cnt = bs - off < end - t ? bs - off : end - t;
-    if (t + cnt < end) prefetch_tile(kc + table[(t + cnt) / bs] * block_stride, tile_bytes);
+    kpf.step(t / bs);
     prefetch_tile(vc + block * block_stride, tile_bytes);
     runs.tile[runs.count] = vc + block * block_stride + off;
     runs.first[runs.count] = t - start;

@@ -174,6 +174,33 @@ VLLM_LITE_INLINE void prefetch_tile(const void* p, int64_t bytes) {
 constexpr int64_t VW = VLLM_LITE_VEC_WIDTH;
 using FV = Vec<float, VW>;
 
+// Keeps the K tiles of the next blocks in flight: one block ahead is too little to hide
+// memory latency when every block sits somewhere else in the pool, so prefetch about
+// 16 KiB ahead.
+struct KeyPrefetcher {
+  const void* base;
+  const int32_t* table;
+  int64_t block_stride_bytes;
+  int64_t tile_bytes;
+  int64_t last_block;  // logical index of the partition's last block
+  int64_t distance;    // blocks ahead
+
+  KeyPrefetcher(const void* b, const int32_t* t, int64_t stride_bytes, int64_t tile,
+                int64_t first_block, int64_t last)
+      : base(b), table(t), block_stride_bytes(stride_bytes), tile_bytes(tile), last_block(last) {
+    const int64_t d = 16384 / tile;
+    distance = d < 1 ? 1 : (d > 16 ? 16 : d);
+    for (int64_t k = 1; k < distance && first_block + k <= last_block; ++k) fetch(first_block + k);
+  }
+  VLLM_LITE_INLINE void fetch(int64_t logical) const {
+    prefetch_tile(static_cast<const char*>(base) + table[logical] * block_stride_bytes, tile_bytes);
+  }
+  // Call once per block, with that block's logical index.
+  VLLM_LITE_INLINE void step(int64_t logical) const {
+    if (logical + distance <= last_block) fetch(logical + distance);
+  }
+};
+
 VLLM_LITE_INLINE float hsum(Vec<float, 4> v) { return (v[0] + v[2]) + (v[1] + v[3]); }
 VLLM_LITE_INLINE float hsum(Vec<float, 8> v) {
   return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
@@ -356,12 +383,14 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   // 1. K pass; prefetch the next block's K tile and this block's V tile for step 3.
   Runs<T> runs;
   runs.count = 0;
+  const KeyPrefetcher kpf(kc, table, block_stride * static_cast<int64_t>(sizeof(T)), tile_bytes,
+                          start / bs, (end - 1) / bs);
   for (int64_t t = start; t < end;) {
     const int64_t block = table[t / bs];
     const int64_t off = t % bs;
     const int64_t cnt = bs - off < end - t ? bs - off : end - t;
     const T* kblk = kc + block * block_stride;
-    if (t + cnt < end) prefetch_tile(kc + table[(t + cnt) / bs] * block_stride, tile_bytes);
+    kpf.step(t / bs);
     prefetch_tile(vc + block * block_stride, tile_bytes);
     runs.tile[runs.count] = vc + block * block_stride + off;
     runs.first[runs.count] = t - start;
