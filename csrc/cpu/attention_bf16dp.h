@@ -87,20 +87,10 @@ VLLM_LITE_INLINE void bf16_value_pass(const Runs<uint16_t>& runs, int64_t bs, in
 }
 
 void attention_task_bf16dp(const AttentionParams& p, int64_t task, float* scratch) {
-  const int64_t part = task % p.num_partitions;
-  const int64_t kh = (task / p.num_partitions) % p.num_kv_heads;
-  const int64_t s = task / (p.num_partitions * p.num_kv_heads);
-  const int64_t len = p.seq_lens[s];
-  const int64_t P = p.partition_size;
-  const int64_t start = part * P;
-  if (start >= len) return;
-  const int64_t end = len < start + P ? len : start + P;
-  const int64_t n = end - start;
-  const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t h0 = kh * G;
-  const int64_t D = p.head_size;
+  const Task<uint16_t> k(p, task);
+  if (k.empty()) return;
+  const int64_t G = k.G, D = k.D, P = p.partition_size, n = k.n();
   const int64_t C = D / 8;  // 8-dim chunks (x = 8 for bf16)
-  const int64_t bs = p.block_size;
 
   // Scratch: logits [G, P] floats | qpat [G, C, 32] bf16 | pb [G, 2, P] bf16; 64-byte aligned
   // sections (P and 32 bf16 are multiples of 64 bytes).
@@ -108,58 +98,40 @@ void attention_task_bf16dp(const AttentionParams& p, int64_t task, float* scratc
   uint16_t* qpat = reinterpret_cast<uint16_t*>(logits + G * P);
   uint16_t* pb = qpat + G * C * 32;
 
-  const uint16_t* qs = static_cast<const uint16_t*>(p.query) + s * p.q_stride_seq;
+  const uint16_t* qs = static_cast<const uint16_t*>(p.query) + k.s * p.q_stride_seq;
   for (int64_t g = 0; g < G; ++g) {
-    const uint16_t* qg = qs + (h0 + g) * p.q_stride_head;
+    const uint16_t* qg = qs + (k.h0 + g) * p.q_stride_head;
     for (int64_t c = 0; c < C; ++c) {
       const __m128i chunk = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + c * 8));
       _mm512_store_si512(qpat + (g * C + c) * 32, _mm512_broadcast_i32x4(chunk));
     }
   }
 
-  const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
-  const int64_t head_stride = D * bs;
-  const int64_t block_stride = p.num_kv_heads * head_stride;
-  const uint16_t* kc = static_cast<const uint16_t*>(p.key_cache) + kh * head_stride;
-  const uint16_t* vc = static_cast<const uint16_t*>(p.value_cache) + kh * head_stride;
-  const int64_t tile_bytes = head_stride * 2;
-
   Runs<uint16_t> runs;
-  runs.count = 0;
-  const KeyPrefetcher kpf(kc, table, block_stride * 2, tile_bytes, start / bs, (end - 1) / bs);
-  for (int64_t t = start; t < end;) {
-    const int64_t block = table[t / bs];
-    const int64_t off = t % bs;
-    const int64_t cnt = bs - off < end - t ? bs - off : end - t;
-    kpf.step(t / bs);
-    prefetch_tile(vc + block * block_stride, tile_bytes);
-    runs.tile[runs.count] = vc + block * block_stride + off;
-    runs.first[runs.count] = t - start;
-    runs.len[runs.count++] = cnt;
-    const uint16_t* kblk = kc + block * block_stride;
+  walk_blocks(k, runs, [&](const uint16_t* kblk, int64_t off, int64_t cnt, int64_t first) {
+    const int64_t chunk_stride = k.bs * 8;
     for (int64_t i = 0; i < cnt; i += 4) {
       const uint16_t* kt = kblk + (off + i) * 8;
       const int64_t rem = cnt - i;
-      float* lg = logits + (t - start) + i;
+      float* lg = logits + first + i;
       int64_t g = 0;
       for (; g + 4 <= G; g += 4) {
-        bf16_key_dots<4>(kt, bs * 8, C, qpat + g * C * 32, rem, p.scale, lg + g * P, P);
+        bf16_key_dots<4>(kt, chunk_stride, C, qpat + g * C * 32, rem, p.scale, lg + g * P, P);
       }
       switch (G - g) {
-        case 3: bf16_key_dots<3>(kt, bs * 8, C, qpat + g * C * 32, rem, p.scale, lg + g * P, P); break;
-        case 2: bf16_key_dots<2>(kt, bs * 8, C, qpat + g * C * 32, rem, p.scale, lg + g * P, P); break;
-        case 1: bf16_key_dots<1>(kt, bs * 8, C, qpat + g * C * 32, rem, p.scale, lg + g * P, P); break;
+        case 3: bf16_key_dots<3>(kt, chunk_stride, C, qpat + g * C * 32, rem, p.scale, lg + g * P, P); break;
+        case 2: bf16_key_dots<2>(kt, chunk_stride, C, qpat + g * C * 32, rem, p.scale, lg + g * P, P); break;
+        case 1: bf16_key_dots<1>(kt, chunk_stride, C, qpat + g * C * 32, rem, p.scale, lg + g * P, P); break;
         default: break;
       }
     }
-    t += cnt;
-  }
+  });
 
   float* outs[64];
   const float* probs[64];
-  softmax(p, s, part, h0, start, n, logits, probs, outs);
+  softmax(p, k.s, k.part, k.h0, k.start, n, logits, probs, outs);
   for (int64_t g = 0; g < G; ++g) {
-    float* lg = logits + g * P;
+    const float* lg = probs[g];
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1u);
       const __m512 x = _mm512_maskz_loadu_ps(m, lg + i);
@@ -171,11 +143,11 @@ void attention_task_bf16dp(const AttentionParams& p, int64_t task, float* scratc
   }
 
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) bf16_value_pass<4>(runs, bs, D, pb + 2 * g * P, P, outs + g, p.v_scale);
+  for (; g + 4 <= G; g += 4) bf16_value_pass<4>(runs, k.bs, D, pb + 2 * g * P, P, outs + g, p.v_scale);
   switch (G - g) {
-    case 3: bf16_value_pass<3>(runs, bs, D, pb + 2 * g * P, P, outs + g, p.v_scale); break;
-    case 2: bf16_value_pass<2>(runs, bs, D, pb + 2 * g * P, P, outs + g, p.v_scale); break;
-    case 1: bf16_value_pass<1>(runs, bs, D, pb + 2 * g * P, P, outs + g, p.v_scale); break;
+    case 3: bf16_value_pass<3>(runs, k.bs, D, pb + 2 * g * P, P, outs + g, p.v_scale); break;
+    case 2: bf16_value_pass<2>(runs, k.bs, D, pb + 2 * g * P, P, outs + g, p.v_scale); break;
+    case 1: bf16_value_pass<1>(runs, k.bs, D, pb + 2 * g * P, P, outs + g, p.v_scale); break;
     default: break;
   }
 }

@@ -249,6 +249,62 @@ struct Runs {
   int64_t count;
 };
 
+// One task's place in the grid and the geometry of its KV head's tiles.
+template <typename T>
+struct Task {
+  int64_t s, kh, part;      // sequence, KV head, partition
+  int64_t len, start, end;  // the sequence's length; the partition's tokens [start, end)
+  int64_t G, h0;            // query heads of the KV head, and the first of them
+  int64_t D, bs;
+  const int32_t* table;     // the sequence's block table
+  int64_t block_stride;     // elements between blocks of the cache
+  const T* kc;              // this KV head's tile in block 0 of each cache
+  const T* vc;
+  int64_t tile_bytes;       // one (block, KV head) tile
+
+  Task(const AttentionParams& p, int64_t task)
+      : s(task / (p.num_partitions * p.num_kv_heads)),
+        kh((task / p.num_partitions) % p.num_kv_heads),
+        part(task % p.num_partitions),
+        len(p.seq_lens[s]),
+        start(part * p.partition_size),
+        end(len < start + p.partition_size ? len : start + p.partition_size),
+        G(p.num_heads / p.num_kv_heads),
+        h0(kh * G),
+        D(p.head_size),
+        bs(p.block_size),
+        table(p.block_tables + s * p.max_blocks_per_seq),
+        block_stride(p.num_kv_heads * p.head_size * p.block_size),
+        kc(static_cast<const T*>(p.key_cache) + kh * D * bs),
+        vc(static_cast<const T*>(p.value_cache) + kh * D * bs),
+        tile_bytes(D * bs * static_cast<int64_t>(sizeof(T))) {}
+  bool empty() const { return start >= len; }
+  int64_t n() const { return end - start; }
+};
+
+// Walks the partition block by block for the K pass: keeps K tiles ~16 KiB ahead in
+// flight, prefetches each block's V tile for the V pass, records the V runs, and calls
+// key_block(key tile of the block, first token's offset in the block, token count, index
+// of that token in the partition).
+template <typename T, typename KeyBlock>
+VLLM_LITE_INLINE void walk_blocks(const Task<T>& k, Runs<T>& runs, KeyBlock&& key_block) {
+  runs.count = 0;
+  const KeyPrefetcher kpf(k.kc, k.table, k.block_stride * static_cast<int64_t>(sizeof(T)),
+                          k.tile_bytes, k.start / k.bs, (k.end - 1) / k.bs);
+  for (int64_t t = k.start; t < k.end;) {
+    const int64_t block = k.table[t / k.bs];
+    const int64_t off = t % k.bs;
+    const int64_t cnt = k.bs - off < k.end - t ? k.bs - off : k.end - t;
+    kpf.step(t / k.bs);
+    prefetch_tile(k.vc + block * k.block_stride, k.tile_bytes);
+    runs.tile[runs.count] = k.vc + block * k.block_stride + off;
+    runs.first[runs.count] = t - k.start;
+    runs.len[runs.count++] = cnt;
+    key_block(k.kc + block * k.block_stride, off, cnt, t - k.start);
+    t += cnt;
+  }
+}
+
 // Dims per step of the V pass: NG x DD accumulators must fit the register file.
 constexpr int64_t DD = VW >= 16 ? 4 : 2;
 
@@ -341,68 +397,38 @@ template <KvDType DT>
 void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   using E = Elem<DT>;
   using T = typename E::T;
-  constexpr int64_t X = 16 / sizeof(T);            // key cache chunk
-  constexpr int64_t CW = X < VW ? X : VW;          // conversion width for a chunk
+  constexpr int64_t X = 16 / sizeof(T);    // key cache chunk
+  constexpr int64_t CW = X < VW ? X : VW;  // conversion width for a chunk
 
-  const int64_t part = task % p.num_partitions;
-  const int64_t kh = (task / p.num_partitions) % p.num_kv_heads;
-  const int64_t s = task / (p.num_partitions * p.num_kv_heads);
-  const int64_t len = p.seq_lens[s];
-  const int64_t P = p.partition_size;
-  const int64_t start = part * P;
-  if (start >= len) return;
-  const int64_t end = len < start + P ? len : start + P;
-  const int64_t n = end - start;
-
-  const int64_t G = p.num_heads / p.num_kv_heads;
-  const int64_t h0 = kh * G;
-  const int64_t D = p.head_size;
+  const Task<T> k(p, task);
+  if (k.empty()) return;
+  const int64_t G = k.G, D = k.D, P = p.partition_size;
   const int64_t Dp = padded_head_size(D);
-  const int64_t bs = p.block_size;
 
   // Scratch layout (attention_scratch_floats): q [G, Dp] | kbuf [Dp] | logits [G, P].
   float* q = scratch;
   float* kbuf = q + G * Dp;
   float* logits = kbuf + Dp;
 
-  const T* qs = static_cast<const T*>(p.query) + s * p.q_stride_seq;
+  const T* qs = static_cast<const T*>(p.query) + k.s * p.q_stride_seq;
   for (int64_t g = 0; g < G; ++g) {
-    const T* qg = qs + (h0 + g) * p.q_stride_head;
+    const T* qg = qs + (k.h0 + g) * p.q_stride_head;
     for (int64_t d = 0; d < D; ++d) q[g * Dp + d] = E::to_float(qg[d]) * p.scale;
     for (int64_t d = D; d < Dp; ++d) q[g * Dp + d] = 0.0f;
   }
   for (int64_t d = D; d < Dp; ++d) kbuf[d] = 0.0f;
 
-  const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
-  const int64_t head_stride = D * bs;  // elements of one (block, KV head) tile
-  const int64_t block_stride = p.num_kv_heads * head_stride;
-  const T* kc = static_cast<const T*>(p.key_cache) + kh * head_stride;
-  const T* vc = static_cast<const T*>(p.value_cache) + kh * head_stride;
-  const int64_t tile_bytes = head_stride * static_cast<int64_t>(sizeof(T));
-
-  // 1. K pass; prefetch the next block's K tile and this block's V tile for step 3.
+  // 1. K pass: per token, its key in float32, then every head's dot product.
   Runs<T> runs;
-  runs.count = 0;
-  const KeyPrefetcher kpf(kc, table, block_stride * static_cast<int64_t>(sizeof(T)), tile_bytes,
-                          start / bs, (end - 1) / bs);
-  for (int64_t t = start; t < end;) {
-    const int64_t block = table[t / bs];
-    const int64_t off = t % bs;
-    const int64_t cnt = bs - off < end - t ? bs - off : end - t;
-    const T* kblk = kc + block * block_stride;
-    kpf.step(t / bs);
-    prefetch_tile(vc + block * block_stride, tile_bytes);
-    runs.tile[runs.count] = vc + block * block_stride + off;
-    runs.first[runs.count] = t - start;
-    runs.len[runs.count++] = cnt;
+  walk_blocks(k, runs, [&](const T* kblk, int64_t off, int64_t cnt, int64_t first) {
     for (int64_t i = 0; i < cnt; ++i) {
       const T* kt = kblk + (off + i) * X;
       for (int64_t c = 0; c < D / X; ++c) {
         for (int64_t j = 0; j < X; j += CW) {
-          store_vec(kbuf + c * X + j, E::template load<CW>(kt + c * bs * X + j));
+          store_vec(kbuf + c * X + j, E::template load<CW>(kt + c * k.bs * X + j));
         }
       }
-      float* lg = logits + (t - start) + i;
+      float* lg = logits + first + i;
       int64_t g = 0;
       for (; g + 4 <= G; g += 4) dots<4>(q + g * Dp, Dp, kbuf, Dp, lg + g * P, P);
       switch (G - g) {
@@ -412,23 +438,20 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
         default: break;
       }
     }
-    t += cnt;
-  }
+  });
 
   // 2. Softmax; logits become probabilities.
   float* outs[64];
   const float* probs[64];
-  softmax(p, s, part, h0, start, n, logits, probs, outs);
+  softmax(p, k.s, k.part, k.h0, k.start, k.n(), logits, probs, outs);
 
   // 3. V pass, four heads at a time (then the remainder).
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) {
-    value_pass<E, 4>(runs, bs, D, probs + g, outs + g, p.v_scale);
-  }
+  for (; g + 4 <= G; g += 4) value_pass<E, 4>(runs, k.bs, D, probs + g, outs + g, p.v_scale);
   switch (G - g) {
-    case 3: value_pass<E, 3>(runs, bs, D, probs + g, outs + g, p.v_scale); break;
-    case 2: value_pass<E, 2>(runs, bs, D, probs + g, outs + g, p.v_scale); break;
-    case 1: value_pass<E, 1>(runs, bs, D, probs + g, outs + g, p.v_scale); break;
+    case 3: value_pass<E, 3>(runs, k.bs, D, probs + g, outs + g, p.v_scale); break;
+    case 2: value_pass<E, 2>(runs, k.bs, D, probs + g, outs + g, p.v_scale); break;
+    case 1: value_pass<E, 1>(runs, k.bs, D, probs + g, outs + g, p.v_scale); break;
     default: break;
   }
 }
