@@ -1,0 +1,287 @@
+"""Llama-family decoder-only models: Llama 2/3 (rope scaling), Mistral, Qwen2, Qwen3.
+
+Plain PyTorch (gpt-fast / nano-vllm style) over a flat token batch: ``forward(input_ids
+[T], positions [T]) -> hidden [T, hidden_size]`` for the tokens of all sequences of a step
+concatenated, no padding; the attention layers take the per-step layout from
+:mod:`vllm_lite.layers.attention`'s metadata. q/k/v and gate/up are each one fused
+``nn.Linear`` (one GEMM instead of three / two); :meth:`LlamaForCausalLM.load_weights`
+maps Hugging Face's per-projection checkpoint names onto the fused rows.
+
+The variants differ only in config-driven details (:class:`LayerOptions`): QKV bias
+(Qwen2), per-head q/k RMSNorm before rotary (Qwen3), o_proj / MLP bias (Llama's
+``attention_bias`` / ``mlp_bias``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_lite.layers.attention import Attention
+from vllm_lite.layers.layernorm import RMSNorm
+from vllm_lite.layers.rotary import RotaryEmbedding, rope_parameters_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def _head_dim(config: Any) -> int:
+    # Mistral / Qwen3 configs carry head_dim explicitly (it may differ from
+    # hidden_size / num_heads); older Llama configs don't.
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, opts: LayerOptions, max_position: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=opts.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=opts.o_bias)
+        if opts.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope_parameters_of(config))
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3: per-head RMSNorm of q and k, before rotary (as HF).
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, opts: LayerOptions) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=opts.mlp_bias
+        )
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=opts.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, opts: LayerOptions, max_position: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, opts, max_position)
+        self.mlp = LlamaMLP(config, opts)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # HF's order of residual adds (no fused add+norm), so half precision rounds alike.
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, opts: LayerOptions, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, opts, max_position) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+# HF checkpoint name fragment -> (our fused parameter fragment, shard id).
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a flat token batch.
+
+    ``model(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` under an installed
+    :class:`~vllm_lite.layers.attention.AttentionMetadata`; ``compute_logits(hidden)``
+    -> float32 [T, vocab]. ``max_model_len`` (default ``max_position_embeddings``)
+    bounds the positions and the rotary table.
+    """
+
+    def __init__(self, config: Any, max_model_len: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        max_position = max_model_len or config.max_position_embeddings
+        self.sliding_window = self._sliding_window(config)
+        if self.sliding_window is not None and self.sliding_window < max_position:
+            # Neither the prefill path nor the paged-attention kernel windows attention,
+            # so contexts longer than the window would diverge from the reference model.
+            logger.warning(
+                "%s: sliding_window=%d is not implemented; outputs are exact only for "
+                "contexts up to %d tokens (cap max_model_len there)",
+                type(self).__name__, self.sliding_window, self.sliding_window,
+            )
+        self.model = LlamaModel(config, self.layer_options(config), max_position)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def layer_options(cls, config: Any) -> LayerOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return LayerOptions(
+            qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
+        )
+
+    @staticmethod
+    def _sliding_window(config: Any) -> int | None:
+        return getattr(config, "sliding_window", None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] in float32 (the sampler's softmax wants full precision)."""
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        """The Attention layers in order; the runner assigns each its k_cache/v_cache."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named tensors into the (fused) parameters.
+
+        Raises ValueError on an unknown name, a shape mismatch, or, at the end, any
+        parameter (or fused shard) that no tensor filled.
+        """
+        params = dict(self.named_parameters())
+        expected: set[tuple[str, str | int | None]] = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                expected.update((name, s) for s in ("q", "k", "v"))
+            elif ".gate_up_proj." in name:
+                expected.update((name, s) for s in (0, 1))
+            else:
+                expected.add((name, None))
+        loaded: set[tuple[str, str | int | None]] = set()
+        unexpected: list[str] = []
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name or "rotary_emb.cos_cached" in hf_name \
+                    or "rotary_emb.sin_cached" in hf_name:
+                continue  # old checkpoints saved the rotary buffers; we recompute them
+            if self.tie_word_embeddings and hf_name == "lm_head.weight":
+                continue  # tied: the embedding is the head (some checkpoints store both)
+            name, shard = hf_name, None
+            for hf_part, our_part, shard_id in _STACKED:
+                if hf_part in hf_name:
+                    name, shard = hf_name.replace(hf_part, our_part), shard_id
+                    break
+            param = params.get(name)
+            if param is None:
+                unexpected.append(hf_name)
+                continue
+            target = self._shard_view(param, name, shard)
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} does not "
+                    f"match the model's {tuple(target.shape)} (config mismatch?)"
+                )
+            with torch.no_grad():
+                target.copy_(tensor)
+            loaded.add((name, shard))
+        if unexpected:
+            raise ValueError(
+                f"unexpected weights in the checkpoint for {type(self).__name__}: "
+                f"{sorted(unexpected)[:20]}{' ...' if len(unexpected) > 20 else ''}"
+            )
+        missing = expected - loaded
+        if missing:
+            names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
+            raise ValueError(
+                f"weights missing from the checkpoint for {type(self).__name__}: "
+                f"{names[:20]}{' ...' if len(names) > 20 else ''}"
+            )
+
+    def _shard_view(self, param: torch.Tensor, name: str, shard: str | int | None) -> torch.Tensor:
+        """The rows of a fused parameter that one HF projection fills (a view)."""
+        if shard is None:
+            return param.data
+        if isinstance(shard, str):  # q / k / v of qkv_proj (weight rows or bias entries)
+            attn = self.model.layers[0].self_attn
+            q, kv = attn.q_size, attn.kv_size
+            start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        else:  # gate (0) / up (1) of gate_up_proj
+            size = self.config.intermediate_size
+            start = shard * size
+        return param.data.narrow(0, start, size)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layers; differs only in its (unimplemented) sliding window."""
+
+    @classmethod
+    def layer_options(cls, config: Any) -> LayerOptions:
+        return LayerOptions()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: bias on q/k/v (not on o_proj)."""
+
+    @classmethod
+    def layer_options(cls, config: Any) -> LayerOptions:
+        return LayerOptions(qkv_bias=True)
+
+    @staticmethod
+    def _sliding_window(config: Any) -> int | None:
+        # Qwen2 windows only when use_sliding_window is set (off in released models).
+        return config.sliding_window if getattr(config, "use_sliding_window", False) else None
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: per-head RMSNorm on q and k before rotary; attention_bias on all four."""
+
+    @classmethod
+    def layer_options(cls, config: Any) -> LayerOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return LayerOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+    @staticmethod
+    def _sliding_window(config: Any) -> int | None:
+        return config.sliding_window if getattr(config, "use_sliding_window", False) else None
