@@ -1,0 +1,582 @@
+"""The sampler against plain float64 references (loops over a small vocabulary)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Dict, List, Sequence as Seq
+
+import pytest
+import torch
+
+from vllm_lite.layers.sampler import (
+    Sampler,
+    beam_search_candidates,
+    compute_prompt_logprobs,
+    process_logits,
+)
+from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.sequence import Sequence, SequenceGroup
+
+NEG_INF = -math.inf
+EOS = 2
+
+
+# ----------------------------------------------------------------------------------------
+# Plain references: one row, python floats (float64), loops over the vocabulary.
+# ----------------------------------------------------------------------------------------
+
+
+def ref_softmax(x: List[float]) -> List[float]:
+    m = max(x)
+    if m == NEG_INF:
+        raise AssertionError("row fully masked")
+    e = [math.exp(v - m) if v != NEG_INF else 0.0 for v in x]
+    s = sum(e)
+    return [v / s for v in e]
+
+
+def ref_log_softmax(x: List[float]) -> List[float]:
+    m = max(x)
+    s = sum(math.exp(v - m) for v in x if v != NEG_INF)
+    return [v - m - math.log(s) if v != NEG_INF else NEG_INF for v in x]
+
+
+def ref_min_tokens(x, p: SamplingParams, output, eos):
+    x = list(x)
+    if len(output) < p.min_tokens:
+        banned = set(p.stop_token_ids)
+        if eos is not None and not p.ignore_eos:
+            banned.add(eos)
+        for t in banned:
+            x[t] = NEG_INF
+    return x
+
+
+def ref_penalties(x, p: SamplingParams, prompt, output):
+    x = list(x)
+    for t in range(len(x)):
+        count = sum(1 for o in output if o == t)
+        if t in prompt or count > 0:
+            if x[t] > 0:
+                x[t] = x[t] / p.repetition_penalty
+            else:
+                x[t] = x[t] * p.repetition_penalty
+        x[t] -= p.frequency_penalty * count
+        if count > 0:
+            x[t] -= p.presence_penalty
+    return x
+
+
+def ref_temperature(x, p: SamplingParams):
+    t = p.temperature if p.temperature >= 1e-5 else 1.0
+    return [v / t for v in x]
+
+
+def ref_top_k(x, k):
+    if k <= 0 or k >= len(x):
+        return list(x)
+    kth = sorted(x, reverse=True)[k - 1]
+    return [v if v >= kth else NEG_INF for v in x]
+
+
+def ref_top_p(x, top_p):
+    if top_p >= 1.0:
+        return list(x)
+    probs = ref_softmax(x)
+    order = sorted(range(len(x)), key=lambda t: -x[t])
+    mass_before = 0.0
+    threshold = None
+    for n, t in enumerate(order):
+        if n > 0 and mass_before >= top_p:
+            break
+        threshold = x[t]
+        mass_before += probs[t]
+    # Every token tied with the last one the nucleus needs is kept.
+    return [v if v >= threshold else NEG_INF for v in x]
+
+
+def ref_min_p(x, min_p):
+    probs = ref_softmax(x)
+    top = max(probs)
+    return [v if probs[t] >= min_p * top else NEG_INF for t, v in enumerate(x)]
+
+
+def ref_process(x, p: SamplingParams, prompt, output, eos=EOS):
+    x = ref_min_tokens(x, p, output, eos)
+    x = ref_penalties(x, p, prompt, output)
+    x = ref_temperature(x, p)
+    x = ref_top_k(x, p.top_k)
+    x = ref_top_p(x, p.top_p)
+    x = ref_min_p(x, p.min_p)
+    return x
+
+
+def assert_rows_close(got: torch.Tensor, want: List[List[float]], tol=1e-5):
+    got_l = got.double().tolist()
+    for i, (g_row, w_row) in enumerate(zip(got_l, want)):
+        for t, (g, w) in enumerate(zip(g_row, w_row)):
+            if w == NEG_INF or g == NEG_INF:
+                assert g == w, f"row {i} token {t}: got {g}, want {w}"
+            else:
+                assert abs(g - w) <= tol * max(1.0, abs(w)), f"row {i} token {t}: {g} vs {w}"
+
+
+def make_row(params, prompt=(0, 1), output=(), seq_id=0, request_id=None, num_samples=1,
+             eos=EOS):
+    return SamplingRow(
+        seq_id=seq_id,
+        request_id=str(seq_id) if request_id is None else request_id,
+        params=params,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        eos_token_id=eos,
+        num_samples=num_samples,
+    )
+
+
+def check_processing(logits: torch.Tensor, rows: List[SamplingRow]):
+    got = process_logits(logits, SamplingMetadata(rows))
+    want = [
+        ref_process(logits[i].double().tolist(), r.params, r.prompt_token_ids,
+                    r.output_token_ids, r.eos_token_id)
+        for i, r in enumerate(rows)
+    ]
+    assert_rows_close(got, want)
+    return got
+
+
+# ----------------------------------------------------------------------------------------
+# Processors
+# ----------------------------------------------------------------------------------------
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    V = 12
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(0))
+    rows = [
+        make_row(SamplingParams(min_tokens=3, stop_token_ids=[5, 7]), output=[1, 1], seq_id=0),
+        make_row(SamplingParams(min_tokens=3, stop_token_ids=[5, 7]), output=[1, 1, 1], seq_id=1),
+        make_row(SamplingParams(min_tokens=3, stop_token_ids=[5], ignore_eos=True), output=[], seq_id=2),
+        make_row(SamplingParams(min_tokens=0, stop_token_ids=[5]), output=[], seq_id=3),
+        make_row(SamplingParams(min_tokens=1), output=[], seq_id=4, eos=None),
+    ]
+    got = check_processing(logits, rows)
+    inf = torch.isinf(got)
+    assert inf[0].nonzero().flatten().tolist() == [EOS, 5, 7]
+    assert not inf[1].any()  # min_tokens reached
+    assert inf[2].nonzero().flatten().tolist() == [5]  # ignore_eos keeps EOS
+    assert not inf[3].any()
+    assert not inf[4].any()  # no EOS known, no stop ids
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(repetition_penalty=1.3),
+        dict(repetition_penalty=0.7),
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=-0.4),
+        dict(repetition_penalty=1.5, presence_penalty=-1.0, frequency_penalty=0.75),
+    ],
+)
+def test_penalties_match_reference(kw):
+    V = 16
+    g = torch.Generator().manual_seed(1)
+    rng = random.Random(1)
+    logits = torch.randn(4, V, generator=g) * 3
+    rows = []
+    for i in range(4):
+        prompt = [rng.randrange(V) for _ in range(rng.randrange(0, 6))]
+        output = [rng.randrange(V) for _ in range(rng.randrange(0, 8))] + [3, 3]
+        rows.append(make_row(SamplingParams(**kw), prompt=prompt, output=output, seq_id=i))
+    # One row without penalties in the same batch stays untouched.
+    logits = torch.cat([logits, torch.randn(1, V, generator=g)])
+    rows.append(make_row(SamplingParams(), prompt=[1, 2, 3], output=[3, 4], seq_id=9))
+    got = check_processing(logits, rows)
+    assert torch.equal(got[4], logits[4])
+    assert not torch.equal(got[0], logits[0])
+
+
+def test_temperature_matches_reference():
+    V = 10
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    rows = [make_row(SamplingParams(temperature=t), seq_id=i) for i, t in enumerate([0.5, 1.7, 0.0])]
+    got = check_processing(logits, rows)
+    assert torch.equal(got[2], logits[2])  # greedy: divided by 1
+
+
+def test_top_k_keeps_ties_at_boundary():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, 2.0, 2.0, -1.0]])
+    for k, kept in [(1, [1]), (2, [1, 3, 4, 5]), (4, [1, 3, 4, 5]), (5, [1, 2, 3, 4, 5]),
+                    (7, list(range(7))), (-1, list(range(7)))]:
+        rows = [make_row(SamplingParams(top_k=k))]
+        got = check_processing(logits, rows)
+        assert torch.isfinite(got[0]).nonzero().flatten().tolist() == kept, k
+
+
+def test_top_p_boundary_and_ties():
+    # probs ~ [0.687, 0.093, 0.093, 0.093, 0.034]: p=0.75 needs token 0 and one of the
+    # tied tokens; every tied token is kept whatever order the sort leaves them in.
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
+    for p, kept in [(0.5, [0]), (0.6869, [0]), (0.75, [0, 1, 2, 3]), (0.99, [0, 1, 2, 3, 4]),
+                    (1.0, [0, 1, 2, 3, 4]), (1e-6, [0])]:
+        got = check_processing(logits, [make_row(SamplingParams(top_p=p))])
+        assert torch.isfinite(got[0]).nonzero().flatten().tolist() == kept, p
+    # The top token tied: a tiny top_p still keeps both (at least one token, ties kept).
+    logits = torch.tensor([[2.0, 2.0, 0.0, -5.0]])
+    got = check_processing(logits, [make_row(SamplingParams(top_p=1e-6))])
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [0, 1]
+    # top_p applies to the top_k-truncated distribution.
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0]])
+    check_processing(logits, [make_row(SamplingParams(top_k=3, top_p=0.8))])
+
+
+def test_top_p_float_mass_does_not_drop_tail_when_disabled():
+    # Tiny-probability tail: top_p=1 must keep every token even if float cumsum hits 1.
+    logits = torch.tensor([[30.0] + [-30.0 - 0.01 * i for i in range(20)]])
+    got = process_logits(logits, SamplingMetadata([make_row(SamplingParams(top_k=20))]))
+    assert torch.isfinite(got).sum() == 20
+
+
+def test_min_p_matches_reference():
+    V = 20
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3)) * 2
+    rows = [make_row(SamplingParams(min_p=m), seq_id=i) for i, m in enumerate([0.0, 0.05, 0.3, 1.0])]
+    got = check_processing(logits, rows)
+    assert torch.isfinite(got[3]).sum() == 1  # min_p=1: only the top token
+
+
+def test_random_combinations_match_reference():
+    V = 24
+    rng = random.Random(4)
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for i in range(40):
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.3, 1.0, 1.8]),
+            top_k=rng.choice([-1, 1, 3, 10]),
+            top_p=rng.choice([1.0, 0.9, 0.5, 0.2]),
+            min_p=rng.choice([0.0, 0.1, 0.4]),
+            repetition_penalty=rng.choice([1.0, 1.2, 0.8]),
+            presence_penalty=rng.choice([0.0, 0.5]),
+            frequency_penalty=rng.choice([0.0, -0.3]),
+            min_tokens=rng.choice([0, 2]),
+            stop_token_ids=rng.choice([[], [7]]),
+        )
+        prompt = [rng.randrange(V) for _ in range(rng.randrange(1, 8))]
+        output = [rng.randrange(V) for _ in range(rng.randrange(0, 5))]
+        rows.append(make_row(params, prompt=prompt, output=output, seq_id=i))
+    logits = torch.randn(len(rows), V, generator=g) * 2
+    got = check_processing(logits, rows)
+    assert torch.isfinite(got).any(dim=1).all()
+
+
+def test_input_logits_untouched():
+    logits = torch.randn(2, 8)
+    before = logits.clone()
+    rows = [make_row(SamplingParams(temperature=0.5, top_k=2, repetition_penalty=2.0), seq_id=0),
+            make_row(SamplingParams(min_tokens=2), seq_id=1)]
+    Sampler(seed=0)(logits, SamplingMetadata(rows))
+    assert torch.equal(logits, before)
+
+
+# ----------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_lowest_id_on_ties():
+    logits = torch.tensor([[0.0, 5.0, 5.0, 1.0], [3.0, 3.0, 3.0, 3.0], [-1.0, -2.0, -0.5, -3.0]])
+    rows = [make_row(SamplingParams(temperature=0.0), seq_id=i) for i in range(3)]
+    out = Sampler()(logits, SamplingMetadata(rows))
+    assert [o.token_ids for o in out.outputs] == [[1], [0], [2]]
+
+
+def test_greedy_and_random_rows_in_one_batch():
+    V = 32
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, V, generator=g) * 3
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.7, seed=11, top_p=0.5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.2, min_p=0.2),
+    ]
+    rows = [make_row(p, prompt=[int(logits[i].argmax())], seq_id=i) for i, p in enumerate(params)]
+    sampler = Sampler(seed=0)
+    for _ in range(20):
+        out = sampler(logits, SamplingMetadata(rows))
+        processed = process_logits(logits, SamplingMetadata(rows))
+        for i, (p, o) in enumerate(zip(params, out.outputs)):
+            assert o.seq_id == i and len(o.token_ids) == 1
+            tok = o.token_ids[0]
+            if p.temperature == 0.0:
+                assert tok == int(processed[i].argmax())
+            else:
+                assert math.isfinite(processed[i, tok].item())  # in the kept set
+
+
+class ToyModel:
+    """Deterministic logits from a sequence's token history."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def logits(self, tokens: Seq[int]) -> torch.Tensor:
+        h = 0
+        for t in tokens:
+            h = (h * 1000003 + t + 1) % (2**31)
+        return torch.randn(self.vocab, generator=torch.Generator().manual_seed(h))
+
+
+def run_steps(batch: List[SamplingRow], steps: int, sampler: Sampler, model: ToyModel):
+    for _ in range(steps):
+        logits = torch.stack([model.logits(list(r.prompt_token_ids) + list(r.output_token_ids))
+                              for r in batch])
+        out = sampler(logits, SamplingMetadata(batch))
+        for r, o in zip(batch, out.outputs):
+            r.output_token_ids.append(o.token_ids[0])
+
+
+def test_seeded_request_independent_of_batch_mates():
+    model = ToyModel(50)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=100)
+
+    def target():
+        return make_row(params, prompt=[4, 5, 6], seq_id=100, request_id="target")
+
+    alone = target()
+    run_steps([alone], 20, Sampler(), model)
+
+    for mates_seed, pos in [(0, 0), (1, 2), (2, 3)]:
+        mates = [
+            make_row(SamplingParams(temperature=1.0), prompt=[1], seq_id=1),
+            make_row(SamplingParams(temperature=0.5, seed=99), prompt=[2, 3], seq_id=2,
+                     request_id="other-seeded"),
+            make_row(SamplingParams(temperature=0.0), prompt=[7], seq_id=3),
+        ]
+        t = target()
+        batch = mates[:pos] + [t] + mates[pos:]
+        torch.manual_seed(mates_seed)
+        run_steps(batch, 20, Sampler(seed=mates_seed), model)
+        assert t.output_token_ids == alone.output_token_ids
+
+    other = make_row(SamplingParams(temperature=0.9, top_p=0.95, seed=4321), prompt=[4, 5, 6],
+                     seq_id=100, request_id="target")
+    run_steps([other], 20, Sampler(), model)
+    assert other.output_token_ids != alone.output_token_ids
+
+
+def test_generator_kept_across_steps_and_freed():
+    V = 40
+    logits = torch.zeros(1, V)  # uniform: each draw consumes the generator
+    sampler = Sampler()
+    row = make_row(SamplingParams(seed=7), request_id="r")
+    draws = [sampler(logits, SamplingMetadata([row])).outputs[0].token_ids[0] for _ in range(10)]
+    assert len(set(draws)) > 1  # the generator advanced, not re-seeded each step
+    sampler.free_request("r")
+    assert "r" not in sampler.generators
+    again = [sampler(logits, SamplingMetadata([row])).outputs[0].token_ids[0] for _ in range(10)]
+    assert again == draws
+
+
+def test_engine_seed_makes_unseeded_rows_reproducible():
+    logits = torch.zeros(4, 100)
+    rows = [make_row(SamplingParams(), seq_id=i) for i in range(4)]
+    a = [o.token_ids for o in Sampler(seed=3)(logits, SamplingMetadata(rows)).outputs]
+    b = [o.token_ids for o in Sampler(seed=3)(logits, SamplingMetadata(rows)).outputs]
+    c = [o.token_ids for o in Sampler(seed=4)(logits, SamplingMetadata(rows)).outputs]
+    assert a == b and a != c
+
+
+def expected_probs(logits_row: torch.Tensor, params: SamplingParams) -> List[float]:
+    x = ref_process(logits_row.double().tolist(), params, [], [])
+    return ref_softmax(x)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampling_distribution_matches_processed_softmax(seeded):
+    logits = torch.tensor([[2.0, 1.6, 1.5, 1.0, 0.7, 0.2, -0.5, -3.0]])
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, min_p=0.08,
+                            seed=21 if seeded else None)
+    want = expected_probs(logits[0], params)
+    assert sum(1 for p in want if p > 0) >= 3  # the combination leaves a real choice
+    N = 20000
+    if seeded:
+        # One row drawing N samples (the best_of path) from the request's generator.
+        out = Sampler()(logits, SamplingMetadata([make_row(params, num_samples=N)]))
+        tokens = out.outputs[0].token_ids
+    else:
+        rows = [make_row(params, seq_id=i) for i in range(N)]
+        out = Sampler(seed=5)(logits.expand(N, -1), SamplingMetadata(rows))
+        tokens = [o.token_ids[0] for o in out.outputs]
+    assert len(tokens) == N
+    freq = [tokens.count(t) / N for t in range(logits.shape[1])]
+    for t, (f, p) in enumerate(zip(freq, want)):
+        if p == 0.0:
+            assert f == 0.0, t
+        assert abs(f - p) < 0.01, (t, f, p)
+
+
+def test_num_samples_with_replacement_and_greedy_rejected():
+    out = Sampler(seed=0)(torch.tensor([[0.0, 0.0]]),
+                          SamplingMetadata([make_row(SamplingParams(n=2, best_of=4), num_samples=4)]))
+    o = out.outputs[0]
+    assert len(o.token_ids) == 4 and len(o.logprobs) == 4
+    assert all(lp == pytest.approx(math.log(0.5)) for lp in o.logprobs)
+    with pytest.raises(ValueError, match="num_samples"):
+        make_row(SamplingParams(temperature=0.0), num_samples=2)
+
+
+def test_metadata_from_seq_groups():
+    p = SamplingParams(n=2, best_of=3, seed=1)
+    g1 = SequenceGroup("a", [Sequence(10, [1, 2], 16)], p, eos_token_id=EOS)
+    g2 = SequenceGroup("b", [Sequence(11, [3], 16), Sequence(12, [3], 16)],
+                       SamplingParams(n=2), eos_token_id=EOS)
+    for s in g2.seqs:
+        s.output_token_ids.append(5)
+    md = SamplingMetadata.from_seq_groups([g1, g2])
+    assert [(r.seq_id, r.request_id, r.num_samples) for r in md.rows] == [
+        (10, "a", 3), (11, "b", 1), (12, "b", 1)]
+    assert md.rows[1].output_token_ids == [5] and md.rows[0].eos_token_id == EOS
+
+
+# ----------------------------------------------------------------------------------------
+# Logprobs
+# ----------------------------------------------------------------------------------------
+
+
+def check_logprob_dict(d: Dict, ref_lp: List[float], chosen: int, k: int):
+    """d holds the chosen token (with its rank) and the top k tokens, each with its logprob."""
+    k = min(k, len(ref_lp))
+    assert chosen in d and len(d) in (k, k + 1)
+    assert d[chosen].rank == 1 + sum(1 for v in ref_lp if v > ref_lp[chosen])
+    for t, lp in d.items():
+        assert lp.logprob == pytest.approx(ref_lp[t], abs=1e-5), t
+    # The k largest entries are the k largest logprobs (robust to which tied ids topk picks;
+    # an extra chosen token is never above the k-th).
+    got_top = sorted((lp.logprob for lp in d.values()), reverse=True)[:k]
+    assert got_top == pytest.approx(sorted(ref_lp, reverse=True)[:k], abs=1e-5)
+
+
+def test_logprobs_from_processed_logits():
+    V = 30
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, V, generator=g) * 2
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.6, logprobs=3, repetition_penalty=1.4, seed=3),
+        SamplingParams(temperature=1.0, top_k=4, logprobs=6),  # beyond the kept set: -inf
+        SamplingParams(temperature=1.0, logprobs=0),
+    ]
+    rows = [make_row(p, prompt=[1, 2, 3], output=[4], seq_id=i) for i, p in enumerate(params)]
+    out = Sampler(seed=0)(logits, SamplingMetadata(rows))
+    for i, (p, o) in enumerate(zip(params, out.outputs)):
+        ref_lp = ref_log_softmax(ref_process(logits[i].double().tolist(), p, [1, 2, 3], [4]))
+        chosen = o.token_ids[0]
+        assert o.logprobs[0] == pytest.approx(ref_lp[chosen], abs=1e-5)
+        assert len(o.top_logprobs) == 1
+        check_logprob_dict(o.top_logprobs[0], ref_lp, chosen, p.logprobs)
+        assert torch.allclose(out.logprobs[i].double(),
+                              torch.tensor(ref_lp, dtype=torch.float64), atol=1e-5)
+    assert list(out.outputs[3].top_logprobs[0]) == [out.outputs[3].token_ids[0]]
+    d2 = out.outputs[2].top_logprobs[0]
+    assert sum(1 for lp in d2.values() if lp.logprob == NEG_INF) == 2  # 6 asked, 4 kept
+
+
+def test_no_top_logprobs_unless_asked():
+    out = Sampler()(torch.randn(1, 5), SamplingMetadata([make_row(SamplingParams(temperature=0))]))
+    assert out.outputs[0].top_logprobs is None and len(out.outputs[0].logprobs) == 1
+
+
+def test_prompt_logprobs_helper():
+    V = 25
+    prompt = [3, 9, 1, 1, 24, 0, 7]
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(len(prompt), V, generator=g)  # last row predicts past the prompt
+    res = compute_prompt_logprobs(logits, prompt, 4)
+    assert len(res) == len(prompt) and res[0] is None
+    for pos in range(1, len(prompt)):
+        ref_lp = ref_log_softmax(logits[pos - 1].double().tolist())
+        check_logprob_dict(res[pos], ref_lp, prompt[pos], 4)
+
+    # A chunk starting at position 3 gives positions 4.. and no leading None; params'
+    # temperature and top_k apply (vLLM 0.6 processes prompt rows), penalties do not.
+    p = SamplingParams(temperature=0.5, top_k=10, repetition_penalty=2.0, logprobs=2)
+    chunk = compute_prompt_logprobs(logits[3:5], prompt, 2, params=p, start=3)
+    assert len(chunk) == 2
+    for j, pos in enumerate([4, 5]):
+        plain = SamplingParams(temperature=0.5, top_k=10)
+        ref_lp = ref_log_softmax(ref_process(logits[pos - 1].double().tolist(), plain, [], []))
+        check_logprob_dict(chunk[j], ref_lp, prompt[pos], 2)
+    assert compute_prompt_logprobs(logits[:1], [5], 3) == [None]
+
+
+# ----------------------------------------------------------------------------------------
+# Beam search
+# ----------------------------------------------------------------------------------------
+
+
+def brute_force_candidates(logprobs: List[List[float]], cum: List[float], beam_width: int):
+    cands = []
+    for b in range(len(logprobs)):
+        for t in range(len(logprobs[b])):
+            cands.append((cum[b] + logprobs[b][t], b, t))
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    return [(b, t, s) for s, b, t in cands[: 2 * beam_width]]
+
+
+@pytest.mark.parametrize("num_beams,beam_width,vocab", [(1, 3, 20), (4, 4, 30), (3, 2, 5), (2, 8, 3)])
+def test_beam_search_candidates_vs_brute_force(num_beams, beam_width, vocab):
+    g = torch.Generator().manual_seed(num_beams * 100 + vocab)
+    logprobs = torch.log_softmax(torch.randn(num_beams, vocab, generator=g), dim=-1)
+    cum = (torch.rand(num_beams, generator=g) * -5).tolist()
+    got = beam_search_candidates(logprobs, cum, beam_width)
+    want = brute_force_candidates(logprobs.tolist(), cum, beam_width)
+    assert [(b, t) for b, t, _ in got] == [(b, t) for b, t, _ in want]
+    assert [s for _, _, s in got] == pytest.approx([s for _, _, s in want], abs=1e-5)
+
+
+def test_beam_search_candidates_ties_lowest_beam_then_token():
+    logprobs = torch.log(torch.tensor([[0.25, 0.25, 0.5], [0.5, 0.25, 0.25]]))
+    got = beam_search_candidates(logprobs, [-1.0, -1.0], 2)
+    want = brute_force_candidates(logprobs.tolist(), [-1.0, -1.0], 2)
+    assert [(b, t) for b, t, _ in got] == [(b, t) for b, t, _ in want] == [(0, 2), (1, 0), (0, 0), (0, 1)]
+
+
+def test_beam_rows_left_to_engine():
+    p = SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, logprobs=1)
+    rows = [make_row(p, seq_id=0), make_row(SamplingParams(temperature=0.0), seq_id=1)]
+    logits = torch.randn(2, 6)
+    out = Sampler()(logits, SamplingMetadata(rows))
+    assert out.outputs[0] is None and out.outputs[1].token_ids == [int(logits[1].argmax())]
+    cands = beam_search_candidates(out.logprobs[:1], [0.0], 2)
+    assert len(cands) == 4 and cands[0][1] == int(logits[0].argmax())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_processing_and_seeds_reproducible():
+    V = 64
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, V, generator=g) * 2
+    rows = [
+        make_row(SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=3), output=[5], seq_id=0),
+        make_row(SamplingParams(temperature=0.7, top_k=8, top_p=0.8, min_p=0.05, seed=3), seq_id=1),
+        make_row(SamplingParams(temperature=1.0, min_tokens=2, presence_penalty=0.5), output=[1], seq_id=2),
+        make_row(SamplingParams(temperature=1.0), seq_id=3),
+    ]
+    md = SamplingMetadata(rows)
+    cpu = process_logits(logits, md)
+    gpu = process_logits(logits.cuda(), md).cpu()
+    assert torch.equal(torch.isinf(cpu), torch.isinf(gpu))
+    assert torch.allclose(cpu[torch.isfinite(cpu)], gpu[torch.isfinite(gpu)], atol=1e-5)
+    a = Sampler(seed=0)(logits.cuda(), md)
+    b = Sampler(seed=0)(logits.cuda(), md)
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert a.outputs[0].token_ids == [int(cpu[0].argmax())]
+    for i, o in enumerate(a.outputs):
+        assert math.isfinite(cpu[i, o.token_ids[0]].item())

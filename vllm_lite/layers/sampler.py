@@ -1,0 +1,447 @@
+"""The sampler: from one step's logits to tokens, with vLLM 0.6's semantics.
+
+Per row, in vLLM 0.6's order (vllm/model_executor/layers/sampler.py):
+
+1. min_tokens: while len(output) < min_tokens, EOS (unless ignore_eos) and stop_token_ids
+   get logit -inf.
+2. repetition penalty over prompt + output tokens (logit > 0 divided by it, else multiplied),
+   then frequency (times the count in the output) and presence (once if in the output)
+   penalties, subtracted.
+3. temperature (greedy rows, temperature < 1e-5, divide by 1 instead).
+4. top_k then top_p (on the top_k-truncated distribution), then min_p (prob < min_p * max
+   prob). Ties at a boundary are kept: top_k keeps every token whose logit equals the k-th
+   largest (as vLLM does); top_p keeps every token whose logit equals the smallest one the
+   nucleus needs, so the kept set never depends on how a sort orders equal logits. At
+   least one token is always kept.
+5. greedy rows: argmax (lowest id on ties); random rows: a draw from softmax, done as
+   vLLM's argmax(probs / Exponential(1) noise), the noise of a seeded request coming from
+   its own torch.Generator (seeded with params.seed at its first step, kept across steps,
+   keyed by request_id), so its tokens do not depend on its batch mates.
+
+Logprobs are the log_softmax of the *processed* logits (after steps 1-4), as vLLM 0.6
+returns them: a token cut by top_k/top_p/min_p has logprob -inf, and a temperature
+changes them. Greedy rows use temperature 1. The sampled tokens' logprobs (always
+computed: the engine sums them into cumulative_logprob) come from the same tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence as Seq, Tuple
+
+import torch
+
+from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
+from vllm_lite.sampling_params import _SAMPLING_EPS, SamplingParams, SamplingType
+
+__all__ = [
+    "Logprob",
+    "SampleOutput",
+    "SamplerOutput",
+    "Sampler",
+    "apply_min_tokens",
+    "apply_penalties",
+    "apply_temperature",
+    "apply_top_k_top_p",
+    "apply_min_p",
+    "beam_search_candidates",
+    "compute_prompt_logprobs",
+]
+
+
+@dataclass
+class Logprob:
+    """A token's logprob and its rank in its row (1 = most likely), as vLLM's Logprob."""
+
+    logprob: float
+    rank: Optional[int] = None
+
+
+@dataclass
+class SampleOutput:
+    """What one row sampled.
+
+    token_ids: num_samples tokens (1 except at a best_of group's first step).
+    logprobs: each sampled token's logprob (processed distribution).
+    top_logprobs: when params.logprobs is not None, one dict per sampled token: that token
+        and the row's top params.logprobs tokens -> Logprob (vLLM's SampleLogprobs entry).
+    """
+
+    seq_id: int
+    token_ids: List[int]
+    logprobs: List[float]
+    top_logprobs: Optional[List[Dict[int, Logprob]]] = None
+
+
+@dataclass
+class SamplerOutput:
+    """outputs[i] is row i's SampleOutput, None for a beam-search row (the engine ranks
+    beams with beam_search_candidates over logprobs[rows of the group]).
+    logprobs: [num_rows, vocab] float32 log_softmax of the processed logits."""
+
+    outputs: List[Optional[SampleOutput]]
+    logprobs: torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------
+# Logits processors. Each takes float logits [rows, vocab] and returns the processed tensor
+# (in place where it can). Vectorised over rows and vocabulary.
+# ----------------------------------------------------------------------------------------
+
+
+def apply_min_tokens(logits: torch.Tensor, banned: Seq[Seq[int]]) -> torch.Tensor:
+    """Set logits[i, t] = -inf for every t in banned[i] (ids outside the vocab ignored)."""
+    vocab = logits.shape[1]
+    rows: List[int] = []
+    cols: List[int] = []
+    for i, ids in enumerate(banned):
+        for t in ids:
+            if 0 <= t < vocab:
+                rows.append(i)
+                cols.append(t)
+    if rows:
+        r = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        c = torch.tensor(cols, dtype=torch.long, device=logits.device)
+        logits[r, c] = -float("inf")
+    return logits
+
+
+def _token_table(token_lists: Seq[Seq[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Pad token lists into a [rows, max_len] long tensor; padding and ids >= vocab -> vocab."""
+    max_len = max((len(t) for t in token_lists), default=0)
+    table = torch.full((len(token_lists), max(max_len, 1)), vocab, dtype=torch.long)
+    for i, toks in enumerate(token_lists):
+        if len(toks):
+            table[i, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.long)
+    table[(table < 0) | (table > vocab)] = vocab
+    return table.to(device)
+
+
+def _bin_counts(token_lists: Seq[Seq[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float counts of each token id in each row's list."""
+    table = _token_table(token_lists, vocab, device)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, table, torch.ones_like(table, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_tokens: Seq[Seq[int]],
+    output_tokens: Seq[Seq[int]],
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's apply_penalties: repetition over prompt+output, then frequency and presence
+    over the output. The penalty tensors are [rows] on logits' device."""
+    vocab = logits.shape[1]
+    dev = logits.device
+    output_counts = _bin_counts(output_tokens, vocab, dev).to(logits.dtype)
+    output_mask = output_counts > 0
+    prompt_mask = _bin_counts(prompt_tokens, vocab, dev) > 0
+    rep = repetition_penalties.to(logits.dtype).unsqueeze(1).expand(-1, vocab)
+    rep = torch.where(prompt_mask | output_mask, rep, torch.ones_like(rep))
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits -= frequency_penalties.to(logits.dtype).unsqueeze(1) * output_counts
+    logits -= presence_penalties.to(logits.dtype).unsqueeze(1) * output_mask.to(logits.dtype)
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Divide each row by its temperature ([rows]; greedy rows should pass 1)."""
+    return logits.div_(temperatures.to(logits.dtype).unsqueeze(1))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+) -> torch.Tensor:
+    """top_k (ks [rows] long; <= 0 or >= vocab disables) then top_p (ps [rows]; >= 1
+    disables) on the top_k-truncated distribution; ties at either boundary kept."""
+    vocab = logits.shape[1]
+    neg_inf = -float("inf")
+    ks = top_ks.to(device=logits.device, dtype=torch.long)
+    ks = torch.where((ks <= 0) | (ks > vocab), torch.full_like(ks, vocab), ks)
+    logits_sort, _ = logits.sort(dim=-1, descending=True)
+    kth = logits_sort.gather(1, (ks - 1).unsqueeze(1))  # [rows, 1]
+    logits = logits.masked_fill(logits < kth, neg_inf)
+    logits_sort = logits_sort.masked_fill(logits_sort < kth, neg_inf)
+
+    ps = top_ps.to(device=logits.device, dtype=logits_sort.dtype)
+    ps = torch.where(ps >= 1.0, torch.full_like(ps, float("inf")), ps)
+    probs_sort = logits_sort.softmax(dim=-1)
+    # Keep a token while the probability mass strictly before it is below p.
+    exclusive_cum = probs_sort.cumsum(dim=-1) - probs_sort
+    keep = exclusive_cum < ps.unsqueeze(1)
+    keep[:, 0] = True
+    threshold = logits_sort.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    return logits.masked_fill(logits < threshold, neg_inf)
+
+
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose prob is below min_p times the row's top prob (min_ps [rows])."""
+    probs = logits.softmax(dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)
+    scaled = min_ps.to(device=logits.device, dtype=probs.dtype).unsqueeze(1) * top
+    return logits.masked_fill(probs < scaled, -float("inf"))
+
+
+def _temperature(params: SamplingParams) -> float:
+    return 1.0 if params.temperature < _SAMPLING_EPS else float(params.temperature)
+
+
+def _apply_sampling_processors(
+    logits: torch.Tensor, params_list: Seq[SamplingParams]
+) -> torch.Tensor:
+    """Steps 3-4 (temperature, top_k/top_p, min_p) for rows with the given params."""
+    dev = logits.device
+    temps = [_temperature(p) for p in params_list]
+    if any(t != 1.0 for t in temps):
+        logits = apply_temperature(logits, torch.tensor(temps, dtype=logits.dtype, device=dev))
+    top_ks = [p.top_k for p in params_list]
+    top_ps = [p.top_p for p in params_list]
+    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        logits = apply_top_k_top_p(
+            logits,
+            torch.tensor(top_ks, dtype=torch.long, device=dev),
+            torch.tensor(top_ps, dtype=logits.dtype, device=dev),
+        )
+    min_ps = [p.min_p for p in params_list]
+    if any(m > 0.0 for m in min_ps):
+        logits = apply_min_p(logits, torch.tensor(min_ps, dtype=logits.dtype, device=dev))
+    return logits
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Steps 1-4 on a float32 copy of logits [rows, vocab]; the input is left untouched."""
+    if logits.dim() != 2 or logits.shape[0] != len(metadata.rows):
+        raise ValueError(
+            f"logits must be [num_rows={len(metadata.rows)}, vocab], got {tuple(logits.shape)}"
+        )
+    rows = metadata.rows
+    logits = logits.to(torch.float32, copy=True)
+    dev = logits.device
+
+    banned = [r.min_tokens_banned_ids() for r in rows]
+    if any(banned):
+        logits = apply_min_tokens(logits, banned)
+
+    pen = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.presence_penalty != 0.0
+        or r.params.frequency_penalty != 0.0
+        or r.params.repetition_penalty != 1.0
+    ]
+    if pen:
+        idx = torch.tensor(pen, dtype=torch.long, device=dev)
+        sub = [rows[i] for i in pen]
+        logits[idx] = apply_penalties(
+            logits[idx],
+            [list(r.prompt_token_ids) for r in sub],
+            [list(r.output_token_ids) for r in sub],
+            torch.tensor([r.params.presence_penalty for r in sub], device=dev),
+            torch.tensor([r.params.frequency_penalty for r in sub], device=dev),
+            torch.tensor([r.params.repetition_penalty for r in sub], device=dev),
+        )
+
+    return _apply_sampling_processors(logits, [r.params for r in rows])
+
+
+# ----------------------------------------------------------------------------------------
+# Logprob helpers
+# ----------------------------------------------------------------------------------------
+
+
+def _top_logprob_dicts(
+    logprobs: torch.Tensor, chosen: torch.Tensor, num_top: Seq[int]
+) -> List[Dict[int, Logprob]]:
+    """Per row i: {chosen[i]: Logprob(...), top num_top[i] tokens...} from logprobs [n, V]."""
+    n, vocab = logprobs.shape
+    if n == 0:
+        return []
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(dim=1) + 1
+    k = min(max(num_top), vocab)
+    if k > 0:
+        top_vals, top_ids = logprobs.topk(k, dim=-1)
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    out: List[Dict[int, Logprob]] = []
+    for i, (tok, lp, rank) in enumerate(zip(chosen.tolist(), chosen_lp.tolist(), ranks.tolist())):
+        d: Dict[int, Logprob] = {tok: Logprob(lp, rank)}
+        for j in range(min(num_top[i], k)):
+            t = top_ids_l[i][j]
+            if t not in d:
+                d[t] = Logprob(top_vals_l[i][j], j + 1)
+        out.append(d)
+    return out
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor,
+    prompt_token_ids: Seq[int],
+    num_logprobs: int,
+    params: Optional[SamplingParams] = None,
+    start: int = 0,
+) -> List[Optional[Dict[int, Logprob]]]:
+    """Prompt logprobs of one request (vLLM's PromptLogprobs) for a chunk of its prompt.
+
+    logits [T, vocab] are the model's outputs at prompt positions start .. start+T-1; row i
+    predicts the prompt token at position start+i+1 (a row past the prompt's last token is
+    ignored). Returns, for each predicted position, {actual token: Logprob, top num_logprobs
+    tokens...}, preceded by None for position 0 when start == 0 (the first token has no
+    logprob). As vLLM 0.6 does for prompt rows, params' temperature, top_k, top_p and min_p
+    are applied (no penalties, no min_tokens) when params is given.
+    """
+    num_targets = max(0, min(logits.shape[0], len(prompt_token_ids) - 1 - start))
+    out: List[Optional[Dict[int, Logprob]]] = [None] if start == 0 else []
+    if num_targets == 0:
+        return out
+    x = logits[:num_targets].to(torch.float32, copy=True)
+    if params is not None:
+        x = _apply_sampling_processors(x, [params] * num_targets)
+    logprobs = torch.log_softmax(x, dim=-1)
+    targets = torch.as_tensor(
+        list(prompt_token_ids[start + 1 : start + 1 + num_targets]),
+        dtype=torch.long,
+        device=logprobs.device,
+    )
+    out.extend(_top_logprob_dicts(logprobs, targets, [num_logprobs] * num_targets))
+    return out
+
+
+def beam_search_candidates(
+    logprobs: torch.Tensor, cum_logprobs: Seq[float] | torch.Tensor, beam_width: int
+) -> List[Tuple[int, int, float]]:
+    """The best 2 * beam_width (beam index, token, cumulative logprob) extensions of a
+    beam group, best first (ties: lower beam index, then lower token id).
+
+    logprobs [num_beams, vocab]: each live beam's next-token logprobs (one row at the
+    prompt step); cum_logprobs [num_beams]: each beam's cumulative logprob so far. The
+    engine applies length_penalty when it finishes beams (vLLM's BeamSearch flow).
+    """
+    num_beams, vocab = logprobs.shape
+    cum = torch.as_tensor(cum_logprobs, dtype=logprobs.dtype, device=logprobs.device)
+    scores = (logprobs + cum.reshape(num_beams, 1)).flatten()
+    k = min(2 * beam_width, scores.numel())
+    # A stable descending sort keeps lower flat indices first among equal scores.
+    vals, idx = scores.sort(descending=True, stable=True)
+    vals, idx = vals[:k].tolist(), idx[:k].tolist()
+    return [(i // vocab, i % vocab, v) for i, v in zip(idx, vals)]
+
+
+# ----------------------------------------------------------------------------------------
+# The sampler
+# ----------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Samples one step's tokens: sampler(logits, metadata) -> SamplerOutput.
+
+    seed: seeds the generator of unseeded random rows; None uses torch's default RNG
+    (so torch.manual_seed(engine_seed) makes them reproducible). Seeded requests own a
+    torch.Generator, created at their first step and kept in self.generators by
+    request_id until free_request(request_id).
+    """
+
+    def __init__(self, seed: Optional[int] = None) -> None:
+        self.seed = seed
+        self.generators: Dict[str, torch.Generator] = {}
+        self._global_generators: Dict[torch.device, torch.Generator] = {}
+
+    def free_request(self, request_id: str) -> None:
+        """Forget a finished/aborted request's generator (call once it leaves the engine)."""
+        self.generators.pop(request_id, None)
+
+    def _global_generator(self, device: torch.device) -> Optional[torch.Generator]:
+        if self.seed is None:
+            return None
+        gen = self._global_generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._global_generators[device] = gen
+        return gen
+
+    def _request_generator(self, row: SamplingRow, device: torch.device) -> torch.Generator:
+        gen = self.generators.get(row.request_id)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(row.params.seed)
+            self.generators[row.request_id] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        rows = metadata.rows
+        processed = process_logits(logits, metadata)
+        logprobs = torch.log_softmax(processed, dim=-1)
+        dev = processed.device
+        vocab = processed.shape[1]
+
+        # Per sample: the row it comes from. Greedy rows: argmax; random rows: one
+        # Exponential(1) noise row per sample (vLLM's _multinomial), argmax(probs / noise).
+        greedy = [i for i, r in enumerate(rows) if r.sampling_type == SamplingType.GREEDY]
+        random_rows = [
+            i for i, r in enumerate(rows)
+            if r.sampling_type in (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
+        ]
+        tokens: Dict[int, torch.Tensor] = {}
+        if greedy:
+            g = torch.tensor(greedy, dtype=torch.long, device=dev)
+            for i, t in zip(greedy, processed[g].argmax(dim=-1)):
+                tokens[i] = t.reshape(1)
+        if random_rows:
+            sample_rows = [i for i in random_rows for _ in range(rows[i].num_samples)]
+            s = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+            probs = torch.softmax(processed[s], dim=-1)
+            noise = torch.empty_like(probs)
+            unseeded = [j for j, i in enumerate(sample_rows) if rows[i].params.seed is None]
+            if unseeded:
+                u = torch.tensor(unseeded, dtype=torch.long, device=dev)
+                q = torch.empty(len(unseeded), vocab, dtype=probs.dtype, device=dev)
+                q.exponential_(1.0, generator=self._global_generator(dev))
+                noise[u] = q
+            j = 0
+            for i in random_rows:
+                n = rows[i].num_samples
+                if rows[i].params.seed is not None:
+                    noise[j : j + n].exponential_(
+                        1.0, generator=self._request_generator(rows[i], dev)
+                    )
+                j += n
+            # Noise 0 (possible in float) would divide a zero probability into a NaN.
+            sampled = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+            j = 0
+            for i in random_rows:
+                n = rows[i].num_samples
+                tokens[i] = sampled[j : j + n]
+                j += n
+
+        order = sorted(tokens)
+        outputs: List[Optional[SampleOutput]] = [None] * len(rows)
+        if not order:
+            return SamplerOutput(outputs, logprobs)
+        flat_rows = [i for i in order for _ in range(tokens[i].numel())]
+        fr = torch.tensor(flat_rows, dtype=torch.long, device=dev)
+        flat_tokens = torch.cat([tokens[i] for i in order])
+        flat_lp = logprobs[fr].gather(1, flat_tokens.unsqueeze(1)).squeeze(1)
+        want_top = [j for j, i in enumerate(flat_rows) if rows[i].params.logprobs is not None]
+        top_dicts: Dict[int, Dict[int, Logprob]] = {}
+        if want_top:
+            w = torch.tensor(want_top, dtype=torch.long, device=dev)
+            dicts = _top_logprob_dicts(
+                logprobs[fr[w]],
+                flat_tokens[w],
+                [rows[flat_rows[j]].params.logprobs for j in want_top],
+            )
+            top_dicts = dict(zip(want_top, dicts))
+        toks_l, lps_l = flat_tokens.tolist(), flat_lp.tolist()
+        j = 0
+        for i in order:
+            n = tokens[i].numel()
+            top = None
+            if rows[i].params.logprobs is not None:
+                top = [top_dicts[j + m] for m in range(n)]
+            outputs[i] = SampleOutput(rows[i].seq_id, toks_l[j : j + n], lps_l[j : j + n], top)
+            j += n
+        return SamplerOutput(outputs, logprobs)

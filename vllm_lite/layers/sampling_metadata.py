@@ -1,0 +1,102 @@
+"""What the sampler needs to know about each row of logits it samples from this step.
+
+The engine builds one SamplingMetadata per step, one SamplingRow per row of the logits
+tensor (one row per running sequence that samples this step, in the same order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence as Seq
+
+from vllm_lite.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits: the sequence it belongs to and how to sample it.
+
+    seq_id: the sequence sampled (several rows of one request after an n/best_of fork).
+    request_id: the request; a seeded request's torch.Generator is keyed by it, so forked
+        sequences of one request draw from one generator, in row order, as in vLLM.
+    prompt_token_ids / output_token_ids: the tokens so far, for the penalties and min_tokens.
+    eos_token_id: masked with stop_token_ids while fewer than min_tokens were generated
+        (not when params.ignore_eos).
+    num_samples: tokens drawn from this row (best_of at a random request's first step,
+        multinomial with replacement as vLLM does); 1 otherwise. Greedy rows take 1.
+    """
+
+    seq_id: int
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: Seq[int]
+    output_token_ids: Seq[int] = field(default_factory=list)
+    eos_token_id: Optional[int] = None
+    num_samples: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_samples, bool) or not isinstance(self.num_samples, int):
+            raise ValueError(f"num_samples must be an int, got {self.num_samples!r}")
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be at least 1, got {self.num_samples}")
+        if self.num_samples > 1 and self.params.sampling_type in (
+            SamplingType.GREEDY,
+            SamplingType.BEAM,
+        ):
+            raise ValueError(
+                f"num_samples > 1 needs random sampling, got {self.params.sampling_type.name} "
+                f"for seq {self.seq_id}"
+            )
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        return self.params.sampling_type
+
+    def min_tokens_banned_ids(self) -> List[int]:
+        """Token ids masked this step because min_tokens is not reached yet (else [])."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return []
+        ids = list(self.params.stop_token_ids or [])
+        if self.eos_token_id is not None and not self.params.ignore_eos:
+            ids.append(self.eos_token_id)
+        return ids
+
+
+@dataclass
+class SamplingMetadata:
+    """The rows sampled this step, in logits-row order."""
+
+    rows: List[SamplingRow]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @classmethod
+    def from_seq_groups(cls, seq_groups: Iterable, num_samples_first_step: bool = True) -> "SamplingMetadata":
+        """One row per unfinished sequence of each vllm_lite.sequence.SequenceGroup, in order.
+
+        With num_samples_first_step, a random-sampling group awaiting its first sample
+        (one sequence, no output) gets num_samples = best_of, the engine forking the
+        children from the tokens drawn.
+        """
+        rows: List[SamplingRow] = []
+        for group in seq_groups:
+            params = group.sampling_params
+            first = (
+                num_samples_first_step
+                and group.awaiting_first_sample()
+                and params.sampling_type in (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
+            )
+            for seq in group.get_unfinished_seqs():
+                rows.append(
+                    SamplingRow(
+                        seq_id=seq.seq_id,
+                        request_id=group.request_id,
+                        params=params,
+                        prompt_token_ids=seq.prompt_token_ids,
+                        output_token_ids=seq.output_token_ids,
+                        eos_token_id=group.eos_token_id,
+                        num_samples=params.best_of if first else 1,
+                    )
+                )
+        return cls(rows)
