@@ -22,3 +22,28 @@ except ImportError as e:  # the pure-Python parts (core/) stay importable withou
     logger.debug("vllm_lite._C not loaded: %s", e)
 else:
     _C_IMPORT_ERROR = None
+
+
+# Lazy exports: `import vllm_lite` stays cheap (no transformers, no model code) until one
+# of these is used.
+_LAZY = {
+    "LLM": "vllm_lite.entrypoints.llm",
+    "SamplingParams": "vllm_lite.sampling_params",
+    "RequestOutput": "vllm_lite.outputs",
+    "CompletionOutput": "vllm_lite.outputs",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vllm_lite' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

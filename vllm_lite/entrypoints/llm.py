@@ -1,0 +1,193 @@
+"""LLM: offline batched generation, vLLM's ``LLM`` class.
+
+    llm = LLM("path/to/hf_folder")
+    outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from vllm_lite.config import CacheConfig, SchedulerConfig
+from vllm_lite.engine.config import EngineConfig, ModelConfig, resolve_device
+from vllm_lite.engine.llm_engine import LLMEngine
+from vllm_lite.outputs import RequestOutput
+from vllm_lite.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, List[int], Dict[str, Any]]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(folder: str) -> Any:
+    path = Path(folder)
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        logger.info("no tokenizer in %s: token-id prompts only, outputs carry no text", folder)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Optional[str] = None,
+        dtype: Any = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: Optional[int] = None,
+        max_model_len: Optional[int] = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_space: float = 4,
+        swap_space: float = 4,
+        enable_prefix_caching: bool = False,
+        enable_chunked_prefill: bool = False,
+        preemption_mode: Optional[str] = None,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        num_gpu_blocks_override: Optional[int] = None,
+    ) -> None:
+        model_config = ModelConfig(model=str(model), tokenizer=tokenizer, dtype=dtype,
+                                   max_model_len=max_model_len, seed=seed)
+        self.config = EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=block_size, swap_space_gib=swap_space,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,
+                preemption_mode=preemption_mode),
+            device=resolve_device(device),
+            kv_cache_space=kv_cache_space,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+        )
+        self.tokenizer = _load_tokenizer(model_config.tokenizer)
+        self.llm_engine = LLMEngine(self.config, tokenizer=self.tokenizer)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- inputs ------------------------------------------------------------------------------
+    def _parse_prompts(self, prompts: Any) -> List[Tuple[Optional[str], List[int]]]:
+        if isinstance(prompts, (str, dict)):
+            items: Sequence[Any] = [prompts]
+        elif isinstance(prompts, (list, tuple)):
+            if not prompts:
+                raise ValueError("no prompts given")
+            # A flat list of ints is one tokenized prompt.
+            items = [list(prompts)] if all(isinstance(p, int) for p in prompts) else prompts
+        else:
+            raise ValueError(f"prompts must be str, list[str], list[int] or list[list[int]], "
+                             f"got {type(prompts).__name__}")
+        parsed = []
+        for p in items:
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    p = list(p["prompt_token_ids"])
+                elif "prompt" in p:
+                    p = p["prompt"]
+                else:
+                    raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError("the prompt is empty")
+                if self.tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer (none in the model folder); "
+                                     "pass token ids")
+                parsed.append((p, list(self.tokenizer.encode(p))))
+            elif isinstance(p, (list, tuple)):
+                parsed.append((None, list(p)))
+            else:
+                raise ValueError(f"a prompt must be a str or a list of token ids, got {p!r}")
+        for _, ids in parsed:
+            self.llm_engine.validate_prompt(ids)
+        return parsed
+
+    def _params_list(self, sampling_params: Any, n: int) -> List[SamplingParams]:
+        if sampling_params is None:
+            params = [SamplingParams()] * n
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * n
+        else:
+            params = list(sampling_params)
+            if len(params) != n:
+                raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+            if p.use_beam_search:
+                raise ValueError("beam search is not supported yet")
+            p.verify_max_n(self.config.scheduler_config.max_num_seqs)
+        return params
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: Any = None,
+                 use_tqdm: bool = True) -> List[RequestOutput]:
+        """Completes every prompt; the outputs come back in input order."""
+        parsed = self._parse_prompts(prompts)
+        params = self._params_list(sampling_params, len(parsed))
+        return self._run(parsed, params, use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> List[RequestOutput]:
+        """One conversation (list of {"role", "content"}) or a list of them, through the
+        tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (none in the model folder)")
+        if not messages:
+            raise ValueError("no messages given")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            prompts.append((text, list(self.tokenizer.encode(text, add_special_tokens=False))))
+        for _, ids in prompts:
+            self.llm_engine.validate_prompt(ids)
+        params = self._params_list(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm)
+
+    def _run(self, parsed: List[Tuple[Optional[str], List[int]]], params: List[SamplingParams],
+             use_tqdm: bool) -> List[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        results: Dict[str, RequestOutput] = {}
+        try:
+            for (text, tokens), p in zip(parsed, params):
+                rid = str(next(self._counter))
+                engine.add_request(rid, text, p, prompt_token_ids=tokens)
+                ids.append(rid)
+            wanted = set(ids)
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+            try:
+                while len(results) < len(ids):
+                    if not engine.has_unfinished_requests():
+                        raise RuntimeError("the engine stopped with requests unfinished")
+                    for out in engine.step():
+                        if out.finished and out.request_id in wanted:
+                            results[out.request_id] = out
+                            if bar is not None:
+                                bar.update(1)
+            finally:
+                if bar is not None:
+                    bar.close()
+        except BaseException:
+            # Leave the engine serving: drop what this call queued.
+            engine.abort_request([r for r in ids if r not in results])
+            raise
+        return [results[r] for r in ids]
