@@ -1,4 +1,5 @@
-"""Models (Llama family), their registry and the HF-folder weight loader."""
+"""Models (Llama family), their registry, the HF-folder weight loader and GGUF / alias
+resolution (``resolve_model``)."""
 
 from vllm_lite.models.llama import (
     LlamaForCausalLM,
@@ -6,10 +7,11 @@ from vllm_lite.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
-from vllm_lite.models.loader import iterate_weights, load_model
+from vllm_lite.models.loader import DEFAULT_MODEL, iterate_weights, load_model, resolve_model
 from vllm_lite.models.registry import get_model_class, supported_architectures
 
 __all__ = [
+    "DEFAULT_MODEL",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
@@ -17,5 +19,6 @@ __all__ = [
     "get_model_class",
     "iterate_weights",
     "load_model",
+    "resolve_model",
     "supported_architectures",
 ]

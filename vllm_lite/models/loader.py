@@ -1,4 +1,6 @@
-"""Loads a Hugging Face model folder (config.json + safetensors / pytorch_model.bin)."""
+"""Loads a Hugging Face model folder (config.json + safetensors / pytorch_model.bin);
+GGUF files and model aliases are first converted to such a folder (see
+:mod:`vllm_lite.models.gguf`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_lite.models.gguf import DEFAULT_MODEL, resolve_model
 from vllm_lite.models.registry import get_model_class
+
+__all__ = ["DEFAULT_MODEL", "iterate_weights", "load_model", "resolve_dtype", "resolve_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,17 +105,15 @@ def load_model(
 ) -> tuple[nn.Module, Any]:
     """Builds the model named by ``path``/config.json and loads its weights.
 
+    ``path``: an HF model folder, a ``.gguf`` file, a folder holding one, or an alias
+    such as ``"smollm2-135m"`` (:data:`DEFAULT_MODEL`); GGUF checkpoints are converted
+    once into a cache folder (:func:`resolve_model`), which later loads read directly.
     Returns ``(model, hf_config)``, the model in eval mode on ``device`` in ``dtype``
-    (the rotary table stays float32). Local folders only: nothing is downloaded.
-    Raises ValueError for a GGUF file, an unsupported architecture, or missing /
-    unexpected / mis-shaped weights.
+    (the rotary table stays float32). Local files only: nothing is downloaded.
+    Raises ValueError for an unknown alias or missing path, a missing package, an
+    unsupported architecture, or missing / unexpected / mis-shaped weights.
     """
-    path = Path(path)
-    if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))
-                                  and not (path / "config.json").is_file()):
-        raise ValueError("GGUF loading lands with the engine issue")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a Hugging Face model folder (no config.json)")
+    path = resolve_model(path)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
