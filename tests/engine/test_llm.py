@@ -278,3 +278,20 @@ def test_import_is_lazy() -> None:
                          env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "LLM"
+
+
+def test_cli_generate_prints_outputs_and_throughput(ckpt, capsys: pytest.CaptureFixture) -> None:
+    from vllm_lite.entrypoints.cli import main
+
+    name, folder, _, _ = ckpt
+    if name != "llama":
+        pytest.skip("only the llama checkpoint has a tokenizer")
+    rc = main(["generate", "--model", str(folder), "--dtype", "float32", "--device", "cpu",
+               "--max-tokens", "5", "--block-size", "4", "--kv-cache-space", "0.01",
+               "hello world", "the cat"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "--- 'hello world'" in out and "--- 'the cat'" in out
+    assert "2 requests" in out and "output tokens/s" in out
+    rc = main(["generate", "--model", str(folder / "missing"), "x"])
+    assert rc == 2 and "error" in capsys.readouterr().err

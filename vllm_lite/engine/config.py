@@ -44,7 +44,11 @@ class ModelConfig:
     hf_config: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        path = Path(self.model)
+        from vllm_lite.models import resolve_model
+
+        # An alias (smollm2-135m) or a .gguf file becomes its converted, cached HF folder.
+        path = resolve_model(self.model)
+        self.model = str(path)
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ValueError(
                 f"model {self.model!r} is not a local Hugging Face model folder (config.json)"
