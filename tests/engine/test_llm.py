@@ -16,7 +16,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-from tests.models.helpers import make_config, save_hf_model  # noqa: E402
+# tests/ is on sys.path (pytest puts the first folder without __init__.py there).
+from models.helpers import make_config, save_hf_model  # noqa: E402
 from vllm_lite import LLM, RequestOutput, SamplingParams  # noqa: E402
 from vllm_lite.detokenizer import IncrementalDetokenizer  # noqa: E402
 
