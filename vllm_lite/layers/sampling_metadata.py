@@ -7,7 +7,7 @@ tensor (one row per running sequence that samples this step, in the same order).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence as Seq
+from typing import Any, Iterable, List, Optional, Sequence as Seq
 
 from vllm_lite.sampling_params import SamplingParams, SamplingType
 
@@ -33,6 +33,26 @@ class SamplingRow:
     output_token_ids: Seq[int] = field(default_factory=list)
     eos_token_id: Optional[int] = None
     num_samples: int = 1
+
+    @classmethod
+    def for_seq(cls, group: Any, seq: Any, first_step_draws: bool = True) -> "SamplingRow":
+        """The row of one sequence of a vllm_lite.sequence.SequenceGroup: best_of draws at
+        a random request's first sample (with first_step_draws), one otherwise."""
+        params = group.sampling_params
+        first = (
+            first_step_draws
+            and group.awaiting_first_sample()
+            and params.sampling_type in (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
+        )
+        return cls(
+            seq_id=seq.seq_id,
+            request_id=group.request_id,
+            params=params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            eos_token_id=group.eos_token_id,
+            num_samples=params.best_of if first else 1,
+        )
 
     def __post_init__(self) -> None:
         if isinstance(self.num_samples, bool) or not isinstance(self.num_samples, int):
@@ -79,24 +99,8 @@ class SamplingMetadata:
         (one sequence, no output) gets num_samples = best_of, the engine forking the
         children from the tokens drawn.
         """
-        rows: List[SamplingRow] = []
-        for group in seq_groups:
-            params = group.sampling_params
-            first = (
-                num_samples_first_step
-                and group.awaiting_first_sample()
-                and params.sampling_type in (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
-            )
-            for seq in group.get_unfinished_seqs():
-                rows.append(
-                    SamplingRow(
-                        seq_id=seq.seq_id,
-                        request_id=group.request_id,
-                        params=params,
-                        prompt_token_ids=seq.prompt_token_ids,
-                        output_token_ids=seq.output_token_ids,
-                        eos_token_id=group.eos_token_id,
-                        num_samples=params.best_of if first else 1,
-                    )
-                )
-        return cls(rows)
+        return cls([
+            SamplingRow.for_seq(group, seq, num_samples_first_step)
+            for group in seq_groups
+            for seq in group.get_unfinished_seqs()
+        ])

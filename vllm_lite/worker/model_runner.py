@@ -19,7 +19,6 @@ from vllm_lite.core.scheduler import SchedulerOutput
 from vllm_lite.layers.attention import AttentionMetadata, attention_metadata
 from vllm_lite.layers.sampler import Sampler, SamplerOutput
 from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
-from vllm_lite.sampling_params import SamplingType
 
 
 @dataclass
@@ -52,9 +51,6 @@ class ModelRunner:
         is_prompt = False
         for sched in out.scheduled_seq_groups:
             group = sched.seq_group
-            params = group.sampling_params
-            first = group.awaiting_first_sample() and params.sampling_type in (
-                SamplingType.RANDOM, SamplingType.RANDOM_SEED)
             for s in sched.seqs:
                 seq = group.get_seq(s.seq_id)
                 if seq is None:
@@ -72,15 +68,7 @@ class ModelRunner:
                     is_prompt = True
                 if s.do_sample:
                     sample_idx.append(len(ids) - 1)
-                    rows.append(SamplingRow(
-                        seq_id=seq.seq_id,
-                        request_id=group.request_id,
-                        params=params,
-                        prompt_token_ids=seq.prompt_token_ids,
-                        output_token_ids=seq.output_token_ids,
-                        eos_token_id=group.eos_token_id,
-                        num_samples=params.best_of if first else 1,
-                    ))
+                    rows.append(SamplingRow.for_seq(group, seq))
         if not counts:
             return None
         dev = self.device
