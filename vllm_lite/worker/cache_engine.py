@@ -136,23 +136,23 @@ class CacheEngine:
 
     def swap_out(self, pairs: BlockMapping) -> None:
         """Device blocks -> CPU blocks, (src device block, dst CPU block) pairs."""
-        if not pairs:
-            return
-        self._require_cpu_pool()
-        mapping = self._mapping(pairs, torch.device("cpu"))
-        for (gk, gv), (ck, cv) in zip(self.gpu_cache, self.cpu_cache):
-            ops.swap_blocks(gk, ck, mapping)
-            ops.swap_blocks(gv, cv, mapping)
+        self._swap(pairs, to_cpu=True)
 
     def swap_in(self, pairs: BlockMapping) -> None:
         """CPU blocks -> device blocks, (src CPU block, dst device block) pairs."""
+        self._swap(pairs, to_cpu=False)
+
+    def _swap(self, pairs: BlockMapping, to_cpu: bool) -> None:
         if not pairs:
             return
         self._require_cpu_pool()
         mapping = self._mapping(pairs, torch.device("cpu"))
-        for (gk, gv), (ck, cv) in zip(self.gpu_cache, self.cpu_cache):
-            ops.swap_blocks(ck, gk, mapping)
-            ops.swap_blocks(cv, gv, mapping)
+        for device_kv, cpu_kv in zip(self.gpu_cache, self.cpu_cache):
+            for dev_cache, cpu_cache in zip(device_kv, cpu_kv):  # K, then V
+                if to_cpu:
+                    ops.swap_blocks(dev_cache, cpu_cache, mapping)
+                else:
+                    ops.swap_blocks(cpu_cache, dev_cache, mapping)
 
     def copy(self, pairs: BlockMapping) -> None:
         """Device block -> device block (copy-on-write), all layers at once."""
