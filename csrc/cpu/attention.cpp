@@ -175,7 +175,6 @@ AttentionParams make_params(const PagedAttentionDims& d, const at::Tensor& query
   p.head_size = d.head_size;
   p.block_size = d.block_size;
   p.max_blocks_per_seq = d.max_blocks_per_seq;
-  p.x = d.x;
   p.scale = static_cast<float>(scale * k_scale);
   p.v_scale = static_cast<float>(v_scale);
   p.partition_size = kPartitionSize;

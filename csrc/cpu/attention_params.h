@@ -26,7 +26,6 @@ struct AttentionParams {
   int64_t head_size;
   int64_t block_size;
   int64_t max_blocks_per_seq;
-  int64_t x;
   float scale;    // softmax scale times k_scale
   float v_scale;
   int64_t partition_size;
