@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import Dict, Iterable, List, Optional, Sequence as Seq, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence as Seq, Union
 
 from vllm_lite.sampling_params import SamplingParams
 
@@ -82,6 +82,12 @@ class Sequence:
         # so it stays valid across preemption and is copied on fork.
         self.block_hashes: List[bytes] = []
         self.stop_reason: Optional[Union[int, str]] = None
+        # The sequence this one was forked from (None for a request's first sequence): the
+        # engine gives a beam forked this step its parent's logprob history.
+        self.parent_seq_id: Optional[int] = None
+        # False for a request that wants prompt logprobs: the logits of every prompt
+        # position are needed, so its prompt is computed even where the prefix cache has it.
+        self.read_prefix_cache = True
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -123,6 +129,8 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.cumulative_logprob = self.cumulative_logprob
         child.block_hashes = list(self.block_hashes)
+        child.parent_seq_id = self.seq_id
+        child.read_prefix_cache = self.read_prefix_cache
         return child
 
     def __repr__(self) -> str:
@@ -160,6 +168,10 @@ class SequenceGroup:
         self.num_preemptions = 0
         # Why the group finished without being served (FINISHED_IGNORED).
         self.error: Optional[str] = None
+        # When sampling_params.prompt_logprobs is set: vLLM's PromptLogprobs, filled chunk by
+        # chunk as the prompt is computed (None for the first token, then one
+        # {token_id: Logprob} dict per prompt token); complete at len(prompt_token_ids).
+        self.prompt_logprobs: Optional[List[Optional[Dict[int, Any]]]] = None
 
     @property
     def seqs(self) -> List[Sequence]:

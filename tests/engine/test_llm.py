@@ -1,6 +1,7 @@
-"""LLM.generate end to end on the CPU: tiny random Llama / Qwen2 checkpoints against HF
-transformers' greedy generate (float32), under preemption, prefix caching, chunked
-prefill and batch limits; sampling, n > 1, stop strings, bad inputs, block accounting."""
+"""LLM.generate end to end on the CPU: tiny random Llama / Qwen2 / Qwen3 checkpoints
+against HF transformers' greedy generate (float32), under preemption, prefix caching,
+chunked prefill and batch limits; sampling, n > 1, stop strings, bad inputs, block
+accounting."""
 
 from __future__ import annotations
 
@@ -18,30 +19,13 @@ pytest.importorskip("tokenizers")
 
 # tests/ is on sys.path (pytest puts the first folder without __init__.py there).
 from models.helpers import make_config, save_hf_model  # noqa: E402
+from models.helpers import make_tokenizer as _make_tokenizer  # noqa: E402  (shared)
 from vllm_lite import LLM, RequestOutput, SamplingParams  # noqa: E402
 from vllm_lite.detokenizer import IncrementalDetokenizer  # noqa: E402
 
 VOCAB = 320
 MAX_TOKENS = 10
 PROMPT_LENS = [3, 9, 17, 30]
-
-
-def _make_tokenizer(folder: Path) -> Any:
-    """A byte-level BPE (ids < 300, "<eos>" = 0) with a chat template, saved in ``folder``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, the cat sat on the mat. café naïve"] * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                          "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
-    fast.save_pretrained(folder)
-    return fast
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:
@@ -57,10 +41,10 @@ def _hf_greedy(hf_model: Any, prompt: list[int], k: int = MAX_TOKENS) -> list[in
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(name, folder, HF model, greedy references); the llama folder has a tokenizer, the
-    qwen2 one none (token-id prompts only)."""
+    qwen2 and qwen3 (q/k norm) ones none (token-id prompts only)."""
     name = request.param
     folder = tmp_path_factory.mktemp(f"engine_{name}")
     config = make_config(name)
@@ -107,7 +91,7 @@ def test_greedy_matches_hf(ckpt) -> None:
         assert o.finished and len(o.outputs) == 1
         c = o.outputs[0]
         assert c.finish_reason in ("length", "stop") and c.index == 0
-        if name == "qwen2":
+        if name != "llama":
             assert c.text == ""
     _assert_all_free(llm)
 
@@ -210,9 +194,9 @@ def test_bad_inputs_raise_and_engine_keeps_serving(ckpt) -> None:
         llm.generate([good[0], [5, VOCAB]], _greedy(), use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([list(range(1, 40))], _greedy(), use_tqdm=False)
-    with pytest.raises(ValueError, match="beam search is not supported yet"):
-        llm.generate([good[0]], SamplingParams(use_beam_search=True, best_of=2, temperature=0.0),
-                     use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings are not supported with beam search"):
+        llm.generate([good[0]], SamplingParams(use_beam_search=True, best_of=2, temperature=0.0,
+                                               stop=["x"]), use_tqdm=False)
     with pytest.raises(ValueError):
         llm.generate(good[:2], [_greedy()], use_tqdm=False)  # one params for two prompts
     assert not llm.llm_engine.has_unfinished_requests()

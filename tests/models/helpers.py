@@ -154,3 +154,21 @@ def make_step(
         block_size=cache.block_size,
     )
     return torch.cat(ids).to(dev), torch.cat(positions).to(dev), meta
+
+
+def make_tokenizer(folder: Path) -> Any:
+    """A byte-level BPE (ids < 300, "<eos>" = 0) with a chat template, saved in ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the cat sat on the mat. café naïve"] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                          "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.save_pretrained(folder)
+    return fast

@@ -133,7 +133,7 @@ class BlockSpaceManager:
 
     def _prefix_hashes(self, seq: Sequence) -> List[bytes]:
         """Hashes of the full blocks a prefix-cache hit may cover."""
-        if not self.enable_caching:
+        if not self.enable_caching or not seq.read_prefix_cache:
             return []
         # At least one token must be computed to get the logits of the next one.
         max_hits = (seq.get_len() - 1) // self.block_size

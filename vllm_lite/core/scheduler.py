@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence as Seq, Tuple, Union
 
 from vllm_lite.config import CacheConfig, SchedulerConfig
+from vllm_lite.core.beam_search import BeamCandidate, Hypothesis, ScoredCandidate, select_beams
 from vllm_lite.core.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
 from vllm_lite.core.policy import running_key, waiting_key
 from vllm_lite.core.prefix_cache import PrefixCacheStats
@@ -173,6 +174,11 @@ class Scheduler:
                     f"{self.cache_config.block_size}"
                 )
         seq_group.sampling_params.verify_max_n(self.config.max_num_seqs)
+        if seq_group.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position's logits: no prefix-cache reads
+            # (as vLLM's v1 engine; the request still publishes its blocks for others).
+            for seq in seq_group.get_seqs():
+                seq.read_prefix_cache = False
         seq_group.arrival_index = next(self._arrivals)
         seq_group.waiting_steps = 0
         self._requests[seq_group.request_id] = seq_group
@@ -340,31 +346,71 @@ class Scheduler:
         decodes=True only serves sequences with a single token to compute, False only the
         others, None both.
         """
+        if group.sampling_params.use_beam_search:
+            self._assign_beam_tokens(group, state, decodes)
+            return
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             need = seq.get_num_uncomputed_tokens()
             if need <= 0 or (decodes is not None and decodes != (need == 1)):
                 continue
-            if self.config.enable_chunked_prefill:
-                take = min(need, state.tokens_left)
-            else:
-                take = need if need <= state.tokens_left else 0
-            if take == 0:
-                state.blocked = True
-                continue
-            state.num_batched_tokens += take
-            entry = state.scheduled.get(group.request_id)
-            if entry is None:
-                entry = state.scheduled[group.request_id] = ScheduledSequenceGroup(group)
-            entry.seqs.append(
-                ScheduledSequence(
-                    seq_id=seq.seq_id,
-                    num_computed_tokens=seq.num_computed_tokens,
-                    num_new_tokens=take,
-                    block_table=self.block_manager.get_block_table(seq),
-                    is_prompt=seq.is_prefill(),
-                    do_sample=take == need,
-                )
+            take = self._take(need, state)
+            if take:
+                self._schedule_seq(group, seq, take, take == need, state)
+
+    def _take(self, need: int, state: _StepState) -> int:
+        """Tokens a sequence needing ``need`` gets this step: a chunk under chunked prefill,
+        else all or none. None left blocks the step's admissions."""
+        if self.config.enable_chunked_prefill:
+            take = min(need, state.tokens_left)
+        else:
+            take = need if need <= state.tokens_left else 0
+        if take == 0:
+            state.blocked = True
+        return take
+
+    def _schedule_seq(self, group: SequenceGroup, seq: Sequence, take: int, do_sample: bool,
+                      state: _StepState) -> None:
+        state.num_batched_tokens += take
+        entry = state.scheduled.get(group.request_id)
+        if entry is None:
+            entry = state.scheduled[group.request_id] = ScheduledSequenceGroup(group)
+        entry.seqs.append(
+            ScheduledSequence(
+                seq_id=seq.seq_id,
+                num_computed_tokens=seq.num_computed_tokens,
+                num_new_tokens=take,
+                block_table=self.block_manager.get_block_table(seq),
+                is_prompt=seq.is_prefill(),
+                do_sample=do_sample,
             )
+        )
+
+    def _assign_beam_tokens(self, group: SequenceGroup, state: _StepState,
+                            decodes: Optional[bool]) -> None:
+        """A beam step ranks the candidates of all live beams together, so the beams of a
+        group sample in the same step or not at all. Beams with more than one token to
+        compute (a recompute after preemption) compute all but their last token first;
+        once every beam has one token left, they decode together."""
+        seqs = [s for s in group.get_seqs(SequenceStatus.RUNNING) if s.get_num_uncomputed_tokens() > 0]
+        if not seqs:
+            return
+        all_decode = all(s.get_num_uncomputed_tokens() == 1 for s in seqs)
+        if decodes is not None and decodes != all_decode:
+            return
+        if all_decode:
+            if len(seqs) > state.tokens_left:
+                state.blocked = True
+                return
+            for seq in seqs:
+                self._schedule_seq(group, seq, 1, True, state)
+            return
+        # A lone beam (the prompt) samples at the end of its prefill.
+        hold_back = 0 if len(seqs) == 1 else 1
+        for seq in seqs:
+            need = seq.get_num_uncomputed_tokens() - hold_back
+            take = self._take(need, state) if need > 0 else 0
+            if take:
+                self._schedule_seq(group, seq, take, hold_back == 0 and take == need, state)
 
     def _preemption_mode(self, group: SequenceGroup) -> str:
         mode = self.config.preemption_mode
@@ -373,7 +419,18 @@ class Scheduler:
         if mode == "swap" and not self.block_manager.can_swap_out(group):
             logger.debug("no CPU room to swap out %s; recomputing it instead", group.request_id)
             mode = "recompute"
+        elif mode == "recompute" and not self._recompute_fits(group) and self.block_manager.can_swap_out(group):
+            # Recomputed sequences no longer share their prompt blocks: a forked group whose
+            # separate copies could never fit would end with an error, so it swaps.
+            logger.debug("%s could not be recomputed in the cache; swapping it", group.request_id)
+            mode = "swap"
         return mode
+
+    def _recompute_fits(self, group: SequenceGroup) -> bool:
+        bm = self.block_manager
+        bs = self.cache_config.block_size
+        needed = sum(-(-s.get_len() // bs) for s in group.get_seqs(SequenceStatus.RUNNING))
+        return needed <= bm.num_total_gpu_blocks - bm.watermark_blocks
 
     def _preempt(self, group: SequenceGroup, state: _StepState) -> None:
         mode = self._preemption_mode(group)
@@ -402,17 +459,25 @@ class Scheduler:
         output: SchedulerOutput,
         sampled: Mapping[int, Seq[int]],
         logprobs: Optional[Mapping[int, Seq[float]]] = None,
+        beams: Optional[Mapping[str, Seq[BeamCandidate]]] = None,
     ) -> List[SequenceGroup]:
         """Record a step: the scheduled tokens are now computed; each sequence that was
         sampled (do_sample) gets its new token from ``sampled[seq_id]``.
 
         A group's first sample carries best_of tokens: the sequence forks into best_of
-        sequences sharing its blocks. Finished sequences free their blocks now. Returns the
-        groups that finished in this update.
+        sequences sharing its blocks. Finished sequences free their blocks now.
+
+        A beam-search group that sampled takes ``beams[request_id]`` instead: the step's
+        candidates over all its live beams, best first (see core/beam_search.py). The kept
+        ones fork their parents (sharing blocks, copy-on-write), dropped beams free their
+        blocks at once, finished ones stay in the group as hypotheses without blocks.
+
+        Returns the groups that finished in this update.
         """
         if output is not self._pending_output:
             raise ValueError("output must be the latest schedule() result, not yet updated")
         todo = self._validate_samples(output, sampled, logprobs)
+        beam_todo = self._validate_beams(output, beams or {})
         self._pending_output = None
         finished: List[SequenceGroup] = []
         for sched in output.scheduled_seq_groups:
@@ -427,6 +492,8 @@ class Scheduler:
             for seq, tokens in todo.get(group.request_id, []):
                 lps = list(logprobs[seq.seq_id]) if logprobs is not None else [0.0] * len(tokens)
                 self._append_samples(group, seq, tokens, lps)
+            if group.request_id in beam_todo:
+                self._beam_step(group, beam_todo[group.request_id])
             if group.is_finished():
                 self.running.remove(group)
                 self._requests.pop(group.request_id, None)
@@ -442,7 +509,7 @@ class Scheduler:
         todo: Dict[str, List[Tuple[Sequence, List[int]]]] = {}
         for sched in output.scheduled_seq_groups:
             group = sched.seq_group
-            if group.is_finished():
+            if group.is_finished() or group.sampling_params.use_beam_search:
                 continue
             expected = group.sampling_params.best_of if group.awaiting_first_sample() else 1
             for s in sched.seqs:
@@ -458,6 +525,73 @@ class Scheduler:
                     raise ValueError(f"logprobs[{s.seq_id}] must hold {expected} value(s)")
                 todo.setdefault(group.request_id, []).append((seq, list(tokens)))
         return todo
+
+    def _validate_beams(
+        self, output: SchedulerOutput, beams: Mapping[str, Seq[BeamCandidate]]
+    ) -> Dict[str, List[BeamCandidate]]:
+        todo: Dict[str, List[BeamCandidate]] = {}
+        scheduled = {s.request_id: s for s in output.scheduled_seq_groups}
+        for request_id in beams:
+            sched = scheduled.get(request_id)
+            if sched is None or not sched.seq_group.sampling_params.use_beam_search:
+                raise ValueError(f"beams[{request_id!r}]: not a beam-search request of this step")
+        for request_id, sched in scheduled.items():
+            group = sched.seq_group
+            if not group.sampling_params.use_beam_search or group.is_finished():
+                continue
+            sampled_ids = {s.seq_id for s in sched.seqs if s.do_sample}
+            if not sampled_ids:
+                continue
+            live = {s.seq_id for s in group.get_seqs(SequenceStatus.RUNNING)}
+            if sampled_ids != live:
+                raise RuntimeError(f"beam request {request_id!r} sampled {sorted(sampled_ids)} "
+                                   f"but runs {sorted(live)}")
+            cands = list(beams.get(request_id, ()))
+            if not cands:
+                raise ValueError(f"beams[{request_id!r}] must hold the step's candidates")
+            for c in cands:
+                if c.parent_seq_id not in live:
+                    raise ValueError(f"beams[{request_id!r}]: {c.parent_seq_id} is not a live beam")
+                if isinstance(c.token_id, bool) or not isinstance(c.token_id, int) or c.token_id < 0:
+                    raise ValueError(f"beams[{request_id!r}]: bad token id {c.token_id!r}")
+            todo[request_id] = cands
+        return todo
+
+    def _beam_step(self, group: SequenceGroup, cands: List[BeamCandidate]) -> None:
+        live = {s.seq_id: s for s in group.get_seqs(SequenceStatus.RUNNING)}
+        scored = []
+        for c in cands:
+            parent = live[c.parent_seq_id]
+            out_len = parent.get_output_len() + 1
+            scored.append(ScoredCandidate(
+                c, parent.cumulative_logprob + c.logprob, out_len,
+                self._stop_status(group, c.token_id, out_len, parent.get_len() + 1)))
+        hypotheses = [Hypothesis(s.seq_id, s.cumulative_logprob, s.get_output_len())
+                      for s in group.get_seqs() if s.is_finished()]
+        decision = select_beams(scored, hypotheses, group.sampling_params, self.max_output_len(group))
+        for seq_id in decision.dropped_hypotheses:
+            group.remove(seq_id)
+        # Hypotheses are copies of their parents plus the token; they hold no blocks.
+        for sc in decision.new_hypotheses:
+            parent = live[sc.candidate.parent_seq_id]
+            hyp = parent.fork(next_seq_id())
+            hyp.append_token_id(sc.candidate.token_id, sc.candidate.logprob)
+            hyp.status, hyp.stop_reason = sc.finish
+            group.add(hyp)
+        children: Dict[int, List[BeamCandidate]] = {}
+        for sc in decision.continue_:
+            children.setdefault(sc.candidate.parent_seq_id, []).append(sc.candidate)
+        for parent in live.values():
+            kids = children.get(parent.seq_id, [])
+            if not kids:
+                self.block_manager.free(parent)
+                parent.status = SequenceStatus.FINISHED_ABORTED
+                group.remove(parent.seq_id)
+                continue
+            # Fork before the parent takes its own token: the children share its blocks.
+            for kid in kids[1:]:
+                self._fork(group, parent).append_token_id(kid.token_id, kid.logprob)
+            parent.append_token_id(kids[0].token_id, kids[0].logprob)
 
     def _append_samples(self, group: SequenceGroup, seq: Sequence, tokens: List[int], lps: List[float]) -> None:
         targets = [seq]
@@ -512,19 +646,31 @@ class Scheduler:
         return True
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
+        finish = self._stop_status(group, seq.get_last_token_id(), seq.get_output_len(), seq.get_len())
+        if finish is not None:
+            seq.status, seq.stop_reason = finish
+
+    def _stop_status(
+        self, group: SequenceGroup, token: int, output_len: int, seq_len: int
+    ) -> Optional[Tuple[SequenceStatus, Optional[int]]]:
+        """(finished status, stop reason) of a sequence whose last token is ``token``, with
+        output_len output and seq_len tokens in all; None while it runs on."""
         params = group.sampling_params
-        token = seq.get_last_token_id()
-        if seq.get_output_len() >= params.min_tokens:
+        if output_len >= params.min_tokens:
             if not params.ignore_eos and group.eos_token_id is not None and token == group.eos_token_id:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                return
+                return SequenceStatus.FINISHED_STOPPED, None
             if token in params.stop_token_ids:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                seq.stop_reason = token
-                return
-        if params.max_tokens is not None and seq.get_output_len() >= params.max_tokens:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        elif seq.get_len() > self.config.max_model_len:
+                return SequenceStatus.FINISHED_STOPPED, token
+        if params.max_tokens is not None and output_len >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH_CAPPED, None
+        if seq_len > self.config.max_model_len:
             # As vLLM: the model never sees more than max_model_len tokens; the last
             # sampled one is not fed back.
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            return SequenceStatus.FINISHED_LENGTH_CAPPED, None
+        return None
+
+    def max_output_len(self, group: SequenceGroup) -> int:
+        """The most tokens a sequence of the group can generate."""
+        limit = self.config.max_model_len + 1 - len(group.prompt_token_ids)
+        max_tokens = group.sampling_params.max_tokens
+        return limit if max_tokens is None else min(max_tokens, limit)

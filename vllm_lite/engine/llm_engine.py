@@ -1,7 +1,8 @@
 """LLMEngine: the step loop.
 
     add_request(...)            -> scheduler queue
-    step():  schedule -> cache block ops -> model runner (forward + sampler)
+    step():  schedule -> cache block ops -> model runner (forward + sampler, prompt logprobs)
+             -> beam candidates of beam-search requests
              -> scheduler.update -> incremental detokenization, stop strings
              -> RequestOutputs of the requests that ran (or were ignored) this step
 """
@@ -15,15 +16,19 @@ from typing import Any, Dict, List, Optional, Sequence as Seq
 
 import torch
 
+from vllm_lite.core.beam_search import BeamCandidate, beam_score
 from vllm_lite.core.scheduler import Scheduler
 from vllm_lite.detokenizer import IncrementalDetokenizer
 from vllm_lite.engine.config import EngineConfig
-from vllm_lite.layers.sampler import Sampler
+from vllm_lite.layers.sampler import Logprob, Sampler, beam_search_candidates, top_logprob_dicts
 from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.sequence import SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+# Tokens of context decoded before a logprob token, so its text has the right spacing.
+_DECODE_WINDOW = 5
 
 
 @dataclass
@@ -88,8 +93,7 @@ class LLMEngine:
                     prompt_token_ids: Optional[Seq[int]] = None, priority: int = 0) -> None:
         """Queue a request: a text prompt (needs a tokenizer) or token ids."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if params.use_beam_search:
-            raise ValueError("beam search is not supported yet")
+        self.validate_params(params)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("give a prompt or prompt_token_ids")
@@ -103,6 +107,15 @@ class LLMEngine:
         group = self.scheduler.add_request(
             request_id, ids, params, priority=priority, eos_token_id=self.eos_token_id)
         self._requests[request_id] = _RequestState(prompt, ids, group)
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the engine's limits and support."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.verify_max_n(self.config.scheduler_config.max_num_seqs)
+        if params.use_beam_search and params.stop:
+            # Beams are ranked before they are detokenized; stop tokens work.
+            raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
 
     def validate_prompt(self, ids: Seq[int]) -> None:
         mc = self.config.model_config
@@ -143,27 +156,115 @@ class LLMEngine:
         sampled: Dict[int, List[int]] = {}
         lps: Dict[int, List[float]] = {}
         tops: Dict[int, Any] = {}
+        beams: Dict[str, List[BeamCandidate]] = {}
+        # Per beam request: seq_id -> its row of the step's logprobs.
+        beam_rows: Dict[str, Dict[int, int]] = {}
+        step_logprobs: Optional[torch.Tensor] = None
         if out.scheduled_seq_groups:
-            sampler_out, meta = self.runner.execute_model(out)
+            result = self.runner.execute_model(out)
+            for rid, chunk in result.prompt_logprobs.items():
+                self._add_prompt_logprobs(rid, chunk)
+            sampler_out, meta = result.sampler_output, result.metadata
             if sampler_out is not None:
-                for row, so in zip(meta.rows, sampler_out.outputs):
-                    if so is None:  # beam rows; rejected in add_request
-                        raise RuntimeError("beam search is not supported yet")
+                step_logprobs = sampler_out.logprobs
+                for i, (row, so) in enumerate(zip(meta.rows, sampler_out.outputs)):
+                    if row.params.use_beam_search:
+                        beam_rows.setdefault(row.request_id, {})[row.seq_id] = i
+                        continue
                     sampled[row.seq_id] = so.token_ids
                     lps[row.seq_id] = so.logprobs
                     tops[row.seq_id] = so.top_logprobs
+                groups = {s.request_id: s.seq_group for s in out.scheduled_seq_groups}
+                for rid, rows in beam_rows.items():
+                    beams[rid] = self._beam_candidates(groups[rid], rows, sampler_out.logprobs)
         before = {s.request_id: list(s.seq_group.seqs_dict) for s in out.scheduled_seq_groups}
-        self.scheduler.update(out, sampled, lps)
+        self.scheduler.update(out, sampled, lps, beams)
         for sched in out.scheduled_seq_groups:
             state = self._requests.get(sched.request_id)
             if state is None:
                 continue  # aborted meanwhile
+            if sched.request_id in beam_rows and step_logprobs is not None:
+                self._record_beam_logprobs(state, before[sched.request_id],
+                                           beam_rows[sched.request_id], step_logprobs)
             self._process(state, before[sched.request_id], tops)
             outputs.append(self._make_output(state))
             if state.group.is_finished():
                 del self._requests[sched.request_id]
                 self.sampler.free_request(sched.request_id)
         return outputs
+
+    @staticmethod
+    def _beam_candidates(group: SequenceGroup, rows: Dict[int, int],
+                         logprobs: torch.Tensor) -> List[BeamCandidate]:
+        """The best 2 * beam_width extensions over all live beams of a group."""
+        seq_ids = list(rows)
+        index = torch.tensor([rows[s] for s in seq_ids], dtype=torch.long, device=logprobs.device)
+        group_lps = logprobs.index_select(0, index)
+        cum = [group.get_seq(s).cumulative_logprob for s in seq_ids]
+        cands = beam_search_candidates(group_lps, cum, group.sampling_params.best_of)
+        beam_idx = torch.tensor([b for b, _, _ in cands], dtype=torch.long, device=logprobs.device)
+        token_idx = torch.tensor([t for _, t, _ in cands], dtype=torch.long, device=logprobs.device)
+        token_lps = group_lps[beam_idx, token_idx].tolist()
+        return [BeamCandidate(seq_ids[b], t, lp) for (b, t, _), lp in zip(cands, token_lps)]
+
+    def _record_beam_logprobs(self, state: _RequestState, seq_ids_before: List[int],
+                              rows: Dict[int, int], logprobs: torch.Tensor) -> None:
+        """Each beam extended this step inherits its parent's logprob history plus the
+        entry of its new token (from the parent's row); dropped beams are forgotten."""
+        group = state.group
+        k = group.sampling_params.logprobs
+        extended = []  # (seq, parent id)
+        for seq in group.get_seqs():
+            if seq.seq_id in rows:
+                extended.append((seq, seq.seq_id))  # a beam that continued itself
+            elif seq.seq_id not in seq_ids_before:
+                extended.append((seq, seq.parent_seq_id))
+        if k is not None and extended:
+            dev = logprobs.device
+            row_idx = torch.tensor([rows[p] for _, p in extended], dtype=torch.long, device=dev)
+            tokens = torch.tensor([s.get_last_token_id() for s, _ in extended], dtype=torch.long,
+                                  device=dev)
+            entries = top_logprob_dicts(logprobs.index_select(0, row_idx), tokens, [k] * len(extended))
+            # Built from the histories as they were, before a parent's is replaced.
+            history = {seq.seq_id: list(state.logprobs.get(parent, [])) + [entry]
+                       for (seq, parent), entry in zip(extended, entries)}
+            state.logprobs.update(history)
+            if self._detokenizes(group.sampling_params):
+                for seq, _ in extended:
+                    self._decode_logprobs(history[seq.seq_id][-1], seq.get_token_ids()[:-1], group)
+        current = set(group.seqs_dict)
+        for table in (state.seen, state.detoks, state.logprobs):
+            for seq_id in [s for s in table if s not in current]:
+                del table[seq_id]
+
+    def _add_prompt_logprobs(self, request_id: str, chunk: List[Optional[Dict[int, Any]]]) -> None:
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        group = state.group
+        if group.prompt_logprobs is None:
+            group.prompt_logprobs = []
+        start = len(group.prompt_logprobs)
+        group.prompt_logprobs.extend(chunk)
+        if self._detokenizes(group.sampling_params):
+            prompt = state.prompt_token_ids
+            for pos, entry in enumerate(chunk, start):
+                if entry is not None:
+                    self._decode_logprobs(entry, prompt[:pos], group)
+
+    def _detokenizes(self, params: SamplingParams) -> bool:
+        return self.tokenizer is not None and params.detokenize
+
+    def _decode_logprobs(self, entry: Dict[int, Logprob], context: Seq[int],
+                         group: SequenceGroup) -> None:
+        """Fill each Logprob's decoded_token: the text the token adds after ``context``."""
+        skip = group.sampling_params.skip_special_tokens
+        window = list(context[-_DECODE_WINDOW:])
+        prefix = self.tokenizer.decode(window, skip_special_tokens=skip)
+        for token_id, lp in entry.items():
+            text = self.tokenizer.decode(window + [token_id], skip_special_tokens=skip)
+            lp.decoded_token = (text[len(prefix):] if text.startswith(prefix)
+                                else self.tokenizer.decode([token_id], skip_special_tokens=skip))
 
     def _process(self, state: _RequestState, seq_ids_before: List[int], tops: Dict[int, Any]) -> None:
         group = state.group
@@ -176,7 +277,7 @@ class LLMEngine:
             if not new_tokens:
                 continue
             state.seen[seq.seq_id] = seq.get_output_len()
-            if params.logprobs is not None:
+            if params.logprobs is not None and not params.use_beam_search:
                 if seq.seq_id in tops:
                     top = tops[seq.seq_id]
                     entry = top[0] if top else None
@@ -186,7 +287,9 @@ class LLMEngine:
                     entry = parent_top[k] if parent_top and k < len(parent_top) else None
                 if entry is not None:
                     state.logprobs.setdefault(seq.seq_id, []).append(entry)
-            if self.tokenizer is None or not params.detokenize:
+                    if self._detokenizes(params):
+                        self._decode_logprobs(entry, seq.get_token_ids()[:-1], group)
+            if not self._detokenizes(params):
                 continue
             det = state.detoks.get(seq.seq_id)
             if det is None:
@@ -226,14 +329,22 @@ class LLMEngine:
         group = state.group
         params = group.sampling_params
         seqs = group.get_seqs()
-        chosen = seqs
-        if len(seqs) > params.n:
-            chosen = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        if params.use_beam_search:
+            # Best first; the index is the rank.
+            lp = params.length_penalty
+            chosen = sorted(seqs, key=lambda s: beam_score(s.cumulative_logprob, s.get_output_len(), lp),
+                            reverse=True)[: params.n]
+            indices = list(range(len(chosen)))
+        else:
+            chosen = seqs
+            if len(seqs) > params.n:
+                chosen = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+            indices = [seqs.index(seq) for seq in chosen]
         completions = []
-        for seq in chosen:
+        for index, seq in zip(indices, chosen):
             det = state.detoks.get(seq.seq_id)
             completions.append(CompletionOutput(
-                index=seqs.index(seq),
+                index=index,
                 text=det.text if det is not None else "",
                 token_ids=list(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob,
@@ -247,5 +358,6 @@ class LLMEngine:
             prompt_token_ids=list(state.prompt_token_ids),
             outputs=completions,
             finished=group.is_finished(),
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
             error=group.error,
         )

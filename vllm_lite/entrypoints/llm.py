@@ -124,11 +124,7 @@ class LLM:
             if len(params) != n:
                 raise ValueError(f"{len(params)} sampling params for {n} prompts")
         for p in params:
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-            if p.use_beam_search:
-                raise ValueError("beam search is not supported yet")
-            p.verify_max_n(self.config.scheduler_config.max_num_seqs)
+            self.llm_engine.validate_params(p)
         return params
 
     # -- generation ----------------------------------------------------------------------------

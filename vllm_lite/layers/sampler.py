@@ -46,15 +46,18 @@ __all__ = [
     "apply_min_p",
     "beam_search_candidates",
     "compute_prompt_logprobs",
+    "top_logprob_dicts",
 ]
 
 
 @dataclass
 class Logprob:
-    """A token's logprob and its rank in its row (1 = most likely), as vLLM's Logprob."""
+    """A token's logprob, its rank in its row (1 = most likely) and its text (filled by
+    the engine when it detokenizes), as vLLM's Logprob."""
 
     logprob: float
     rank: Optional[int] = None
+    decoded_token: Optional[str] = None
 
 
 @dataclass
@@ -253,7 +256,7 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 # ----------------------------------------------------------------------------------------
 
 
-def _top_logprob_dicts(
+def top_logprob_dicts(
     logprobs: torch.Tensor, chosen: torch.Tensor, num_top: Seq[int]
 ) -> List[Dict[int, Logprob]]:
     """Per row i: {chosen[i]: Logprob(...), top num_top[i] tokens...} from logprobs [n, V]."""
@@ -306,7 +309,7 @@ def compute_prompt_logprobs(
         dtype=torch.long,
         device=logprobs.device,
     )
-    out.extend(_top_logprob_dicts(logprobs, targets, [num_logprobs] * num_targets))
+    out.extend(top_logprob_dicts(logprobs, targets, [num_logprobs] * num_targets))
     return out
 
 
@@ -429,7 +432,7 @@ class Sampler:
         top_dicts: Dict[int, Dict[int, Logprob]] = {}
         if want_top:
             w = torch.tensor(want_top, dtype=torch.long, device=dev)
-            dicts = _top_logprob_dicts(
+            dicts = top_logprob_dicts(
                 logprobs[fr[w]],
                 flat_tokens[w],
                 [rows[flat_rows[j]].params.logprobs for j in want_top],

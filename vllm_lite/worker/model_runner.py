@@ -5,19 +5,24 @@ num_computed_tokens + num_new_tokens) to one unpadded batch (prefix-cache hits a
 chunks are skipped: their KV is in the cache). Slots come from the step's block tables.
 A step with any multi-token sequence (a prompt, a chunk, a recompute) runs as a prompt
 step, which the attention layer serves for mixed prefill + decode batches too.
+
+Logits are computed only for the rows that need them: the last new token of each sampled
+sequence and, for a request asking for prompt logprobs, every prompt position of this
+step's chunk whose logprobs are still missing (the last position of a chunk predicts the
+first token of the next one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from vllm_lite.core.scheduler import SchedulerOutput
 from vllm_lite.layers.attention import AttentionMetadata, attention_metadata
-from vllm_lite.layers.sampler import Sampler, SamplerOutput
+from vllm_lite.layers.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
 
 
@@ -29,6 +34,21 @@ class ModelInput:
     # Flat-batch index of the last new token of each sampled sequence, in row order.
     sample_indices: torch.Tensor
     sampling_metadata: SamplingMetadata
+    # Flat-batch indices of the prompt positions whose logits give prompt logprobs, and per
+    # request (group, first position, number of positions), in that order.
+    prompt_logprob_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    prompt_logprob_spans: List[Tuple[Any, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class RunnerOutput:
+    """One step's results: the sampler's output (None when no sequence samples), the
+    sampled rows, and per request_id the prompt logprobs of this step's chunk
+    (compute_prompt_logprobs' list, to append to group.prompt_logprobs)."""
+
+    sampler_output: Optional[SamplerOutput]
+    metadata: SamplingMetadata
+    prompt_logprobs: Dict[str, List[Optional[Dict[int, Any]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -48,6 +68,8 @@ class ModelRunner:
         tables: List[List[int]] = []
         sample_idx: List[int] = []
         rows: List[SamplingRow] = []
+        plp_idx: List[torch.Tensor] = []
+        plp_spans: List[Tuple[Any, int, int]] = []
         is_prompt = False
         for sched in out.scheduled_seq_groups:
             group = sched.seq_group
@@ -59,6 +81,11 @@ class ModelRunner:
                 if n < 1:
                     continue
                 tokens = seq.get_token_ids()
+                span = self._prompt_logprob_span(group, start, n)
+                if span is not None and not any(g is group for g, _, _ in plp_spans):
+                    first, count = span
+                    plp_idx.append(torch.arange(count) + (len(ids) - start + first))
+                    plp_spans.append((group, first, count))
                 ids.extend(tokens[start:start + n])
                 pos_starts.append(start)
                 counts.append(n)
@@ -101,18 +128,49 @@ class ModelRunner:
             attn_metadata=meta,
             sample_indices=torch.tensor(sample_idx, dtype=torch.long).to(dev, non_blocking=True),
             sampling_metadata=SamplingMetadata(rows),
+            prompt_logprob_indices=(torch.cat(plp_idx) if plp_idx else torch.empty(0, dtype=torch.long))
+            .to(dev, non_blocking=True),
+            prompt_logprob_spans=plp_spans,
         )
 
+    @staticmethod
+    def _prompt_logprob_span(group: Any, start: int, n: int) -> Optional[Tuple[int, int]]:
+        """(first position, count) of the prompt positions in [start, start + n) whose
+        logits the group still needs for its prompt logprobs, or None. Position p predicts
+        token p + 1; the count may be 0 (a one-token prompt still gets its [None])."""
+        if group.sampling_params.prompt_logprobs is None:
+            return None
+        prompt_len = len(group.prompt_token_ids)
+        done = len(group.prompt_logprobs) if group.prompt_logprobs is not None else 0
+        if done >= prompt_len:
+            return None
+        first = max(done - 1, 0)
+        if not start <= first < start + n:
+            return None  # chunks arrive in order, so an earlier one covered it or a later will
+        return first, max(min(start + n, prompt_len - 1) - first, 0)
+
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> Tuple[Optional[SamplerOutput], SamplingMetadata]:
-        """Runs the step; returns the sampler's output (None when no sequence samples) and
-        the sampled rows."""
+    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
+        """Runs the step: forward, sampling, prompt logprobs."""
         inp = self.prepare_input(out)
         if inp is None:
-            return None, SamplingMetadata([])
+            return RunnerOutput(None, SamplingMetadata([]))
         with attention_metadata(inp.attn_metadata):
             hidden = self.model(inp.input_ids, inp.positions)
-        if not inp.sampling_metadata.rows:
-            return None, inp.sampling_metadata
-        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_indices))
-        return self.sampler(logits, inp.sampling_metadata), inp.sampling_metadata
+        num_samples = len(inp.sampling_metadata.rows)
+        if not num_samples and not inp.prompt_logprob_spans:
+            return RunnerOutput(None, inp.sampling_metadata)
+        # One lm_head call for the sampled rows and the prompt-logprob rows together.
+        index = torch.cat([inp.sample_indices, inp.prompt_logprob_indices])
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        result = RunnerOutput(None, inp.sampling_metadata)
+        if num_samples:
+            result.sampler_output = self.sampler(logits[:num_samples], inp.sampling_metadata)
+        offset = num_samples
+        for group, first, count in inp.prompt_logprob_spans:
+            params = group.sampling_params
+            result.prompt_logprobs[group.request_id] = compute_prompt_logprobs(
+                logits[offset:offset + count], group.prompt_token_ids, params.prompt_logprobs,
+                params, start=first)
+            offset += count
+        return result
