@@ -280,3 +280,43 @@ def test_cli_generate_prints_outputs_and_throughput(ckpt, capsys: pytest.Capture
     assert "2 requests" in out and "output tokens/s" in out
     rc = main(["generate", "--model", str(folder / "missing"), "x"])
     assert rc == 2 and "error" in capsys.readouterr().err
+
+
+def test_failed_step_aborts_only_its_requests(ckpt) -> None:
+    """A step that raises aborts the requests it ran (named in EngineStepError, blocks freed
+    at once); a request it did not run is untouched and finishes equal to HF."""
+    from vllm_lite.engine.llm_engine import EngineStepError
+
+    _, folder, _, refs = ckpt
+    llm = _llm(folder, max_num_seqs=1)
+    engine = llm.llm_engine
+    prompts = _prompts()
+    engine.add_request("bad", sampling_params=_greedy(), prompt_token_ids=prompts[0])
+    engine.add_request("good", sampling_params=_greedy(), prompt_token_ids=prompts[1])
+    runner = engine.runner
+    execute = runner.execute_model
+
+    def failing(out: Any) -> Any:
+        if any(s.request_id == "bad" for s in out.scheduled_seq_groups):
+            raise RuntimeError("injected failure")
+        return execute(out)
+
+    runner.execute_model = failing
+    try:
+        with pytest.raises(EngineStepError, match="injected failure") as info:
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        del runner.execute_model
+    assert info.value.request_ids == ["bad"]
+    assert engine.scheduler.get_seq_group("bad") is None
+    bm = engine.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks  # "good" still waits
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert list(final) == ["good"]
+    assert final["good"].outputs[0].token_ids == refs[1]
+    _assert_all_free(llm)

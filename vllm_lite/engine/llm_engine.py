@@ -31,6 +31,18 @@ logger = logging.getLogger(__name__)
 _DECODE_WINDOW = 5
 
 
+class EngineStepError(RuntimeError):
+    """A step failed. ``request_ids``: the requests it aborted (the others are intact);
+    ``outputs``: what the step still produced (requests it ignored as too long)."""
+
+    def __init__(self, request_ids: List[str], cause: Exception,
+                 outputs: Optional[List["RequestOutput"]] = None) -> None:
+        super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
+        self.request_ids = list(request_ids)
+        self.cause = cause
+        self.outputs = list(outputs or [])
+
+
 @dataclass
 class _RequestState:
     prompt: Optional[str]
@@ -152,7 +164,29 @@ class LLMEngine:
             if state is not None:
                 outputs.append(self._make_output(state))
             self.sampler.free_request(group.request_id)
-        self.cache_engine.execute(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        scheduled = [s.request_id for s in out.scheduled_seq_groups]
+        try:
+            self.cache_engine.execute(out.blocks_to_swap_out, out.blocks_to_swap_in,
+                                      out.blocks_to_copy)
+        except Exception as e:
+            # The swap pool's contents are unknown now: every swapped group fails too.
+            self._fail_step(scheduled + [g.request_id for g in self.scheduler.swapped], e, outputs)
+        try:
+            outputs.extend(self._run(out))
+        except Exception as e:
+            self._fail_step(scheduled, e, outputs)
+        return outputs
+
+    def _fail_step(self, request_ids: List[str], cause: Exception,
+                   outputs: List[RequestOutput]) -> None:
+        """A failed step leaves its requests in an unknown state: abort them (their blocks
+        are free at once) and tell the caller which ones; the engine serves on."""
+        self.abort_request(request_ids)
+        raise EngineStepError(request_ids, cause, outputs) from cause
+
+    def _run(self, out: Any) -> List[RequestOutput]:
+        """Forward, sampling and bookkeeping of one scheduled step."""
+        outputs: List[RequestOutput] = []
         sampled: Dict[int, List[int]] = {}
         lps: Dict[int, List[float]] = {}
         tops: Dict[int, Any] = {}
