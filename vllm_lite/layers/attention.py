@@ -161,10 +161,14 @@ class Attention(nn.Module):
         # replace this loop and the prefix gather.
         seq_lens, starts = meta.host_lists()
         out = torch.empty_like(q)
+        single = self._single_token_rows(seq_lens, starts)
+        if single:
+            self._decode_rows(q, out, meta, single, starts)
+        done = set(single)
         for i, seq_len in enumerate(seq_lens):
             start, end = starts[i], starts[i + 1]
             num_new = end - start
-            if num_new == 0:
+            if num_new == 0 or i in done:
                 continue
             prefix_len = seq_len - num_new
             qi, ki, vi = q[start:end], k[start:end], v[start:end]
@@ -191,6 +195,29 @@ class Attention(nn.Module):
             )
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    def _single_token_rows(self, seq_lens: list[int], starts: list[int]) -> list[int]:
+        """Sequences contributing one token after a cached context: the decodes of a mixed
+        prefill + decode step. The decode kernel serves them all in one call, instead of a
+        gather of each one's whole context and an SDPA per sequence and layer."""
+        if self.k_cache is None or self.v_cache is None:
+            return []
+        return [i for i, n in enumerate(seq_lens) if starts[i + 1] - starts[i] == 1 and n > 1]
+
+    def _decode_rows(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
+                     rows: list[int], starts: list[int]) -> None:
+        from vllm_lite import ops
+
+        # Their new K/V are already in the cache (forward writes them first).
+        tokens = torch.tensor([starts[i] for i in rows], dtype=torch.long, device=q.device)
+        index = torch.tensor(rows, dtype=torch.long, device=q.device)
+        seq_lens = meta.seq_lens.index_select(0, index)
+        max_len = max(meta.host_lists()[0][i] for i in rows)
+        out.index_copy_(0, tokens, ops.paged_attention(
+            q.index_select(0, tokens), self.k_cache, self.v_cache, self.num_kv_heads,
+            self.scale, meta.block_tables.index_select(0, index), seq_lens, meta.block_size,
+            max_len,
+        ))
 
     def _gather_prefix(
         self, block_table: torch.Tensor, prefix_len: int, block_size: int

@@ -110,11 +110,22 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, num_heads, head_size], k: [T, num_kv_heads, head_size]; positions [T]."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of each token's position, [T, 1, head_size / 2] in ``dtype``. The
+        same for every layer: a model gathers them once per forward and passes them to
+        :meth:`rotate` in each layer (one gather and cast instead of one per layer)."""
         cos_sin = self.cos_sin_cache.index_select(0, positions)
         cos, sin = cos_sin.chunk(2, dim=-1)
-        cos = cos.to(q.dtype).unsqueeze(1)
-        sin = sin.to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates x [T, heads, head_size] (any number of heads: q and k side by side in
+        one call rotate exactly as apart) with :meth:`cos_sin`'s tables."""
+        return _rotate(x, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, max_position={self.max_position}, rope_type={self.rope_type}"

@@ -44,37 +44,94 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that can switch its weight to the CPU GEMM's preferred form for
+    inference (:meth:`prepare_for_cpu`); parameters and ``state_dict`` stay nn.Linear's.
+
+    - float32: the weight is stored column-major (``W.t()`` contiguous, same shape and
+      values). ``F.linear`` multiplies by ``W.t()``, and MKL's sgemm then skips repacking
+      the weight on every call, which dominates at decode batch sizes (one thread on the
+      project's AVX-512 VM: the decoder layers' GEMMs 1.4x faster at 16 rows, 1.9x at 8,
+      equal from 128 rows up).
+    - bfloat16: oneDNN's prepacked (blocked) copy of the weight (AMX / AVX-512 BF16),
+      1.7-1.8x faster from 1 to 64 rows and no slower on prefills, with results equal to
+      ``F.linear``'s bit for bit. The copy doubles these weights' memory.
+
+    Other dtypes, devices and autograd keep plain ``F.linear``.
+    """
+
+    _packed: torch.Tensor | None = None
+    # oneDNN picks the packed layout for this many rows; 16 served 1..2048 rows well.
+    PACK_ROWS_HINT = 16
+
+    def prepare_for_cpu(self, relayout: bool = True) -> None:
+        """``relayout=False`` leaves a float32 weight row-major (a head tied to the
+        embedding: the lookups want rows, and the head's GEMM gains nothing)."""
+        w = self.weight
+        self._packed = None
+        if w.device.type != "cpu":
+            return
+        with torch.no_grad():
+            if relayout and w.dtype == torch.float32 and w.dim() == 2 and w.stride(0) != 1:
+                w.data = w.data.t().contiguous().t()
+            elif w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+                try:
+                    self._packed = torch.ops.mkldnn._reorder_linear_weight(
+                        w.detach(), self.PACK_ROWS_HINT)
+                except (RuntimeError, AttributeError) as e:  # a torch without the op
+                    logger.debug("no prepacked bf16 weight (%s); using F.linear", e)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed
+        if (packed is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16
+                and self.weight.dtype == torch.bfloat16 and not torch.is_grad_enabled()):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, opts: LayerOptions, max_position: int) -> None:
+    def __init__(self, config: Any, opts: LayerOptions, max_position: int,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = _head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=opts.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=opts.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=opts.o_bias)
         if opts.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope_parameters_of(config))
+        # One table shared by all layers (they are identical) unless none is given.
+        self.rotary_emb = rotary_emb if rotary_emb is not None else RotaryEmbedding(
+            self.head_dim, max_position, rope_parameters_of(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``rope``: the step's (cos, sin) from ``rotary_emb.cos_sin`` (computed here when
+        None)."""
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        cos, sin = rope if rope is not None else self.rotary_emb.cos_sin(positions, qkv.dtype)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3: per-head RMSNorm of q and k, before rotary (as HF).
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k, _ = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = self.rotary_emb.rotate(self.q_norm(q.view(-1, self.num_heads, self.head_dim)),
+                                       cos, sin)
+            k = self.rotary_emb.rotate(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)),
+                                       cos, sin)
+        else:
+            # q and k are adjacent in the fused output: rotate their heads in one go.
+            qk = qkv[:, :self.q_size + self.kv_size].view(
+                -1, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = self.rotary_emb.rotate(qk, cos, sin).split(
+                (self.num_heads, self.num_kv_heads), dim=1)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -85,10 +142,10 @@ class LlamaMLP(nn.Module):
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=opts.mlp_bias
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=opts.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=opts.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -96,16 +153,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, opts: LayerOptions, max_position: int) -> None:
+    def __init__(self, config: Any, opts: LayerOptions, max_position: int,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, opts, max_position)
+        self.self_attn = LlamaAttention(config, opts, max_position, rotary_emb)
         self.mlp = LlamaMLP(config, opts)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # HF's order of residual adds (no fused add+norm), so half precision rounds alike.
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -113,15 +172,20 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, opts: LayerOptions, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(_head_dim(config), max_position,
+                                          rope_parameters_of(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, opts, max_position) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, opts, max_position, self.rotary_emb)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        # Every layer rotates with the same positions: gather cos/sin once per forward.
+        rope = self.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden)
+            hidden = layer(positions, hidden, rope)
         return self.norm(hidden)
 
 
@@ -159,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
             )
         self.model = LlamaModel(config, self.layer_options(config), max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -238,6 +302,15 @@ class LlamaForCausalLM(nn.Module):
                 f"weights missing from the checkpoint for {type(self).__name__}: "
                 f"{names[:20]}{' ...' if len(names) > 20 else ''}"
             )
+        self.prepare_for_cpu()
+
+    def prepare_for_cpu(self) -> None:
+        """Puts every projection and the head in the CPU GEMM's preferred weight form
+        (see :class:`Linear`); run by :meth:`load_weights`, again after changing weights.
+        Nothing changes on other devices."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare_for_cpu(relayout=module is not self.lm_head)
 
     def _shard_view(self, param: torch.Tensor, name: str, shard: str | int | None) -> torch.Tensor:
         """The rows of a fused parameter that one HF projection fills (a view)."""

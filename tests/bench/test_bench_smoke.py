@@ -1,0 +1,190 @@
+"""Smoke tests of the engine benchmarks on a tiny random Llama: the code paths of
+throughput and latency run end to end, and their reports are consistent with the workload.
+No timing is asserted (the machine may be shared)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+# tests/ is on sys.path (pytest puts the first folder without __init__.py there).
+from models.helpers import make_config, save_hf_model  # noqa: E402
+from vllm_lite.benchmarks import engines as E  # noqa: E402
+from vllm_lite.benchmarks import latency, throughput  # noqa: E402
+from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload  # noqa: E402
+
+VOCAB = 160  # tests/models/helpers.py BASE
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("bench_llama")
+    save_hf_model(make_config("llama"), folder)
+    return folder
+
+
+def _args(parser_module, *argv: str):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    parser_module.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+# -- workload -----------------------------------------------------------------------------------
+def test_workload_is_seeded_and_in_range() -> None:
+    cfg = WorkloadConfig(num_requests=50, input_len=(3, 9), output_len=(2, 5), seed=7)
+    a, b = make_workload(cfg, VOCAB), make_workload(cfg, VOCAB)
+    assert a == b
+    assert a != make_workload(WorkloadConfig(50, (3, 9), (2, 5), seed=8), VOCAB)
+    assert all(3 <= r.prompt_len <= 9 and 2 <= r.output_len <= 5 for r in a)
+    assert all(0 <= t < VOCAB for r in a for t in r.prompt_token_ids)
+    # Both ends of the ranges are drawn (closed ranges).
+    assert {r.prompt_len for r in a} >= {3, 9}
+
+
+def test_workload_shared_prefixes() -> None:
+    cfg = WorkloadConfig(num_requests=6, input_len=(2, 4), output_len=(1, 1), seed=1,
+                         shared_prefix_len=5, num_prefixes=2)
+    reqs = make_workload(cfg, VOCAB)
+    heads = [r.prompt_token_ids[:5] for r in reqs]
+    assert heads[0] == heads[2] == heads[4] and heads[1] == heads[3] == heads[5]
+    assert heads[0] != heads[1]
+    assert all(7 <= r.prompt_len <= 9 for r in reqs)
+
+
+@pytest.mark.parametrize("bad", [dict(num_requests=0), dict(input_len=(5, 4)),
+                                 dict(output_len=(0, 3)), dict(num_prefixes=0)])
+def test_workload_rejects_bad_config(bad) -> None:
+    with pytest.raises(ValueError):
+        WorkloadConfig(**bad)
+
+
+# -- KV accounting ------------------------------------------------------------------------------
+def test_static_batch_kv_counts_padding_and_finished_rows() -> None:
+    batch = [BenchRequest((1, 2), 1), BenchRequest((1, 2, 3, 4), 3)]
+    stats = E.KVStats(bytes_per_slot=10)
+    E.static_batch_kv(batch, stats)
+    # 2 rows x (longest prompt 4 + most new tokens 3) slots for 3 steps; live: both prompts
+    # (6), then each row's generated tokens up to its own length.
+    assert stats.steps == 3
+    assert stats.allocated_slot_steps == 3 * 14
+    assert stats.live_slot_steps == 6 + (6 + 1 + 1) + (6 + 1 + 2)
+    assert math.isclose(stats.waste, 1 - 23 / 42)
+    assert stats.peak_allocated_slots == 14 and stats.peak_live_slots == 9
+
+
+def test_equal_memory_batch_size() -> None:
+    reqs = [BenchRequest((1,) * 10, 2), BenchRequest((1,) * 3, 6)]  # rows of 10 + 6 slots
+    assert E.equal_memory_batch_size(reqs, 16 * 100 * 5, bytes_per_token=100, cap=64) == 5
+    assert E.equal_memory_batch_size(reqs, 16 * 100 * 5 - 1, bytes_per_token=100, cap=64) == 4
+    assert E.equal_memory_batch_size(reqs, 16 * 100 * 5, bytes_per_token=100, cap=3) == 3
+    assert E.equal_memory_batch_size(reqs, 1, bytes_per_token=100, cap=64) == 1
+
+
+def test_paged_kv_usage_counts_shared_blocks_once() -> None:
+    seqs = {1: SimpleNamespace(seq_id=1, num_computed_tokens=6),
+            2: SimpleNamespace(seq_id=2, num_computed_tokens=9),
+            3: SimpleNamespace(seq_id=3, num_computed_tokens=5)}
+    tables = {1: [0, 1], 2: [2, 3, 4], 3: [0, 5]}  # seq 3 shares block 0 with seq 1
+    bm = SimpleNamespace(block_size=4, num_total_gpu_blocks=10, gpu_block_tables=tables,
+                         get_num_free_gpu_blocks=lambda: 4)
+    groups = [SimpleNamespace(get_unfinished_seqs=lambda s=s: [s]) for s in seqs.values()]
+    allocated, live = E.paged_kv_usage(SimpleNamespace(block_manager=bm, running=groups))
+    assert allocated == 6 * 4
+    # block 0: 4, 1: 2, 2: 4, 3: 4, 4: 1, 5: 1
+    assert live == 16
+
+
+# -- throughput -----------------------------------------------------------------------------------
+def test_throughput_report_is_consistent(model_dir: Path, tmp_path: Path) -> None:
+    args = _args(throughput, "--model", str(model_dir), "--num-requests", "3",
+                 "--input-len", "4-12", "--output-len", "2-6", "--hf-batch-size", "2",
+                 "--sweep-requests", "2", "--block-size-sweep", "4,8",
+                 "--max-num-seqs-sweep", "1", "--prefix-requests", "3", "--prefix-len", "8",
+                 "--num-prefixes", "1", "--prefix-input-len", "1-3", "--prefix-output-len", "2",
+                 "--block-size", "4", "--kv-cache-space", "0.01", "--out", str(tmp_path),
+                 "--engines", "vllm_lite,hf_generate", "--no-progress")
+    report = throughput.run(args)
+    report.save()
+    data = json.loads((tmp_path / f"{report.stem}.json").read_text())
+    requests = make_workload(WorkloadConfig(3, (4, 12), (2, 6), seed=0), VOCAB)
+    wanted = sum(r.output_len for r in requests)
+    ours, hf = data["engines"]
+    assert ours["engine"] == "vllm_lite" and hf["engine"] == "hf_generate"
+    for run in (ours, hf):
+        assert run["output_tokens"] == wanted
+        assert run["prompt_tokens"] == sum(r.prompt_len for r in requests)
+        assert 0.0 <= run["kv"]["waste"] <= 1.0
+        assert run["kv"]["peak_live_slots"] <= run["kv"]["peak_allocated_slots"]
+        assert run["output_tokens_per_s"] > 0
+    assert ours["generated_tokens"] == wanted  # no padding, no past-length tokens
+    # HF's static batches run every row to the batch's longest output.
+    batches = [requests[:2], requests[2:]]
+    assert hf["generated_tokens"] == sum(len(b) * max(r.output_len for r in b) for b in batches)
+    assert [r["settings"]["block_size"] for r in data["block_size_sweep"]] == [4, 8]
+    assert all(r["output_tokens"] == sum(q.output_len for q in requests[:2])
+               for r in data["block_size_sweep"] + data["max_num_seqs_sweep"])
+    off, on = data["prefix_caching"]["runs"]
+    # 8-token prefix = two full 4-token blocks shared by all three prompts; at least the
+    # requests after the first find them.
+    assert off["prefix_hit_rate"] is None or off["prefix_hit_rate"] == 0
+    assert 0 < on["prefix_hit_rate"] <= 1
+    md = (tmp_path / f"{report.stem}.md").read_text()
+    assert "| vllm_lite |" in md and "Targets" in md
+    for fig in report.figures:
+        assert fig.is_file() and fig.stat().st_size > 0
+
+
+def test_hf_generate_batch_runs_or_says_why(model_dir: Path) -> None:
+    import torch
+
+    model = E.load_hf_model(model_dir, torch.float32, torch.device("cpu"))
+    requests = make_workload(WorkloadConfig(2, (3, 6), (2, 4), seed=3), VOCAB)
+    res = E.run_hf_continuous(model, requests, kv_budget_bytes=1 << 20, max_num_seqs=4)
+    if res.ok:
+        assert res.output_lens == [r.output_len for r in requests]
+        assert res.output_tokens == res.generated_tokens
+    else:
+        assert res.error  # shown as n/a with the reason
+
+
+# -- latency ------------------------------------------------------------------------------------
+def test_latency_report_is_consistent(model_dir: Path, tmp_path: Path) -> None:
+    args = _args(latency, "--model", str(model_dir), "--prompt-len", "6", "--output-len", "4",
+                 "--iters", "2", "--num-requests", "3", "--request-rate", "50",
+                 "--rate-input-len", "3-8", "--rate-output-len", "2-5", "--hf-batch-size", "2",
+                 "--kv-cache-space", "0.01", "--out", str(tmp_path), "--no-progress")
+    report = latency.run(args)
+    report.save()
+    data = json.loads((tmp_path / f"{report.stem}.json").read_text())
+    rate_requests = make_workload(WorkloadConfig(3, (3, 8), (2, 5), seed=2), VOCAB)
+    for engine in ("vllm_lite", "hf_generate"):
+        b1 = data["batch1"][engine]
+        assert len(b1["requests"]) == 2
+        assert all(len(r["token_times"]) == 4 for r in b1["requests"])
+        rate = data["rate"][engine]
+        for req, timing in zip(rate_requests, rate["requests"]):
+            times = timing["token_times"]
+            assert len(times) == req.output_len
+            assert times == sorted(times) and times[0] >= timing["arrival"]
+        for key in ("ttft", "tpot", "itl", "e2e"):
+            st = rate["stats"][key]
+            assert 0 <= st["p50"] <= st["p95"] <= st["p99"]
+    assert "Batch 1" in (tmp_path / f"{report.stem}.md").read_text()
+
+
+def test_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from vllm_lite.entrypoints.cli import main
+
+    assert main(["bench", "throughput", "--model", str(tmp_path / "missing"),
+                 "--out", str(tmp_path)]) == 2
+    assert "error" in capsys.readouterr().err
+    assert main(["bench", "latency", "--engines", "hf_generate", "--out", str(tmp_path)]) == 2

@@ -1,0 +1,453 @@
+"""Offline throughput: vllm_lite against Hugging Face transformers on one seeded workload.
+
+    python3 bench/throughput.py [--quick] [--dtype bfloat16] [--threads 2] [--out DIR]
+    vllm-lite bench throughput ...                     (the same, from an installed package)
+
+Every engine gets the same model, dtype, thread count and requests (token-id prompts,
+greedy, EOS ignored, each request with its own output length):
+
+- vllm_lite: all requests queued at once, continuous batching over the paged KV cache;
+- hf_generate: ``model.generate`` on static left-padded batches (``--hf-batch-size``) in
+  workload order; only each request's own tokens count as output;
+- hf_generate_batch: HF's continuous batching (the manager behind ``generate_batch``).
+
+Then vllm_lite alone: a block-size sweep and a max_num_seqs sweep (on the first
+``--sweep-requests`` requests), and prefix caching off/on over a workload whose prompts
+share prefixes. KV waste: the step-averaged fraction of handed-out KV slots that hold no
+live token (vllm_lite: read from the block manager after every step; HF static: its
+preallocated padded cache). Writes ``<out>/throughput_<device>_<dtype>_<time>.md`` with
+``.json`` and PNG figures beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+from vllm_lite.benchmarks import engines as E
+from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply_sizes,
+                                         int_list, int_range, run_cli, setup, size_help)
+from vllm_lite.benchmarks.report import (Report, describe_machine, fmt, machine_info,
+                                         make_report, markdown_table, pct)
+from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
+
+logger = logging.getLogger(__name__)
+
+# (default, --quick) of every size argument left unset on the command line.
+SIZES: Dict[str, tuple[Any, Any]] = {
+    "num_requests": (256, 32),
+    "input_len": ((100, 1024), (32, 256)),
+    "output_len": ((100, 1024), (32, 256)),
+    # The quick workload is the default scaled down, its KV budget with it: about the
+    # same share of the workload's tokens fits at once (memory pressure), so the static
+    # batches and the paged pool face the same trade-off as in the default run.
+    "kv_cache_space": (4.0, 0.125),
+    "sweep_requests": (64, 16),
+    "block_size_sweep": ([8, 16, 32], [8, 16, 32]),
+    "max_num_seqs_sweep": ([16, 64, 256], [4, 16]),
+    "prefix_requests": (64, 16),
+    "prefix_len": (512, 256),
+    "num_prefixes": (4, 2),
+    "prefix_input_len": ((16, 128), (16, 64)),
+    "prefix_output_len": ((16, 128), (16, 32)),
+}
+
+TARGET_HF_STATIC = 3.0
+TARGET_HF_CONTINUOUS = 1.5
+TARGET_KV_WASTE = 0.04
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p, kv_default=size_help(SIZES, "kv_cache_space")[1:-1])
+
+    def both(key: str) -> str:
+        return size_help(SIZES, key)
+
+    p.add_argument("--num-requests", type=int, help=f"requests {both('num_requests')}")
+    p.add_argument("--input-len", type=int_range, help=f"prompt lengths MIN-MAX {both('input_len')}")
+    p.add_argument("--output-len", type=int_range,
+                   help=f"output lengths MIN-MAX {both('output_len')}")
+    p.add_argument("--block-size", type=int, default=16, help="vllm_lite's KV block size")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="vllm_lite's batch limit (and generate_batch's max_requests_per_batch)")
+    p.set_defaults(kv_cache_space=None)
+    p.add_argument("--hf-batch-size", type=int,
+                   help="hf_generate's static batch (default: the most rows whose padded "
+                        "cache fits in vllm_lite's KV pool, at most --max-num-seqs)")
+    p.add_argument("--sweep-requests", type=int,
+                   help=f"requests of the sweeps, the workload's first ones {both('sweep_requests')}")
+    p.add_argument("--block-size-sweep", type=int_list,
+                   help=f"block sizes to sweep, '' for none {both('block_size_sweep')}")
+    p.add_argument("--max-num-seqs-sweep", type=int_list,
+                   help=f"max_num_seqs values to sweep, '' for none {both('max_num_seqs_sweep')}")
+    p.add_argument("--prefix-requests", type=int,
+                   help=f"requests of the prefix-caching workload, 0 for none {both('prefix_requests')}")
+    p.add_argument("--prefix-len", type=int, help=f"shared prefix length {both('prefix_len')}")
+    p.add_argument("--num-prefixes", type=int, help=f"distinct shared prefixes {both('num_prefixes')}")
+    p.add_argument("--prefix-input-len", type=int_range,
+                   help=f"each prompt's own part after the prefix {both('prefix_input_len')}")
+    p.add_argument("--prefix-output-len", type=int_range,
+                   help=f"outputs of the prefix workload {both('prefix_output_len')}")
+    p.add_argument("--hf-timeout", type=float, default=1800.0,
+                   help="seconds generate_batch may take before it is reported as n/a")
+    p.add_argument("--no-sweeps", action="store_true",
+                   help="skip the block-size, max_num_seqs and prefix-caching runs")
+
+
+def resolve_sizes(args: argparse.Namespace) -> None:
+    """Fills the size arguments left unset, then checks them (ValueError)."""
+    apply_sizes(args, SIZES)
+    if args.no_sweeps:
+        args.block_size_sweep, args.max_num_seqs_sweep, args.prefix_requests = [], [], 0
+    if args.hf_batch_size is not None and args.hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
+    for key in ("num_requests", "sweep_requests", "block_size", "max_num_seqs"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.prefix_requests < 0 or args.prefix_len < 0 or args.num_prefixes < 1:
+        raise ValueError("--prefix-requests and --prefix-len must be >= 0, --num-prefixes >= 1")
+
+
+# -- the runs ------------------------------------------------------------------------------------
+def _warmup_requests(vocab_size: int) -> List[BenchRequest]:
+    return make_workload(WorkloadConfig(num_requests=2, input_len=(8, 16), output_len=(4, 4),
+                                        seed=12345), vocab_size)
+
+
+def _max_model_len(s: BenchSetup, *workloads: Sequence[BenchRequest]) -> Optional[int]:
+    """The workload's longest sequence, capped by the model: a smaller max_model_len keeps
+    the default token budget (and a GPU profiling pass) from being sized for 8k contexts."""
+    longest = max(r.prompt_len + r.output_len for w in workloads for r in w)
+    limit = getattr(s.hf_config, "max_position_embeddings", None)
+    return min(max(longest, 2048), limit) if limit else None
+
+
+def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: argparse.Namespace,
+                         max_model_len: Optional[int], label: str = E.VLLM_LITE,
+                         primer: Sequence[BenchRequest] = (), **overrides: Any) -> E.RunResult:
+    """A fresh LLM with ``overrides``, warmed up, then ``primer`` run untimed, then the
+    timed run over ``requests``."""
+    kw = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+              kv_cache_space=args.kv_cache_space, enable_prefix_caching=False)
+    kw.update(overrides)
+    llm = E.build_llm(str(s.model_folder), s.dtype_name, str(s.device), max_model_len=max_model_len,
+                      **kw)
+    try:
+        E.run_vllm_lite(llm, _warmup_requests(s.vocab_size), track_kv=False)
+        if kw["enable_prefix_caching"]:
+            # The warm-up's blocks must not count as hits of the timed run.
+            llm.llm_engine.scheduler.block_manager.reset_prefix_cache()
+        if primer:
+            E.run_vllm_lite(llm, primer, track_kv=False)
+        return E.run_vllm_lite(llm, requests, progress=s.progress, label=label)
+    finally:
+        del llm
+        E.release_memory(s.device)
+
+
+def run_hf(s: BenchSetup, requests: Sequence[BenchRequest], args: argparse.Namespace,
+           kv_budget_bytes: int) -> List[E.RunResult]:
+    """The HF peers with vllm_lite's KV memory: hf_generate's batch is the most rows its
+    padded cache fits in (unless --hf-batch-size), generate_batch gets as many pages (on
+    the CPU; on a GPU it sizes its cache from free memory, as vllm_lite does)."""
+    results = []
+    batch = args.hf_batch_size or E.equal_memory_batch_size(
+        requests, kv_budget_bytes, E.kv_bytes_per_token(s.hf_config, s.dtype), args.max_num_seqs)
+    cb_budget = kv_budget_bytes if s.device.type == "cpu" else None
+    model = E.load_hf_model(s.model_folder, s.dtype, s.device)
+    try:
+        warm = _warmup_requests(s.vocab_size)
+        if E.HF_STATIC in s.engines:
+            def static() -> E.RunResult:
+                E.run_hf_static(model, warm, batch)
+                res = E.run_hf_static(model, requests, batch, progress=s.progress)
+                res.settings["batch_rule"] = ("--hf-batch-size" if args.hf_batch_size else
+                                              "fits vllm_lite's KV pool")
+                return res
+            results.append(_guarded(E.HF_STATIC, len(requests), static))
+        if E.HF_CONTINUOUS in s.engines:
+            def continuous() -> E.RunResult:
+                E.run_hf_continuous(model, warm, cb_budget, args.max_num_seqs,
+                                    timeout_s=args.hf_timeout)
+                return E.run_hf_continuous(model, requests, cb_budget, args.max_num_seqs,
+                                           progress=s.progress, timeout_s=args.hf_timeout)
+            results.append(_guarded(E.HF_CONTINUOUS, len(requests), continuous))
+    finally:
+        model = None  # the closures share this cell: the model is freed here
+        E.release_memory(s.device)
+    return results
+
+
+def _guarded(engine: str, num_requests: int, fn: Any) -> E.RunResult:
+    """A peer that fails or is interrupted (Ctrl-C, or SIGINT from a time limit) becomes
+    an n/a row with the reason; the report of what did run is still written."""
+    try:
+        return fn()
+    except KeyboardInterrupt:
+        logger.warning("%s interrupted; the report is written without it", engine)
+        return E.RunResult(engine, num_requests, error="interrupted (time limit or Ctrl-C)")
+    except Exception as e:  # out of memory, an API change in transformers, ...
+        logger.exception("%s failed", engine)
+        return E.RunResult(engine, num_requests, error=f"{type(e).__name__}: {e}")
+
+
+def run(args: argparse.Namespace) -> Report:
+    resolve_sizes(args)
+    s = setup(args)
+    info = machine_info(s.device, s.threads)
+    wl = WorkloadConfig(num_requests=args.num_requests, input_len=args.input_len,
+                        output_len=args.output_len, seed=args.seed)
+    requests = make_workload(wl, s.vocab_size)
+    sweep_requests = requests[:args.sweep_requests]
+    prefix_wl = prefix_requests = None
+    if args.prefix_requests:
+        prefix_wl = WorkloadConfig(num_requests=args.prefix_requests, input_len=args.prefix_input_len,
+                                   output_len=args.prefix_output_len, seed=args.seed + 1,
+                                   shared_prefix_len=args.prefix_len, num_prefixes=args.num_prefixes)
+        prefix_requests = make_workload(prefix_wl, s.vocab_size)
+    max_len = _max_model_len(s, requests, prefix_requests or [])
+    logger.info("throughput: %s; %s %s on %s, %d threads", wl.describe(), s.model, s.dtype_name,
+                s.device, s.threads)
+
+    main = run_vllm_lite_config(s, requests, args, max_len)
+    bs_sweep: List[E.RunResult] = []
+    for bs in args.block_size_sweep:
+        bs_sweep.append(run_vllm_lite_config(s, sweep_requests, args, max_len, block_size=bs))
+    seqs_sweep: List[E.RunResult] = []
+    for n in args.max_num_seqs_sweep:
+        seqs_sweep.append(run_vllm_lite_config(s, sweep_requests, args, max_len, max_num_seqs=n))
+    prefix_runs: List[E.RunResult] = []
+    if prefix_requests:
+        # Requests prefilled in the same step cannot hit each other's blocks (a block is
+        # published once computed), so each prefix is computed once first, as a server's
+        # system prompt would be: the timed run measures the steady state.
+        primer = [BenchRequest(r.prompt_token_ids[:args.prefix_len], 1)
+                  for r in prefix_requests[:args.num_prefixes]] if args.prefix_len else []
+        for caching in (False, True):
+            prefix_runs.append(run_vllm_lite_config(
+                s, prefix_requests, args, max_len, enable_prefix_caching=caching, primer=primer,
+                label=f"prefix caching {'on' if caching else 'off'}"))
+    peers = run_hf(s, requests, args, main.settings["kv_pool_bytes"]) \
+        if len(s.engines) > 1 else []
+    info["load_avg_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+    report = make_report("Throughput: vllm_lite vs HF transformers", "throughput", args.out,
+                         s.device, s.dtype_name)
+    write_report(report, s, info, wl, args, main, peers, bs_sweep, seqs_sweep, prefix_wl,
+                 prefix_runs)
+    return report
+
+
+# -- the report ------------------------------------------------------------------------------------
+def _speedup(main: E.RunResult, peer: E.RunResult) -> Optional[float]:
+    if not peer.ok or not peer.output_tokens_per_s:
+        return None
+    return main.output_tokens_per_s / peer.output_tokens_per_s
+
+
+def _engine_rows(main: E.RunResult, peers: Sequence[E.RunResult]) -> List[List[Any]]:
+    rows = []
+    for r in [main, *peers]:
+        if not r.ok:
+            rows.append([r.engine, r.num_requests, "n/a", "n/a", "n/a", "n/a", "n/a", "n/a",
+                         "n/a", "n/a", f"n/a: {r.error}"])
+            continue
+        speed = "1 (reference)" if r is main else fmt(_speedup(main, r))
+        notes = [r.note] if r.note else []
+        if r.engine == E.HF_STATIC:
+            notes.insert(0, f"batch {r.settings['batch_size']} ({r.settings.get('batch_rule', '')})")
+        elif r.engine == E.HF_CONTINUOUS:
+            notes.insert(0, f"{r.settings.get('num_blocks') or 'auto'} pages of "
+                            f"{r.settings.get('page_size')} tokens")
+        elif r.num_preemptions:
+            notes.insert(0, f"{r.num_preemptions} preemptions (recompute)")
+        rows.append([
+            r.engine, r.num_requests, r.output_tokens, r.generated_tokens, fmt(r.elapsed_s),
+            fmt(r.output_tokens_per_s), fmt(r.requests_per_s), speed,
+            pct(r.kv.waste) if r.kv else "n/a", fmt(r.kv.peak_allocated_mib) if r.kv else "n/a",
+            "; ".join(notes),
+        ])
+    return rows
+
+
+def _sweep_rows(results: Sequence[E.RunResult], key: str) -> List[List[Any]]:
+    return [[r.settings[key], r.num_requests, r.output_tokens, fmt(r.elapsed_s),
+             fmt(r.output_tokens_per_s), pct(r.kv.waste) if r.kv else "n/a",
+             fmt(r.kv.peak_allocated_mib) if r.kv else "n/a", r.num_preemptions]
+            for r in results]
+
+
+def targets(main: E.RunResult, peers: Sequence[E.RunResult]) -> List[str]:
+    """The issue's targets, each reported as met / missed (never asserted)."""
+    lines = []
+    for peer in peers:
+        goal = TARGET_HF_STATIC if peer.engine == E.HF_STATIC else TARGET_HF_CONTINUOUS
+        ratio = _speedup(main, peer)
+        if ratio is None:
+            lines.append(f"- vllm_lite vs {peer.engine}: n/a ({peer.error}); target >= {goal}x")
+        else:
+            lines.append(f"- vllm_lite vs {peer.engine}: {ratio:.2f}x output tokens/s "
+                         f"(target >= {goal}x): {'met' if ratio >= goal else 'MISSED'}")
+    if main.kv is not None:
+        bs = main.settings["block_size"]
+        status = "met" if main.kv.waste < TARGET_KV_WASTE else "MISSED"
+        note = "" if bs == 16 else " (target is stated for block size 16)"
+        lines.append(f"- vllm_lite KV waste at block size {bs}: {pct(main.kv.waste)} "
+                     f"(target < {pct(TARGET_KV_WASTE, 0)}): {status}{note}")
+    return lines
+
+
+def write_report(report: Report, s: BenchSetup, info: Dict[str, Any], wl: WorkloadConfig,
+                 args: argparse.Namespace, main: E.RunResult, peers: Sequence[E.RunResult],
+                 bs_sweep: Sequence[E.RunResult], seqs_sweep: Sequence[E.RunResult],
+                 prefix_wl: Optional[WorkloadConfig], prefix_runs: Sequence[E.RunResult]) -> None:
+    report.add(f"Machine: {describe_machine(info)}.\n\n"
+               f"Model {s.model} ({s.model_folder.name}), {s.dtype_name}, device {s.device}. "
+               f"Workload: {wl.describe()}; greedy, EOS ignored; the same token-id prompts for "
+               f"every engine. vllm_lite: block size {args.block_size}, max_num_seqs "
+               f"{args.max_num_seqs}, KV pool {main.settings.get('num_kv_blocks')} blocks "
+               f"({fmt(main.settings['kv_pool_bytes'] / 2**20)} MiB; the HF peers get the same "
+               "KV memory).")
+    report.add("## Engines\n\n" + markdown_table(
+        ["engine", "requests", "output tokens", "generated tokens", "time (s)", "output tok/s",
+         "req/s", "vllm_lite speedup", "KV waste", "peak KV (MiB)", "notes"],
+        _engine_rows(main, peers)))
+    report.add("Output tokens are each request's own tokens; generated tokens add the "
+               "padded and past-length rows of static batches. KV waste: step-averaged share "
+               "of handed-out KV slots holding no live token (vllm_lite: blocks held by "
+               "sequences vs their computed tokens, read after every step; hf_generate: a "
+               "cache preallocated for rows x (longest prompt + most new tokens)). "
+               "generate_batch's own cache is not measured (n/a).")
+    report.add("### Targets (reported, not asserted)\n\n" + "\n".join(targets(main, peers)))
+    if bs_sweep:
+        report.add(f"## Block size sweep (vllm_lite, first {bs_sweep[0].num_requests} requests)\n\n"
+                   + markdown_table(["block size", "requests", "output tokens", "time (s)",
+                                     "output tok/s", "KV waste", "peak KV (MiB)", "preemptions"],
+                                    _sweep_rows(bs_sweep, "block_size")))
+    if seqs_sweep:
+        report.add(f"## max_num_seqs sweep (vllm_lite, first {seqs_sweep[0].num_requests} "
+                   "requests)\n\n"
+                   + markdown_table(["max_num_seqs", "requests", "output tokens", "time (s)",
+                                     "output tok/s", "KV waste", "peak KV (MiB)", "preemptions"],
+                                    _sweep_rows(seqs_sweep, "max_num_seqs")))
+    if prefix_runs and prefix_wl is not None:
+        off, on = prefix_runs
+        speed = on.output_tokens_per_s / off.output_tokens_per_s if off.output_tokens_per_s else None
+        rows = [[r.engine, r.num_requests, r.prompt_tokens, r.output_tokens, fmt(r.elapsed_s),
+                 fmt(r.output_tokens_per_s), pct(r.prefix_hit_rate) if r is on else "-",
+                 pct(r.kv.waste) if r.kv else "n/a", fmt(r.kv.peak_allocated_mib) if r.kv else "n/a"]
+                for r in prefix_runs]
+        report.add(f"## Prefix caching (vllm_lite)\n\nWorkload: {prefix_wl.describe()}. "
+                   "Each prefix is computed once before the timed run (one untimed request "
+                   "per prefix, both runs), as a server's shared system prompt would be.\n\n"
+                   + markdown_table(["run", "requests", "prompt tokens", "output tokens",
+                                     "time (s)", "output tok/s", "block hit rate", "KV waste",
+                                     "peak KV (MiB)"], rows)
+                   + f"\n\nSpeedup with prefix caching: {fmt(speed)}x (hit rate: full prompt "
+                     "blocks found in the cache / looked up).")
+    report.data = {
+        "machine": info, "model": s.model, "dtype": s.dtype_name, "device": str(s.device),
+        "workload": wl.__dict__, "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "engines": [r.to_dict() for r in [main, *peers]],
+        "block_size_sweep": [r.to_dict() for r in bs_sweep],
+        "max_num_seqs_sweep": [r.to_dict() for r in seqs_sweep],
+        "prefix_caching": {"workload": prefix_wl.__dict__ if prefix_wl else None,
+                           "runs": [r.to_dict() for r in prefix_runs]},
+        "targets": targets(main, peers),
+    }
+    title = f"{s.model} {s.dtype_name}, {s.device}, {s.threads} threads"
+    report.figure("engines", lambda plt: plot_engines(plt, main, peers, title),
+                  "output tokens/s and KV waste per engine")
+    report.figure("kv", lambda plt: plot_kv(plt, [main, *peers]), "KV slots over the run")
+    if bs_sweep or seqs_sweep or prefix_runs:
+        report.figure("sweeps", lambda plt: plot_sweeps(plt, bs_sweep, seqs_sweep, prefix_runs),
+                      "vllm_lite sweeps")
+
+
+# -- figures --------------------------------------------------------------------------------------
+def plot_engines(plt: Any, main: E.RunResult, peers: Sequence[E.RunResult], title: str) -> None:
+    runs = [main, *peers]
+    names = [r.engine for r in runs]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    speeds = [r.output_tokens_per_s for r in runs]
+    bars = ax1.bar(names, speeds, color=["tab:green", "tab:blue", "tab:orange"][:len(runs)])
+    for bar, r in zip(bars, runs):
+        label = "n/a" if not r.ok else ("" if r is main else f"{_speedup(main, r):.2f}x slower")
+        ax1.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                     ha="center", va="bottom", fontsize=8)
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title(f"throughput ({title})", fontsize=9)
+    waste = [100 * r.kv.waste if r.kv else 0.0 for r in runs]
+    bars = ax2.bar(names, waste, color="tab:red")
+    for bar, r in zip(bars, runs):
+        ax2.annotate(pct(r.kv.waste, 1) if r.kv else "n/a",
+                     (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                     ha="center", va="bottom", fontsize=8)
+    ax2.set_ylabel("KV slots holding no live token (%)")
+    ax2.set_title("KV waste (step average)", fontsize=9)
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelsize=8)
+
+
+def plot_kv(plt: Any, runs: Sequence[E.RunResult]) -> None:
+    runs = [r for r in runs if r.kv is not None and r.kv.timeline]
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.5), squeeze=False)
+    for ax, r in zip(axes[0], runs):
+        alloc = [a for a, _ in r.kv.timeline]
+        live = [b for _, b in r.kv.timeline]
+        steps = range(len(alloc))
+        ax.fill_between(steps, alloc, color="tab:red", alpha=0.3, label="allocated")
+        ax.fill_between(steps, live, color="tab:green", alpha=0.6, label="live")
+        ax.set_title(f"{r.engine}: waste {pct(r.kv.waste, 1)}", fontsize=9)
+        ax.set_xlabel("engine step")
+        ax.set_ylabel("KV slots (tokens)")
+        ax.legend(fontsize=8)
+
+
+def _sweep_panel(ax: Any, runs: Sequence[E.RunResult], key: str, twin_label: str,
+                 twin_values: List[float], twin_color: str) -> None:
+    """Output tokens/s per setting (bars) and one more quantity on a second axis."""
+    xs = [str(r.settings[key]) for r in runs]
+    ax.bar(xs, [r.output_tokens_per_s for r in runs], color="tab:green")
+    ax.set_xlabel(key.replace("_", " "))
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(key.replace("_", " "), fontsize=9)
+    twin = ax.twinx()
+    twin.plot(xs, twin_values, "o-", color=twin_color)
+    twin.set_ylabel(twin_label, color=twin_color)
+
+
+def plot_sweeps(plt: Any, bs_sweep: Sequence[E.RunResult], seqs_sweep: Sequence[E.RunResult],
+                prefix_runs: Sequence[E.RunResult]) -> None:
+    panels = [p for p in (bs_sweep, seqs_sweep, prefix_runs) if p]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.5), squeeze=False)
+    axes = list(axes[0])
+    if bs_sweep:
+        _sweep_panel(axes.pop(0), bs_sweep, "block_size", "KV waste (%)",
+                     [100 * r.kv.waste for r in bs_sweep], "tab:red")
+    if seqs_sweep:
+        _sweep_panel(axes.pop(0), seqs_sweep, "max_num_seqs", "peak KV (MiB)",
+                     [r.kv.peak_allocated_mib for r in seqs_sweep], "tab:purple")
+    if prefix_runs:
+        ax = axes.pop(0)
+        ax.bar([r.engine.replace("prefix caching ", "") for r in prefix_runs],
+               [r.output_tokens_per_s for r in prefix_runs], color=["tab:gray", "tab:green"])
+        hit = prefix_runs[-1].prefix_hit_rate
+        ax.set_title(f"prefix caching (hit rate {pct(hit, 0)})", fontsize=9)
+        ax.set_ylabel("output tokens/s")
+
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench/throughput.py",
+                                     description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_cli("throughput", run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
