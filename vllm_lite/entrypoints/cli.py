@@ -2,19 +2,26 @@
 
     vllm-lite generate --model smollm2-135m "Hello, my name is" "The capital of France is"
     vllm-lite generate --model smollm2-135m --chat "What is the capital of France?"
+    vllm-lite serve --model smollm2-135m --host 127.0.0.1 --port 8000 [--api-key KEY]
+    vllm-lite bench throughput|latency [--quick] [--dtype bfloat16] [--threads 2]
 
-Prints each prompt's completion, then the throughput of the run.
+`generate` prints each prompt's completion, then the throughput of the run; `serve` runs
+the OpenAI-compatible server (vllm_lite.entrypoints.openai.api_server).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from vllm_lite.models import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from vllm_lite import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -32,25 +39,38 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    _add_engine_args(p)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The LLM's (engine's) options, shared by the subcommands that build one."""
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")
     p.add_argument("--kv-cache-space", type=float, default=4.0, help="GiB of KV cache (CPU)")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--enable-chunked-prefill", action="store_true")
 
 
+def _make_llm(args: argparse.Namespace) -> LLM:
+    from vllm_lite import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, device=args.device,
+               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+               max_model_len=args.max_model_len, kv_cache_space=args.kv_cache_space,
+               enable_prefix_caching=args.enable_prefix_caching,
+               enable_chunked_prefill=args.enable_chunked_prefill)
+
+
 def _run_generate(args: argparse.Namespace) -> int:
-    from vllm_lite import LLM, SamplingParams
+    from vllm_lite import SamplingParams
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-              kv_cache_space=args.kv_cache_space,
-              enable_prefix_caching=args.enable_prefix_caching,
-              enable_chunked_prefill=args.enable_chunked_prefill)
+    llm = _make_llm(args)
     start = time.perf_counter()
     if args.chat:
         outputs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0]
@@ -71,14 +91,67 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"an alias ({DEFAULT_MODEL}), a .gguf file or an HF model folder")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback only; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("VLLM_LITE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $VLLM_LITE_API_KEY)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model argument)")
+    p.add_argument("--max-n", type=int, default=16, help="the largest n / best_of accepted")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / top_logprobs accepted")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    _add_engine_args(p)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from vllm_lite.entrypoints.openai.api_server import ServerConfig, serve
+
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name or args.model,
+                          max_n=args.max_n, max_logprobs=args.max_logprobs,
+                          log_level=args.log_level)
+    logging.getLogger().setLevel(args.log_level.upper())
+    serve(_make_llm(args).llm_engine, config)
+    return 0
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark vllm_lite against HF transformers")
+    kinds = p.add_subparsers(dest="bench", required=True)
+    from vllm_lite.benchmarks import latency, throughput
+
+    for name, module in (("throughput", throughput), ("latency", latency)):
+        module.add_arguments(kinds.add_parser(name, help=module.__doc__.splitlines()[0],
+                                              description=module.__doc__.splitlines()[0]))
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from vllm_lite.benchmarks import latency, throughput
+    from vllm_lite.benchmarks.common import run_cli
+
+    module = {"throughput": throughput, "latency": latency}[args.bench]
+    return run_cli(f"vllm-lite bench {args.bench}", module.run, args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-lite", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    run = {"generate": _run_generate, "serve": _run_serve, "bench": _run_bench}[args.command]
     try:
-        return _run_generate(args)
+        return run(args)
     except ValueError as e:  # bad arguments or input: say why, no traceback
         print(f"vllm-lite: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,165 @@
+"""Load: 100 concurrent requests (greedy and seeded n=3 sampling, plain and streamed), 10
+of them cancelled mid-stream. Every other request gets exactly the offline LLM's tokens;
+afterwards no request is left in the engine and every KV block is free."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any, Dict, List, Tuple
+
+import httpx
+import torch
+
+from entrypoints.utils import MODEL_NAME, read_metrics, token_ids  # noqa: E402
+from vllm_lite import SamplingParams  # noqa: E402
+
+N_GREEDY, N_SAMPLED, N_CANCELLED = 60, 30, 10
+CANCEL_MAX_TOKENS = 200
+TIMEOUT = 60
+
+
+def _requests(seed: int) -> List[Dict[str, Any]]:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i in range(N_GREEDY + N_SAMPLED + N_CANCELLED):
+        prompt = torch.randint(1, 300, (rng.randint(2, 30),), generator=gen).tolist()
+        body: Dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "logprobs": 0,
+                                "return_tokens_as_token_ids": True,
+                                "stream": rng.random() < 0.5}
+        if i < N_GREEDY:
+            body.update(temperature=0, max_tokens=rng.randint(3, 12))
+        elif i < N_GREEDY + N_SAMPLED:
+            body.update(n=3, temperature=1.0, seed=1000 + i, max_tokens=rng.randint(3, 10),
+                        ignore_eos=True)
+        else:
+            body.update(temperature=0, max_tokens=CANCEL_MAX_TOKENS, ignore_eos=True,
+                        stream=True)
+        reqs.append(body)
+    rng.shuffle(reqs)
+    return reqs
+
+
+def _offline_params(body: Dict[str, Any]) -> SamplingParams:
+    return SamplingParams(n=body.get("n", 1), temperature=body["temperature"],
+                          seed=body.get("seed"), max_tokens=body["max_tokens"],
+                          ignore_eos=body.get("ignore_eos", False))
+
+
+async def _plain(client: httpx.AsyncClient, body: Dict[str, Any]) -> Dict[int, List[int]]:
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return {c["index"]: token_ids(c["logprobs"]["tokens"]) for c in r.json()["choices"]}
+
+
+async def _streamed(client: httpx.AsyncClient, body: Dict[str, Any],
+                    cancel: bool) -> Dict[int, List[int]]:
+    got: Dict[int, List[int]] = {}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                break
+            for c in json.loads(data)["choices"]:
+                got.setdefault(c["index"], []).extend(token_ids(c["logprobs"]["tokens"]))
+            if cancel and got.get(0):
+                break  # leaving the block closes the connection mid-stream
+    return got
+
+
+def test_concurrent_load_with_cancellations(server: Any, offline: Any) -> None:
+    reqs = _requests(seed=7)
+    kept = [b for b in reqs if b["max_tokens"] != CANCEL_MAX_TOKENS]
+    refs = offline.generate([b["prompt"] for b in kept], [_offline_params(b) for b in kept],
+                            use_tqdm=False)
+    want = {id(b): {c.index: c.token_ids for c in ref.outputs} for b, ref in zip(kept, refs)}
+    before = read_metrics(httpx.get(server.url + "/metrics", timeout=TIMEOUT).text)
+
+    async def run_all() -> List[Tuple[Dict[str, Any], Dict[int, List[int]]]]:
+        limits = httpx.Limits(max_connections=len(reqs) + 10)
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT, limits=limits) as c:
+            async def one(body: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[int, List[int]]]:
+                cancel = body["max_tokens"] == CANCEL_MAX_TOKENS
+                if body["stream"]:
+                    return body, await _streamed(c, body, cancel)
+                return body, await _plain(c, body)
+
+            return await asyncio.wait_for(asyncio.gather(*(one(b) for b in reqs)), 120)
+
+    batch_sizes: List[int] = []
+    server.engine.step_callbacks.append(lambda outs: batch_sizes.append(len(outs)))
+    try:
+        results = asyncio.run(run_all())
+    finally:
+        server.engine.step_callbacks.clear()
+    assert max(batch_sizes) >= 30  # the requests really ran together
+
+    for body, got in results:
+        if body["max_tokens"] == CANCEL_MAX_TOKENS:
+            assert 1 <= len(got[0]) < CANCEL_MAX_TOKENS  # cut off mid-stream
+            continue
+        assert got == want[id(body)], body
+        if body.get("ignore_eos"):
+            assert all(len(t) == body["max_tokens"] for t in got.values())
+
+    # The cancelled requests are aborted (not run to their 200 tokens): soon nothing is
+    # left and every block is free.
+    deadline = time.monotonic() + 20
+    while True:
+        m = read_metrics(httpx.get(server.url + "/metrics", timeout=TIMEOUT).text)
+        idle = (m["vllm_lite:num_requests_running"] == m["vllm_lite:num_requests_waiting"]
+                == m["vllm_lite:num_requests_swapped"] == 0)
+        if idle and m["vllm_lite:gpu_cache_blocks_free"] == m["vllm_lite:gpu_cache_blocks_total"]:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+    assert m["vllm_lite:gpu_cache_usage_perc"] == 0
+    assert m["vllm_lite:cpu_cache_blocks_free"] == m["vllm_lite:cpu_cache_blocks_total"]
+
+    def delta(name: str) -> float:
+        return m.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('vllm_lite:request_success_total{finished_reason="abort"}') == N_CANCELLED
+    finished = sum(delta(f'vllm_lite:request_success_total{{finished_reason="{r}"}}')
+                   for r in ("stop", "length"))
+    assert finished == N_GREEDY + N_SAMPLED
+    # Well short of what the cancelled requests would have generated to the end.
+    kept_tokens = sum(len(t) for _, got in results for t in got.values())
+    assert delta("vllm_lite:generation_tokens_total") < kept_tokens + N_CANCELLED * CANCEL_MAX_TOKENS / 2
+    assert not server.engine.engine.has_unfinished_requests()
+
+
+def test_plain_request_is_aborted_when_its_client_leaves(server: Any) -> None:
+    """A non-streaming request whose client gives up (timeout) is aborted at once, not run
+    to its max_tokens."""
+    url = server.url
+    before = read_metrics(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": CANCEL_MAX_TOKENS,
+            "ignore_eos": True}
+    seen: List[int] = []
+    server.engine.step_callbacks.append(lambda outs: seen.append(len(outs)))
+    try:
+        try:
+            httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.3))
+            raise AssertionError("the request finished before the client gave up")
+        except httpx.ReadTimeout:
+            pass
+        deadline = time.monotonic() + 20
+        while True:
+            m = read_metrics(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+            aborted = m.get('vllm_lite:request_success_total{finished_reason="abort"}', 0) - \
+                before.get('vllm_lite:request_success_total{finished_reason="abort"}', 0)
+            if aborted == 1 and m["vllm_lite:num_requests_running"] == 0:
+                break
+            assert time.monotonic() < deadline, m
+            time.sleep(0.05)
+    finally:
+        server.engine.step_callbacks.clear()
+    assert len(seen) < CANCEL_MAX_TOKENS  # stopped well before its last token
+    assert m["vllm_lite:gpu_cache_blocks_free"] == m["vllm_lite:gpu_cache_blocks_total"]

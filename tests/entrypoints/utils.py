@@ -1,0 +1,112 @@
+"""A real uvicorn server on 127.0.0.1 (a free port) in a background thread, for tests."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from vllm_lite import LLM
+from vllm_lite.entrypoints.openai.api_server import ServerConfig, build_app
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "tiny-llama"
+VOCAB = 320
+EOS = 0
+
+
+def make_llm(folder: Path, **kw: Any) -> LLM:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("kv_cache_space", 0.01)
+    kw.setdefault("swap_space", 0.01)
+    return LLM(str(folder), dtype="float32", device="cpu", **kw)
+
+
+def fail_steps_with(llm: LLM, poison: int) -> None:
+    """From now on, a step whose batch holds a prompt with token ``poison`` raises in the
+    model runner (an injected engine failure); ``del llm.llm_engine.runner.execute_model``
+    undoes it."""
+    runner = llm.llm_engine.runner
+    execute = runner.execute_model
+
+    def failing(out: Any, *args: Any, **kw: Any) -> Any:
+        if any(poison in s.seq_group.prompt_token_ids for s in out.scheduled_seq_groups):
+            raise RuntimeError("injected failure")
+        return execute(out, *args, **kw)
+
+    runner.execute_model = failing
+
+
+class ServerThread:
+    """``with ServerThread(llm, ServerConfig(...)) as srv: srv.url`` -- serves until exit."""
+
+    def __init__(self, llm: LLM, config: Optional[ServerConfig] = None,
+                 start_timeout: float = 30.0) -> None:
+        import uvicorn
+
+        self.config = config or ServerConfig(served_model_name=MODEL_NAME)
+        self.app = build_app(llm.llm_engine, self.config)
+        self.engine = self.app.state.engine
+        self.start_timeout = start_timeout
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name=f"uvicorn-{self.port}", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+        self._sock.close()
+        if self._thread.is_alive():
+            logger.warning("the test server on port %d did not stop", self.port)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def token_ids(logprobs_tokens: List[str]) -> List[int]:
+    """Token ids from logprob tokens sent with return_tokens_as_token_ids."""
+    ids = []
+    for t in logprobs_tokens:
+        m = re.fullmatch(r"token_id:(\d+)", t)
+        assert m, t
+        ids.append(int(m.group(1)))
+    return ids
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
+
+
+def read_metrics(text: str) -> Dict[str, float]:
+    """'name{labels}' -> value of a Prometheus text exposition (model_name label dropped)."""
+    values: Dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        assert m, line
+        name, labels, value = m.groups()
+        pairs = [p for p in re.findall(r'[a-zA-Z_]\w*="[^"]*"', labels or "")
+                 if not p.startswith("model_name=")]
+        values[name + ("{" + ",".join(pairs) + "}" if pairs else "")] = float(value)
+    return values

@@ -1,0 +1,238 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    vllm-lite serve --model smollm2-135m --host 127.0.0.1 --port 8000 [--api-key KEY]
+
+Endpoints: POST /v1/completions, /v1/chat/completions (``stream=true``: server-sent events
+ending with ``data: [DONE]``), GET /v1/models, /health, /version, /metrics (Prometheus),
+POST /tokenize, /detokenize. With an API key every endpoint but /health wants
+``Authorization: Bearer KEY``. A bad request is a 400 with an OpenAI error body and never
+reaches the engine; an engine failure is a 500 for the requests it hit, and the server
+keeps serving.
+
+In Python: ``app = build_app(LLM(...).llm_engine, ServerConfig(...))`` then any ASGI server,
+or ``serve(llm_engine, config)`` (blocking, uvicorn).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import vllm_lite
+from vllm_lite.engine.async_engine import AsyncLLMEngine, EngineError
+from vllm_lite.metrics import CONTENT_TYPE, Metrics
+
+from vllm_lite.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from vllm_lite.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm_lite.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm_lite.entrypoints.openai.serving_engine import (
+    RequestError, ServingLimits, error_body, sse_stream)
+from vllm_lite.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllm_lite.entrypoints.openai.sse import SSEResponse, run_unless_disconnected
+
+logger = logging.getLogger(__name__)
+
+# Not behind the API key: load balancers probe it.
+_OPEN_PATHS = frozenset({"/health"})
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowed", 500: "InternalServerError", 503: "ServiceUnavailable"}
+
+
+@dataclass
+class ServerConfig:
+    """How the server listens and what it allows; validated once."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # The name clients pass as ``model``; None: the --model argument as given.
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    max_n: int = 16
+    max_logprobs: int = 20
+    log_level: str = "info"
+    # Seconds uvicorn waits for open requests when stopping.
+    graceful_shutdown_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or \
+                not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
+        for name in ("max_n", "max_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if not self.graceful_shutdown_s >= 0:
+            raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
+
+
+class APIKeyMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                response = JSONResponse(
+                    error_body("invalid or missing API key (Authorization: Bearer <key>)",
+                               "AuthenticationError", 401), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), None
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if not loc:  # the body as a whole: missing, or JSON but not an object
+        if first.get("type") == "missing":
+            return "the request needs a JSON body", None
+        return "the body must be a JSON object", None
+    # A union field (prompt, stop, content) gets one error per member, tagged by its type.
+    tags = []
+    for e in errors:
+        eloc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if len(eloc) > 1 and eloc[0] == loc[0] and not eloc[1].isdigit() and eloc[1] not in tags:
+            tags.append(eloc[1])
+    if len(tags) > 1:
+        return f"{loc[0]}: expected one of {', '.join(tags)}", loc[0]
+    return f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}", loc[0]
+
+
+def build_app(llm_engine: Any, config: ServerConfig, model_name: Optional[str] = None) -> FastAPI:
+    """The app around an LLMEngine; its lifespan starts and stops the engine thread."""
+    served = config.served_model_name or model_name or llm_engine.config.model_config.model
+    metrics = Metrics(served)
+    engine = AsyncLLMEngine(llm_engine, metrics)
+    limits = ServingLimits(max_n=config.max_n, max_logprobs=config.max_logprobs)
+    completion = OpenAIServingCompletion(engine, served, limits)
+    chat = OpenAIServingChat(engine, served, limits)
+    tokenization = OpenAIServingTokenization(engine, served, limits)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        logger.info("serving %r", served)
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="vllm_lite", version=vllm_lite.__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.served_model = served
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+
+    # -- errors --------------------------------------------------------------------------------
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _validation_message(exc)
+        return JSONResponse(error_body(msg, "BadRequestError", 400, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = _ERROR_TYPES.get(exc.status_code, "Error")
+        return JSONResponse(error_body(str(exc.detail), err_type, exc.status_code),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        logger.error("request failed in the engine: %s", exc)
+        return JSONResponse(error_body(str(exc), "InternalServerError", 500), status_code=500)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return JSONResponse(error_body(f"internal error: {exc!r}", "InternalServerError", 500),
+                            status_code=500)
+
+    # -- endpoints -----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": vllm_lite.__version__})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=served, root=llm_engine.config.model_config.model,
+                         max_model_len=completion.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenization.tokenize(req).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenization.detokenize(req).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        prompts, params = completion.prepare(req)
+        if req.stream:
+            return SSEResponse(sse_stream(completion.stream(req, prompts, params)))
+        result = await run_unless_disconnected(raw, completion.complete(req, prompts, params))
+        return JSONResponse(result.model_dump() if result is not None else None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        text, ids, params = chat.prepare(req)
+        if req.stream:
+            return SSEResponse(sse_stream(chat.stream(req, text, ids, params)))
+        result = await run_unless_disconnected(raw, chat.complete(req, text, ids, params))
+        return JSONResponse(result.model_dump() if result is not None else None)
+
+    return app
+
+
+def serve(llm_engine: Any, config: ServerConfig, model_name: Optional[str] = None) -> None:
+    """Runs the server until interrupted (Ctrl-C / SIGTERM)."""
+    import uvicorn
+
+    app = build_app(llm_engine, config, model_name)
+    if config.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("listening on %s: reachable from other machines%s", config.host,
+                       "" if config.api_key else ", and without an API key")
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                timeout_graceful_shutdown=config.graceful_shutdown_s)

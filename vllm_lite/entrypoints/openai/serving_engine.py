@@ -1,0 +1,277 @@
+"""What completions and chat share: checking a request before it reaches the engine
+(model name, prompt, sampling values, limits), building its SamplingParams, running it
+on the AsyncLLMEngine and turning step outputs into stream deltas and logprob tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+from vllm_lite.engine.async_engine import AsyncLLMEngine, EngineError
+from vllm_lite.outputs import CompletionOutput, RequestOutput
+from vllm_lite.sampling_params import SamplingParams
+
+from vllm_lite.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from vllm_lite.entrypoints.openai.sse import DONE, sse_data
+
+logger = logging.getLogger(__name__)
+
+# Request fields a SamplingParams error may name (its messages start with the field).
+_SAMPLING_FIELDS = frozenset(
+    ("n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
+     "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
+     "stop", "stop_token_ids", "length_penalty", "early_stopping"))
+
+
+class RequestError(Exception):
+    """A request the server refuses, with the HTTP status and the OpenAI error body."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.err_type = err_type
+
+    def body(self) -> Dict[str, Any]:
+        return error_body(self.message, self.err_type, self.status, self.param)
+
+
+def error_body(message: str, err_type: str, status: int,
+               param: Optional[str] = None) -> Dict[str, Any]:
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
+                                         code=status)).model_dump()
+
+
+def from_value_error(e: ValueError) -> RequestError:
+    msg = str(e)
+    first = msg.split(" ", 1)[0]
+    return RequestError(msg, param=first if first in _SAMPLING_FIELDS else None)
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """Per-request caps the server enforces on top of the engine's own checks."""
+
+    max_n: int = 16
+    max_logprobs: int = 20
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model: str,
+                 limits: ServingLimits = ServingLimits()) -> None:
+        self.engine = engine
+        self.served_model = served_model
+        self.limits = limits
+        llm_engine = engine.engine
+        self.model_config = llm_engine.config.model_config
+        self.max_model_len: int = self.model_config.max_model_len
+        cc = llm_engine.cache_config
+        self.cache_tokens: int = cc.num_gpu_blocks * cc.block_size
+        self.max_num_seqs: int = llm_engine.config.scheduler_config.max_num_seqs
+        # Our own copy: the engine thread detokenizes with its tokenizer meanwhile, and a
+        # fast tokenizer must not be used from two threads at once.
+        self.tokenizer = copy.deepcopy(llm_engine.tokenizer)
+        self._validate_prompt = llm_engine.validate_prompt
+
+    # -- checks ----------------------------------------------------------------------------
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.served_model:
+            raise RequestError(f"the model {model!r} does not exist; this server serves "
+                               f"{self.served_model!r}", param="model")
+
+    def need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise RequestError(f"{what} needs a tokenizer, and the model has none; "
+                               "send token ids")
+        return self.tokenizer
+
+    def check_prompt(self, ids: List[int], param: str = "prompt") -> None:
+        try:
+            self._validate_prompt(ids)
+        except ValueError as e:
+            raise RequestError(str(e), param=param) from None
+
+    def resolve_max_tokens(self, max_tokens: Optional[int], prompt_len: int,
+                           param: str = "max_tokens") -> int:
+        room = self.max_model_len - prompt_len
+        if max_tokens is None:
+            if room < 1:
+                raise RequestError(f"the prompt ({prompt_len} tokens) leaves no room to generate "
+                                   f"within the context of {self.max_model_len} tokens",
+                                   param="prompt")
+            return room
+        if isinstance(max_tokens, int) and max_tokens > room:
+            raise RequestError(f"{param} {max_tokens} is too large: the prompt has {prompt_len} "
+                               f"tokens and the context holds {self.max_model_len}, so at most "
+                               f"{max(room, 0)} can be generated", param=param)
+        if isinstance(max_tokens, int) and prompt_len + max_tokens > self.cache_tokens:
+            raise RequestError(f"prompt ({prompt_len} tokens) plus {param} {max_tokens} exceed "
+                               f"the KV cache ({self.cache_tokens} tokens)", param=param)
+        return max_tokens
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: Optional[int],
+                        logprobs_param: str,
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        for name in ("n", "best_of"):
+            value = getattr(req, name)
+            if value is not None and value > self.limits.max_n:
+                raise RequestError(f"{name} must be at most {self.limits.max_n} on this server, "
+                                   f"got {value}", param=name)
+        if logprobs is not None and logprobs > self.limits.max_logprobs:
+            raise RequestError(f"{logprobs_param} must be at most {self.limits.max_logprobs}, "
+                               f"got {logprobs}", param=logprobs_param)
+        if req.logit_bias:
+            raise RequestError("logit_bias is not supported", param="logit_bias")
+        if req.stream and req.best_of is not None and req.best_of != req.n:
+            raise RequestError("best_of must equal n when streaming", param="best_of")
+        try:
+            params = SamplingParams(
+                n=req.n, best_of=req.best_of,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k, min_p=req.min_p,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                use_beam_search=req.use_beam_search,
+                length_penalty=req.length_penalty, early_stopping=req.early_stopping,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                detokenize=self.tokenizer is not None,
+            )
+            params.verify_max_n(self.max_num_seqs)
+        except ValueError as e:
+            raise from_value_error(e) from None
+        if params.use_beam_search and req.stream:
+            raise RequestError("beam search cannot stream: its beams change until the end",
+                               param="use_beam_search")
+        return params
+
+    # -- running -----------------------------------------------------------------------------
+    async def run(self, request_id: str, prompt: Optional[str], prompt_ids: List[int],
+                  params: SamplingParams, priority: int) -> AsyncIterator[RequestOutput]:
+        """The request's step outputs; a prompt the scheduler could never run (too long
+        for the cache) is a RequestError."""
+        gen = self.engine.generate(request_id, prompt, params, prompt_token_ids=prompt_ids,
+                                   priority=priority)
+        try:
+            async for out in gen:
+                if out.error is not None and not any(c.token_ids for c in out.outputs):
+                    raise RequestError(out.error, param="prompt")
+                yield out
+        except ValueError as e:
+            raise from_value_error(e) from None
+        finally:
+            # Left early (client gone, an error elsewhere): the engine drops the request now.
+            await gen.aclose()
+
+    # -- output helpers ----------------------------------------------------------------------
+    def token_text(self, token_id: int, as_ids: bool) -> str:
+        if as_ids or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def ranked_logprobs(self, entry: Dict[int, Any], k: int,
+                        as_ids: bool) -> List[Tuple[str, float]]:
+        """The k most likely tokens of one position, most likely first."""
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
+        return [(self.token_text(t, as_ids), lp.logprob) for t, lp in ranked[:k]]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ChoiceStream:
+    """Per completion: what was already sent, so each chunk carries only the new part.
+
+    With stop strings, the last (longest stop - 1) characters are held back until the
+    completion ends: the engine cuts a stop string out of the text once it is complete,
+    and a prefix of it must not have been sent by then.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        stops = params.stop or []
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.done = False
+
+    def delta(self, c: CompletionOutput) -> Optional[Tuple[str, List[int], int]]:
+        """(new text, new token ids, index of the first new token) or None if nothing
+        new; after the finishing delta, always None."""
+        if self.done:
+            return None
+        finished = c.finish_reason is not None
+        end = len(c.text) if finished else max(self.sent_chars, len(c.text) - self.holdback)
+        new_tokens = c.token_ids[self.sent_tokens:]
+        if end <= self.sent_chars and not new_tokens and not finished:
+            return None
+        text = c.text[self.sent_chars:end]
+        start = self.sent_tokens
+        self.sent_chars = max(end, self.sent_chars)
+        self.sent_tokens = len(c.token_ids)
+        self.done = finished
+        return text, list(new_tokens), start
+
+
+async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events, then ``data: [DONE]``; a failure mid-stream becomes an error
+    event (the request's 400 or 500 body) before it."""
+    try:
+        async with aclosing(events) as it:
+            async for event in it:
+                yield event
+    except RequestError as e:
+        yield sse_data(e.body())
+    except EngineError as e:
+        logger.error("a streamed request failed: %s", e)
+        yield sse_data(error_body(str(e), "InternalServerError", 500))
+    yield DONE
+
+
+async def merge(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[Tuple[int, Any]]:
+    """(i, item) from several async iterators as items arrive; the first error cancels
+    the rest and is raised; leaving early closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as it:
+            async for item in it:
+                yield 0, item
+        return
+    queue: "asyncio.Queue[Tuple[int, Any, Optional[BaseException]]]" = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[Any]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item, None))
+            await queue.put((i, done, None))
+        except Exception as e:  # noqa: BLE001  (re-raised by the consumer)
+            await queue.put((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, err = await queue.get()
+            if err is not None:
+                raise err
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
