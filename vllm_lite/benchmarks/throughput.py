@@ -25,7 +25,8 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from vllm_lite.benchmarks import engines as E
 from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply_sizes,
@@ -149,7 +150,9 @@ def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: 
 
 
 def run_hf(s: BenchSetup, requests: Sequence[BenchRequest], args: argparse.Namespace,
-           kv_budget_bytes: int) -> List[E.RunResult]:
+           kv_budget_bytes: int,
+           on_result: Callable[[List[E.RunResult]], Any] = lambda results: None,
+           ) -> List[E.RunResult]:
     """The HF peers with vllm_lite's KV memory: hf_generate's batch is the most rows its
     padded cache fits in (unless --hf-batch-size), generate_batch gets as many pages (on
     the CPU; on a GPU it sizes its cache from free memory, as vllm_lite does)."""
@@ -168,6 +171,7 @@ def run_hf(s: BenchSetup, requests: Sequence[BenchRequest], args: argparse.Names
                                               "fits vllm_lite's KV pool")
                 return res
             results.append(_guarded(E.HF_STATIC, len(requests), static))
+            on_result(results)
         if E.HF_CONTINUOUS in s.engines:
             def continuous() -> E.RunResult:
                 E.run_hf_continuous(model, warm, cb_budget, args.max_num_seqs,
@@ -175,6 +179,7 @@ def run_hf(s: BenchSetup, requests: Sequence[BenchRequest], args: argparse.Names
                 return E.run_hf_continuous(model, requests, cb_budget, args.max_num_seqs,
                                            progress=s.progress, timeout_s=args.hf_timeout)
             results.append(_guarded(E.HF_CONTINUOUS, len(requests), continuous))
+            on_result(results)
     finally:
         model = None  # the closures share this cell: the model is freed here
         E.release_memory(s.device)
@@ -212,14 +217,29 @@ def run(args: argparse.Namespace) -> Report:
     logger.info("throughput: %s; %s %s on %s, %d threads", wl.describe(), s.model, s.dtype_name,
                 s.device, s.threads)
 
-    main = run_vllm_lite_config(s, requests, args, max_len)
+    stem = make_report("", "throughput", args.out, s.device, s.dtype_name).stem
     bs_sweep: List[E.RunResult] = []
+    seqs_sweep: List[E.RunResult] = []
+    prefix_runs: List[E.RunResult] = []
+
+    def snapshot(peers: Sequence[E.RunResult], final: bool = False) -> Report:
+        """The report of what has run so far; saved at once unless final (a run cut
+        short, or killed, still leaves its tables behind)."""
+        if final:
+            info["load_avg_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+        rep = Report("Throughput: vllm_lite vs HF transformers", Path(args.out), stem)
+        write_report(rep, s, info, wl, args, main, peers, bs_sweep, seqs_sweep, prefix_wl,
+                     prefix_runs, figures=final)
+        if not final:
+            rep.save()
+        return rep
+
+    main = run_vllm_lite_config(s, requests, args, max_len)
+    snapshot([])
     for bs in args.block_size_sweep:
         bs_sweep.append(run_vllm_lite_config(s, sweep_requests, args, max_len, block_size=bs))
-    seqs_sweep: List[E.RunResult] = []
     for n in args.max_num_seqs_sweep:
         seqs_sweep.append(run_vllm_lite_config(s, sweep_requests, args, max_len, max_num_seqs=n))
-    prefix_runs: List[E.RunResult] = []
     if prefix_requests:
         # Requests prefilled in the same step cannot hit each other's blocks (a block is
         # published once computed), so each prefix is computed once first, as a server's
@@ -230,15 +250,11 @@ def run(args: argparse.Namespace) -> Report:
             prefix_runs.append(run_vllm_lite_config(
                 s, prefix_requests, args, max_len, enable_prefix_caching=caching, primer=primer,
                 label=f"prefix caching {'on' if caching else 'off'}"))
-    peers = run_hf(s, requests, args, main.settings["kv_pool_bytes"]) \
+    if bs_sweep or seqs_sweep or prefix_runs:
+        snapshot([])
+    peers = run_hf(s, requests, args, main.settings["kv_pool_bytes"], snapshot) \
         if len(s.engines) > 1 else []
-    info["load_avg_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
-
-    report = make_report("Throughput: vllm_lite vs HF transformers", "throughput", args.out,
-                         s.device, s.dtype_name)
-    write_report(report, s, info, wl, args, main, peers, bs_sweep, seqs_sweep, prefix_wl,
-                 prefix_runs)
-    return report
+    return snapshot(peers, final=True)
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -303,7 +319,8 @@ def targets(main: E.RunResult, peers: Sequence[E.RunResult]) -> List[str]:
 def write_report(report: Report, s: BenchSetup, info: Dict[str, Any], wl: WorkloadConfig,
                  args: argparse.Namespace, main: E.RunResult, peers: Sequence[E.RunResult],
                  bs_sweep: Sequence[E.RunResult], seqs_sweep: Sequence[E.RunResult],
-                 prefix_wl: Optional[WorkloadConfig], prefix_runs: Sequence[E.RunResult]) -> None:
+                 prefix_wl: Optional[WorkloadConfig], prefix_runs: Sequence[E.RunResult],
+                 figures: bool = True) -> None:
     report.add(f"Machine: {describe_machine(info)}.\n\n"
                f"Model {s.model} ({s.model_folder.name}), {s.dtype_name}, device {s.device}. "
                f"Workload: {wl.describe()}; greedy, EOS ignored; the same token-id prompts for "
@@ -358,6 +375,8 @@ def write_report(report: Report, s: BenchSetup, info: Dict[str, Any], wl: Worklo
                            "runs": [r.to_dict() for r in prefix_runs]},
         "targets": targets(main, peers),
     }
+    if not figures:
+        return
     title = f"{s.model} {s.dtype_name}, {s.device}, {s.threads} threads"
     report.figure("engines", lambda plt: plot_engines(plt, main, peers, title),
                   "output tokens/s and KV waste per engine")
