@@ -143,7 +143,14 @@ def test_plain_request_is_aborted_when_its_client_leaves(server: Any) -> None:
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": CANCEL_MAX_TOKENS,
             "ignore_eos": True}
     seen: List[int] = []
-    server.engine.step_callbacks.append(lambda outs: seen.append(len(outs)))
+
+    def slow_step(outs: Any) -> None:
+        # The tiny model runs a step in ~1 ms: pace the engine thread so the request cannot
+        # finish inside the client's 0.3 s read timeout (200 steps take >= 2 s).
+        seen.append(len(outs))
+        time.sleep(0.01)
+
+    server.engine.step_callbacks.append(slow_step)
     try:
         try:
             httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.3))

@@ -52,7 +52,7 @@ class KVStats:
     live_slot_steps: int = 0
     peak_allocated_slots: int = 0
     peak_live_slots: int = 0
-    # (allocated, live) per step, for the plot; decimated when long.
+    # (allocated, live) per step, for the KV plot.
     timeline: List[tuple[int, int]] = field(default_factory=list, repr=False)
 
     def add(self, allocated: int, live: int) -> None:

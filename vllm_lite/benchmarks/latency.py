@@ -379,7 +379,8 @@ def plot_latency(plt: Any, results: Dict[str, Dict[str, LatencyResult]]) -> None
     ax.bar(names, ttft, label="TTFT", color="tab:blue")
     ax.bar(names, rest, bottom=ttft, label="decode", color="tab:green")
     ax.set_ylabel("batch-1 latency (ms, median)")
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.3 * max([t + r for t, r in zip(ttft, rest)] + [1.0]))  # room for the legend
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
     for j, key in enumerate(("ttft", "tpot"), start=1):
         if j >= panels:
             break
