@@ -5,11 +5,33 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 from typing import List, Literal, Optional, Union
 
 # Below this a temperature counts as zero: greedy sampling (the same bound as vLLM).
 _SAMPLING_EPS = 1e-5
+
+# Seeds are int64 values (vLLM's OpenAI protocol bounds them the same way). Every one fits
+# a torch.long tensor, and torch.Generator.manual_seed, which takes [-2**63, 2**64 - 1] and
+# wraps negatives into uint64, maps this range one-to-one onto its seeds.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+
+# |length_penalty| bound. A beam's score is cumulative_logprob / output_len**length_penalty;
+# with this bound output_len**length_penalty stays within [1e-70, 1e70] for any length up to
+# 10**7 tokens, far from float64's overflow (1e308) and underflow (1e-308). Useful values
+# are around [-2, 2] (HF's and vLLM's docs).
+MAX_ABS_LENGTH_PENALTY = 10.0
+
+_INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
+               "prompt_logprobs", "truncate_prompt_tokens")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs",
+                        "truncate_prompt_tokens")
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                 "top_p", "min_p", "length_penalty")
+_BOOL_FIELDS = ("use_beam_search", "include_stop_str_in_output", "ignore_eos", "detokenize",
+                "skip_special_tokens", "spaces_between_special_tokens")
 
 
 class SamplingType(enum.IntEnum):
@@ -28,6 +50,17 @@ class SamplingParams:
     top_p/top_k/min_p follow vLLM's meaning. stop: strings that end a completion (checked by
     the detokenizer); stop_token_ids: tokens that end it. max_tokens=None generates up to
     the model's max_model_len. Every check raises ValueError naming the field.
+
+    Types are checked first: int fields take ints (not bool or float; numpy integers are
+    stored as int), float fields take ints or floats (not bool, str or None; stored as
+    float, and every one must be finite), bool fields take bools only, stop a str or a
+    list / tuple of non-empty strs, stop_token_ids a list / tuple of ints >= 0.
+    Ranges beyond vLLM's: seed in [SEED_MIN, SEED_MAX] = [-2**63, 2**63 - 1] (int64;
+    torch.Generator.manual_seed takes all of it); |length_penalty| <= 10
+    (MAX_ABS_LENGTH_PENALTY: the length-penalised score can never overflow);
+    top_k any int >= 1 or -1, a value at or above the vocabulary meaning "disabled" (the
+    sampler clamps it). The engine's own limits (max_num_seqs for n / best_of,
+    max_logprobs) are checked by verify_max_n / verify_max_logprobs.
     """
 
     n: int = 1
@@ -57,6 +90,7 @@ class SamplingParams:
     truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
+        self._verify_types()
         if self.best_of is None:
             self.best_of = self.n
         if self.stop is None:
@@ -78,9 +112,33 @@ class SamplingParams:
                 self.min_p = 0.0
                 self._verify_greedy_sampling()
 
+    def _verify_types(self) -> None:
+        """Types (and float finiteness) of every field, before any range check compares
+        them; numbers are normalised to plain int / float, so that numpy scalars behave
+        and nothing downstream sees a str or a bool."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and (name in _OPTIONAL_INT_FIELDS or name == "best_of"):
+                continue
+            setattr(self, name, _as_int(name, value))
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, _as_float(name, getattr(self, name)))
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(
+                f"early_stopping must be True, False, or 'never', got {self.early_stopping!r}"
+            )
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(
+                f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}"
+            )
+
     def _verify_args(self) -> None:
-        _require_int("n", self.n)
-        _require_int("best_of", self.best_of)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.best_of < self.n:
@@ -99,20 +157,29 @@ class SamplingParams:
             )
         if not self.temperature >= 0.0:  # written so that NaN fails too
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY:
+            raise ValueError(
+                f"length_penalty must be in [-{MAX_ABS_LENGTH_PENALTY:g}, "
+                f"{MAX_ABS_LENGTH_PENALTY:g}], got {self.length_penalty}"
+            )
+        for name in _FLOAT_FIELDS:
+            # The range checks above let +inf through for some fields (temperature).
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _require_int("top_k", self.top_k)
         if self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None:
-            _require_int("seed", self.seed)
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(
+                f"seed must be in [-2**63, 2**63 - 1] (a 64-bit signed int), got {self.seed}"
+            )
         if self.max_tokens is not None:
-            _require_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        _require_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -134,10 +201,12 @@ class SamplingParams:
             raise ValueError("stop cannot contain an empty string")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0
+               for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
             )
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     def _verify_beam_search(self) -> None:
         if self.best_of == 1:
@@ -179,6 +248,16 @@ class SamplingParams:
                 f"got {self.best_of}"
             )
 
+    def verify_max_logprobs(self, max_logprobs: int) -> None:
+        """Reject a request asking for more (prompt) logprobs than the engine allows."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(
+                    f"{name} must be at most {max_logprobs} (the configured max_logprobs), "
+                    f"got {value}"
+                )
+
     @property
     def sampling_type(self) -> SamplingType:
         if self.use_beam_search:
@@ -193,7 +272,17 @@ class SamplingParams:
         return copy.deepcopy(self)
 
 
-def _require_int(name: str, value: object) -> None:
-    # bool is an int subclass; n=True is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, int):
+def _as_int(name: str, value: object) -> int:
+    # bool is an int subclass; n=True is a mistake, not 1. numpy's bool is no Integral.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except (OverflowError, ValueError):  # a Fraction or int too large for a float
+        raise ValueError(f"{name} must be a finite number, got {value!r}") from None

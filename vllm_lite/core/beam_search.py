@@ -15,6 +15,7 @@ from HF transformers' beam search, whose outputs vLLM's own tests compare agains
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence as Seq, Tuple, Union
 
@@ -64,8 +65,24 @@ class BeamDecision:
 
 
 def beam_score(cumulative_logprob: float, output_len: int, length_penalty: float) -> float:
-    """A beam's length-penalised score (see the module docstring for the length)."""
-    return cumulative_logprob / (max(output_len, 1) ** length_penalty)
+    """A beam's length-penalised score (see the module docstring for the length).
+
+    Never raises: SamplingParams bounds length_penalty so that the divisor stays in float
+    range, but a divisor past it (an extreme penalty or length) gives the score's limit,
+    -0.0 for an infinite divisor and -inf for a zero one, the same for every beam.
+    """
+    cum = float(cumulative_logprob)
+    try:
+        base = float(max(output_len, 1))
+    except OverflowError:  # a length past float range
+        base = math.inf
+    try:
+        divisor = base ** length_penalty
+    except OverflowError:  # base > 1 to a large positive power
+        divisor = math.inf
+    if divisor == 0.0:  # the power underflowed: cum / (a positive tiny) -> -inf
+        return cum * math.inf if cum != 0.0 else cum
+    return cum / divisor
 
 
 def select_beams(
