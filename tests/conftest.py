@@ -22,6 +22,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "grid(cases): parametrize a kernel test over (backend, case); non-default CPU ISAs "
         "run only the cases marked reduced, CUDA skips the cases marked cpu_only",
     )
+    config.addinivalue_line(
+        "markers",
+        "cuda_emulated: runs the CUDA kernels on the CPU in the SIMT emulator "
+        "(tests/cuda_emulation; needs g++ with ASan/UBSan, no GPU)",
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

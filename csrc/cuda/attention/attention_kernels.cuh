@@ -502,29 +502,51 @@ __global__ void __launch_bounds__(kThreads) paged_attention_v2_reduce_kernel(
   }
 }
 
-// Launches paged_attention_kernel<T, block_size, bucket(head_size)>.
+// Host-side launch planning, shared by the launchers (paged_attention_v1/v2.cu) and the
+// CPU emulation of the kernels (tests/cuda_emulation), so both run the same grids.
+
+// The instantiation of paged_attention_kernel that serves (block_size, head_size):
+// HEAD_MAX is the bucket (64, 128 or 256) head_size falls in. Launched with
+// <<<grid, kThreads, attention_smem_bytes(...)>>>.
+using AttentionKernel = void (*)(AttentionParams);
+
 template <typename T>
-void launch_paged_attention_kernel(const AttentionParams& p, int block_size, dim3 grid,
-                                   size_t smem, cudaStream_t stream) {
-#define VLLM_LITE_ATTN_LAUNCH(BS, HM) \
-  paged_attention_kernel<T, BS, HM><<<grid, kThreads, smem, stream>>>(p)
-#define VLLM_LITE_ATTN_HEADS(BS)           \
-  if (p.head_size <= 64) {                 \
-    VLLM_LITE_ATTN_LAUNCH(BS, 64);         \
-  } else if (p.head_size <= 128) {         \
-    VLLM_LITE_ATTN_LAUNCH(BS, 128);        \
-  } else {                                 \
-    VLLM_LITE_ATTN_LAUNCH(BS, 256);        \
-  }
+AttentionKernel attention_kernel_for(int block_size, int head_size) {
+#define VLLM_LITE_ATTN_HEADS(BS)                                        \
+  if (head_size <= 64) return &paged_attention_kernel<T, BS, 64>;       \
+  if (head_size <= 128) return &paged_attention_kernel<T, BS, 128>;     \
+  return &paged_attention_kernel<T, BS, 256>
   switch (block_size) {
-    case 8: VLLM_LITE_ATTN_HEADS(8); break;
-    case 16: VLLM_LITE_ATTN_HEADS(16); break;
-    case 32: VLLM_LITE_ATTN_HEADS(32); break;
+    case 8: VLLM_LITE_ATTN_HEADS(8);
+    case 16: VLLM_LITE_ATTN_HEADS(16);
+    case 32: VLLM_LITE_ATTN_HEADS(32);
     default: TORCH_CHECK(false, "paged_attention: block_size ", block_size,
                          " is not supported on CUDA; use 8, 16 or 32");
   }
 #undef VLLM_LITE_ATTN_HEADS
-#undef VLLM_LITE_ATTN_LAUNCH
+  return nullptr;
+}
+
+// How the query heads of one kv head are split over CTAs (see the grid above).
+struct CtaSplit {
+  int64_t ctas_per_kv_head;
+  int64_t heads_per_cta;
+};
+
+// At most kMaxHeadsPerCta heads per CTA, balanced over the CTAs of a kv head; fewer when
+// the grid would otherwise leave SMs idle (K/V are then shared through L2). `sms` is the
+// device's multiprocessor count.
+inline CtaSplit split_heads_over_ctas(int64_t num_seqs, int64_t num_kv_heads, int64_t group,
+                                      int64_t grid_partitions, int64_t sms) {
+  auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  int64_t ctas = cdiv(group, kMaxHeadsPerCta);
+  int64_t hpc = cdiv(group, ctas);
+  while (hpc > 1 && num_seqs * num_kv_heads * ctas * grid_partitions < 2 * sms) {
+    ctas = group < ctas * 2 ? group : ctas * 2;
+    hpc = cdiv(group, ctas);
+    ctas = cdiv(group, hpc);
+  }
+  return {ctas, hpc};
 }
 
 }  // namespace attn

@@ -36,16 +36,11 @@ void launch_paged_attention(const PagedAttentionDims& d, void* out, float* exp_s
               "addresses on CUDA");
 
   const int64_t group = d.num_heads / d.num_kv_heads;
-  // Heads per CTA: at most kMaxHeadsPerCta, balanced over the CTAs of a kv head; fewer
-  // when the grid would otherwise leave SMs idle (K/V are then shared through L2).
-  int64_t ctas = ceil_div(group, kMaxHeadsPerCta);
-  int64_t hpc = ceil_div(group, ctas);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  while (hpc > 1 && d.num_seqs * d.num_kv_heads * ctas * grid_partitions < 2 * sms) {
-    ctas = std::min(group, ctas * 2);
-    hpc = ceil_div(group, ctas);
-    ctas = ceil_div(group, hpc);
-  }
+  const CtaSplit split =
+      split_heads_over_ctas(d.num_seqs, d.num_kv_heads, group, grid_partitions, sms);
+  const int64_t ctas = split.ctas_per_kv_head;
+  const int64_t hpc = split.heads_per_cta;
 
   const int64_t grid_x = d.num_seqs * d.num_kv_heads * ctas;
   TORCH_CHECK(grid_x <= INT_MAX, "paged_attention: too many sequences for one launch (",
@@ -83,8 +78,9 @@ void launch_paged_attention(const PagedAttentionDims& d, void* out, float* exp_s
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_partitions));
   const size_t smem = attention_smem_bytes(p.heads_per_cta, p.head_size);
   VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention", [&] {
-    launch_paged_attention_kernel<scalar_t>(p, static_cast<int>(d.block_size), grid, smem,
-                                            stream);
+    const AttentionKernel kernel = attention_kernel_for<scalar_t>(
+        static_cast<int>(d.block_size), static_cast<int>(d.head_size));
+    kernel<<<grid, kThreads, smem, stream>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

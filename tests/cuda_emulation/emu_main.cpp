@@ -1,0 +1,307 @@
+// emu_kernels: runs test cases of the CUDA ops on the SIMT emulator.
+//
+//   emu_kernels SEEDS CASE_DIR...
+//
+// SEEDS: comma-separated schedule seeds (0 = in-order); each case runs once per seed, from
+// freshly loaded inputs. A case directory holds spec.txt and its buffers as raw files.
+// spec.txt lines:
+//   op NAME                       attention | reshape_and_cache | copy_blocks | swap_blocks
+//                                 | convert | selftest
+//   dtype f32|f16|bf16
+//   KEY INT_OR_FLOAT              the op's scalar arguments (see run_case)
+//   buf NAME FILE OFFSET          NAME's bytes come from FILE, placed OFFSET bytes into an
+//                                 allocation of exactly OFFSET + size bytes (ASan sees
+//                                 any access past the end)
+//   out NAME                      written back to CASE_DIR/NAME.s<SEED>.bin after each run
+// Prints "CASE_START dir" / "CASE_DONE dir" so a harness can tell which case a crash
+// (sanitizer report, emulator error) belongs to.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "emu_ops.h"
+#include "emu_runtime.h"
+
+namespace emu_ops {
+void run_selftest(const std::string& name, void* in, int64_t in_bytes, void* out);
+}
+
+namespace {
+
+struct Buffer {
+  std::string file;
+  size_t offset = 0;
+  size_t size = 0;
+  char* base = nullptr;
+  char* data() const { return base + offset; }
+};
+
+struct Case {
+  std::string dir;
+  std::map<std::string, std::string> kv;
+  std::map<std::string, Buffer> bufs;
+  std::vector<std::string> outs;
+
+  int64_t i(const std::string& k) const {
+    auto it = kv.find(k);
+    if (it == kv.end()) throw std::runtime_error(dir + ": spec lacks " + k);
+    return std::stoll(it->second);
+  }
+  int64_t i(const std::string& k, int64_t dflt) const { return kv.count(k) ? i(k) : dflt; }
+  double f(const std::string& k) const {
+    auto it = kv.find(k);
+    if (it == kv.end()) throw std::runtime_error(dir + ": spec lacks " + k);
+    return std::stod(it->second);
+  }
+  const std::string& s(const std::string& k) const {
+    auto it = kv.find(k);
+    if (it == kv.end()) throw std::runtime_error(dir + ": spec lacks " + k);
+    return it->second;
+  }
+  void* p(const std::string& name) const {
+    auto it = bufs.find(name);
+    if (it == bufs.end()) throw std::runtime_error(dir + ": spec lacks buffer " + name);
+    return it->second.data();
+  }
+  void* p_or_null(const std::string& name) const { return bufs.count(name) ? p(name) : nullptr; }
+  int64_t bytes(const std::string& name) const {
+    auto it = bufs.find(name);
+    if (it == bufs.end()) throw std::runtime_error(dir + ": spec lacks buffer " + name);
+    return static_cast<int64_t>(it->second.size);
+  }
+};
+
+Case read_spec(const std::string& dir) {
+  Case c;
+  c.dir = dir;
+  std::ifstream in(dir + "/spec.txt");
+  if (!in) throw std::runtime_error("cannot read " + dir + "/spec.txt");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string key;
+    if (!(ls >> key)) continue;
+    if (key == "buf") {
+      std::string name;
+      Buffer b;
+      ls >> name >> b.file >> b.offset;
+      c.bufs[name] = b;
+    } else if (key == "out") {
+      std::string name;
+      ls >> name;
+      c.outs.push_back(name);
+    } else {
+      std::string value;
+      ls >> value;
+      c.kv[key] = value;
+    }
+  }
+  return c;
+}
+
+void load_buffers(Case& c) {
+  for (auto& [name, b] : c.bufs) {
+    std::ifstream f(c.dir + "/" + b.file, std::ios::binary | std::ios::ate);
+    if (!f) throw std::runtime_error("cannot read " + c.dir + "/" + b.file);
+    b.size = static_cast<size_t>(f.tellg());
+    f.seekg(0);
+    void* mem = nullptr;
+    // malloc'd exactly: ASan's redzone starts right after the last byte.
+    if (posix_memalign(&mem, 64, b.offset + b.size + (b.offset + b.size == 0 ? 1 : 0)) != 0) {
+      throw std::runtime_error("out of memory");
+    }
+    b.base = static_cast<char*>(mem);
+    memset(b.base, 0, b.offset);
+    f.read(b.data(), static_cast<std::streamsize>(b.size));
+  }
+}
+
+void free_buffers(Case& c) {
+  for (auto& [name, b] : c.bufs) {
+    free(b.base);
+    b.base = nullptr;
+  }
+}
+
+void write_outputs(const Case& c, uint64_t seed) {
+  for (const auto& name : c.outs) {
+    const auto& b = c.bufs.at(name);
+    std::ofstream f(c.dir + "/" + name + ".s" + std::to_string(seed) + ".bin", std::ios::binary);
+    f.write(b.data(), static_cast<std::streamsize>(b.size));
+  }
+}
+
+emu_ops::DType dtype_of(const Case& c) {
+  const std::string& d = c.s("dtype");
+  if (d == "f32") return emu_ops::DType::F32;
+  if (d == "f16") return emu_ops::DType::F16;
+  if (d == "bf16") return emu_ops::DType::BF16;
+  throw std::runtime_error("unknown dtype " + d);
+}
+
+template <typename F>
+void dispatch(emu_ops::DType t, F&& f) {
+  switch (t) {
+    case emu_ops::DType::F32: f(float{}); break;
+    case emu_ops::DType::F16: f(__half{}); break;
+    case emu_ops::DType::BF16: f(__nv_bfloat16{}); break;
+  }
+}
+
+void run_attention(const Case& c) {
+  emu_ops::AttentionArgs a{};
+  a.num_seqs = c.i("num_seqs");
+  a.num_heads = c.i("num_heads");
+  a.num_kv_heads = c.i("num_kv_heads");
+  a.head_size = c.i("head_size");
+  a.block_size = c.i("block_size");
+  a.num_blocks = c.i("num_blocks");
+  a.max_blocks_per_seq = c.i("max_blocks_per_seq");
+  a.q_stride_seq = c.i("q_stride_seq");
+  a.q_stride_head = c.i("q_stride_head");
+  a.max_seq_len = c.i("max_seq_len");
+  a.sms = c.i("sms");
+  a.scale = c.f("scale");
+  a.k_scale = c.f("k_scale");
+  a.v_scale = c.f("v_scale");
+  a.key_cache = c.p("key_cache");
+  a.value_cache = c.p("value_cache");
+  a.block_tables = static_cast<const int32_t*>(c.p("block_tables"));
+  a.seq_lens = static_cast<const int32_t*>(c.p("seq_lens"));
+  a.alibi_slopes = static_cast<const float*>(c.p_or_null("alibi_slopes"));
+  const int64_t q_offset = c.i("q_offset");  // elements from the storage to the view
+  const int64_t P = c.i("num_partitions");
+  dispatch(dtype_of(c), [&](auto tag) {
+    using T = decltype(tag);
+    a.query = static_cast<const T*>(c.p("query_storage")) + q_offset;
+    emu_ops::paged_attention_v1<T>(a, c.p("out_v1"));
+    emu_ops::paged_attention_v2<T>(a, c.p("out_v2"), static_cast<float*>(c.p("exp_sums")),
+                                   static_cast<float*>(c.p("max_logits")), c.p("tmp_out"), P);
+  });
+}
+
+void run_reshape_and_cache(const Case& c) {
+  emu_ops::CacheWriteArgs a{};
+  a.num_tokens = c.i("num_tokens");
+  a.num_kv_heads = c.i("num_kv_heads");
+  a.head_size = c.i("head_size");
+  a.block_size = c.i("block_size");
+  a.num_blocks = c.i("num_blocks");
+  a.key_stride = c.i("key_stride");
+  a.value_stride = c.i("value_stride");
+  a.k_scale = c.f("k_scale");
+  a.v_scale = c.f("v_scale");
+  a.key_cache = c.p("key_cache");
+  a.value_cache = c.p("value_cache");
+  a.slot_mapping = static_cast<const int64_t*>(c.p("slot_mapping"));
+  const bool flash = c.i("flash") != 0;
+  dispatch(dtype_of(c), [&](auto tag) {
+    using T = decltype(tag);
+    a.key = static_cast<const T*>(c.p("key_storage")) + c.i("key_offset");
+    a.value = static_cast<const T*>(c.p("value_storage")) + c.i("value_offset");
+    emu_ops::reshape_and_cache<T>(a, flash);
+  });
+}
+
+void run_copy_blocks(const Case& c) {
+  const int64_t layers = c.i("layers");
+  const int64_t num_blocks = c.i("num_blocks");
+  std::vector<void*> k(static_cast<size_t>(layers)), v(static_cast<size_t>(layers));
+  std::vector<int64_t> block_bytes(static_cast<size_t>(layers));
+  for (int64_t l = 0; l < layers; ++l) {
+    k[static_cast<size_t>(l)] = c.p("key_cache" + std::to_string(l));
+    v[static_cast<size_t>(l)] = c.p("value_cache" + std::to_string(l));
+    block_bytes[static_cast<size_t>(l)] = c.bytes("key_cache" + std::to_string(l)) / num_blocks;
+  }
+  emu_ops::copy_blocks(k.data(), v.data(), block_bytes.data(), layers,
+                       static_cast<const int64_t*>(c.p("mapping")), c.i("pairs"), num_blocks);
+}
+
+void run_swap_blocks(const Case& c) {
+  emu_ops::swap_blocks(c.p("src"), c.p("dst"), static_cast<const int64_t*>(c.p("mapping")),
+                       c.i("pairs"), c.i("block_bytes"));
+}
+
+// float32 -> half / bfloat16 bits (the shim's conversions) and every half / bfloat16 bit
+// pattern -> float32.
+void run_convert(const Case& c) {
+  const auto* in = static_cast<const float*>(c.p("floats"));
+  const int64_t n = c.bytes("floats") / 4;
+  auto* h = static_cast<__half*>(c.p("to_half"));
+  auto* b = static_cast<__nv_bfloat16*>(c.p("to_bf16"));
+  for (int64_t i = 0; i < n; ++i) {
+    h[i] = __float2half_rn(in[i]);
+    b[i] = __float2bfloat16_rn(in[i]);
+  }
+  auto* hf = static_cast<float*>(c.p("from_half"));
+  auto* bf = static_cast<float*>(c.p("from_bf16"));
+  for (uint32_t u = 0; u < 65536; ++u) {
+    hf[u] = __half2float(__half{static_cast<unsigned short>(u)});
+    bf[u] = __bfloat162float(__nv_bfloat16{static_cast<unsigned short>(u)});
+  }
+}
+
+void run_case(const Case& c) {
+  const std::string& op = c.s("op");
+  if (op == "attention") {
+    run_attention(c);
+  } else if (op == "reshape_and_cache") {
+    run_reshape_and_cache(c);
+  } else if (op == "copy_blocks") {
+    run_copy_blocks(c);
+  } else if (op == "swap_blocks") {
+    run_swap_blocks(c);
+  } else if (op == "convert") {
+    run_convert(c);
+  } else if (op == "selftest") {
+    emu_ops::run_selftest(c.s("test"), c.p_or_null("in"), c.bufs.count("in") ? c.bytes("in") : 0,
+                          c.p("out"));
+  } else {
+    throw std::runtime_error("unknown op " + op);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    fprintf(stderr, "usage: %s SEEDS CASE_DIR...\n", argv[0]);
+    return 2;
+  }
+  std::vector<uint64_t> seeds;
+  {
+    std::stringstream ss(argv[1]);
+    std::string tok;
+    while (std::getline(ss, tok, ',')) seeds.push_back(std::stoull(tok));
+  }
+  for (int a = 2; a < argc; ++a) {
+    const std::string dir = argv[a];
+    printf("CASE_START %s\n", dir.c_str());
+    fflush(stdout);
+    try {
+      Case c = read_spec(dir);
+      for (uint64_t seed : seeds) {
+        load_buffers(c);
+        cuda_emu::set_schedule_seed(seed);
+        run_case(c);
+        write_outputs(c, seed);
+        free_buffers(c);
+      }
+    } catch (const std::exception& e) {
+      // A TORCH_CHECK of a launcher or a bad spec: this case fails, the others run.
+      printf("CASE_ERROR %s %s\n", dir.c_str(), e.what());
+      fflush(stdout);
+      continue;
+    }
+    printf("CASE_DONE %s\n", dir.c_str());
+    fflush(stdout);
+  }
+  return 0;
+}

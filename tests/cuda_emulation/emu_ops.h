@@ -1,0 +1,57 @@
+// The CUDA ops' host-side launch logic, replayed on the SIMT emulator: each function
+// mirrors its launcher in csrc/cuda (the argument checks are the Python tests' job) and
+// launches the real kernels through cuda_emu::launch. Argument buffers are host memory.
+#pragma once
+
+#include <cstdint>
+
+namespace emu_ops {
+
+enum class DType { F32, F16, BF16 };
+
+struct AttentionArgs {
+  int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, num_blocks;
+  int64_t max_blocks_per_seq, q_stride_seq, q_stride_head, max_seq_len;
+  int64_t sms;  // multiprocessor count the launcher plans for
+  double scale, k_scale, v_scale;
+  const void* query;  // first element of the (possibly strided) query view
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const float* alibi_slopes;  // or nullptr
+};
+
+// paged_attention_v1.cu: out [S, H, D].
+template <typename T>
+void paged_attention_v1(const AttentionArgs& a, void* out);
+// paged_attention_v2.cu: out [S, H, D], scratch of P partitions.
+template <typename T>
+void paged_attention_v2(const AttentionArgs& a, void* out, float* exp_sums, float* max_logits,
+                        void* tmp_out, int64_t num_partitions);
+
+struct CacheWriteArgs {
+  int64_t num_tokens, num_kv_heads, head_size, block_size, num_blocks;
+  int64_t key_stride, value_stride;  // elements between tokens
+  double k_scale, v_scale;
+  const void* key;
+  const void* value;
+  void* key_cache;
+  void* value_cache;
+  const int64_t* slot_mapping;
+};
+
+// cache_kernels.cu: reshape_and_cache (flash = false) / reshape_and_cache_flash.
+template <typename T>
+void reshape_and_cache(const CacheWriteArgs& a, bool flash);
+
+// cache_kernels.cu: copy_blocks over `layers` layers; block_bytes per layer.
+void copy_blocks(void* const* key_caches, void* const* value_caches,
+                 const int64_t* block_bytes, int64_t layers, const int64_t* mapping,
+                 int64_t pairs, int64_t num_blocks);
+
+// cache_kernels.cu: swap_blocks (the copies; host memcpy for cudaMemcpyAsync).
+void swap_blocks(const void* src, void* dst, const int64_t* mapping, int64_t pairs,
+                 int64_t block_bytes);
+
+}  // namespace emu_ops

@@ -1,0 +1,236 @@
+"""paged_attention_v1 / v2 (+ the v2 reduce kernel) of csrc/cuda, run on the CPU by the
+SIMT emulator, against the float64 reference of tests/kernels/reference.py with the CUDA
+tests' tolerances.
+
+As in tests/kernels/test_attention.py: every cache slot no sequence reads is NaN, outputs
+and the v2 scratch start as NaN, partitions a sequence does not have must stay NaN bit for
+bit, v1 == v2 within tolerance, and the inputs must be unchanged. Sizes are reduced (the
+emulator runs each GPU thread as a fiber under ASan). Every case runs under each schedule
+seed of harness.seeds() (two random schedules by default); each (case, seed) is a test.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.reference import (  # tests/ is on sys.path (rootdir-based packages)
+    PARTITION_SIZE,
+    alibi_slopes,
+    assert_bitwise_equal,
+    assert_close,
+    dtype_name,
+    make_paged_kv,
+    nan_like,
+    num_partitions,
+    ref_paged_attention,
+)
+from . import harness
+from .conftest import case_dir
+
+pytestmark = pytest.mark.cuda_emulated
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+CODE = {F32: "f32", F16: "f16", BF16: "bf16"}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    seq_lens: tuple[int, ...]
+    alibi: bool = False
+    max_seq_len: int | None = None  # default: max(seq_lens)
+    extra_partitions: int = 0
+    table_extra_cols: int = 1
+    table_fill: str = "nan_block"
+    query: str = "contiguous"  # or fused_qkv, head_stride, seq_step
+    sms: int = 132  # 1: the launcher keeps up to 8 heads per CTA
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def msl(self) -> int:
+        return max(self.seq_lens, default=0) if self.max_seq_len is None else self.max_seq_len
+
+
+def _cases() -> list[Case]:
+    cases = []
+    # Context lengths 1, block - 1, block, block + 1, and over several partitions, per
+    # block size and dtype; GQA 4:1 with up to 8 heads per CTA (sms=1).
+    for bs, dt, hs, alibi in ((8, F32, 64, False), (16, F16, 128, True), (32, BF16, 80, False),
+                              (16, BF16, 256, True), (8, F16, 40, True), (32, F32, 128, True)):
+        lens = (1, bs - 1, bs, bs + 1, PARTITION_SIZE + 3)
+        cases.append(Case(f"lens-b{bs}-{dtype_name(dt)}-d{hs}{'-alibi' if alibi else ''}",
+                          dt, 8, 2, hs, bs, lens, alibi=alibi, sms=1))
+    # Head sizes x dtypes x block sizes, MQA / GQA / MHA, ALiBi, empty sequences.
+    rng = random.Random(13)
+    heads = [(4, 4), (8, 2), (6, 1), (16, 1), (3, 3)]
+    sizes = [64, 80, 128, 256, 40, 8, 72]
+    i = 0
+    for dt in (F32, F16, BF16):
+        for k in range(5):
+            h, kvh = heads[(i + k) % len(heads)]
+            hs = sizes[i % len(sizes)]
+            bs = (8, 16, 32)[i % 3]
+            s = rng.choice([1, 2, 3])
+            lens = tuple(rng.randint(1, 300) for _ in range(s))
+            if k == 4:
+                lens = lens + (0,)  # an empty sequence
+            cases.append(Case(f"grid{i:02d}-{dtype_name(dt)}-h{h}k{kvh}-d{hs}-b{bs}-s{len(lens)}",
+                              dt, h, kvh, hs, bs, lens, alibi=i % 2 == 1,
+                              max_seq_len=max(lens) + (37 if i % 4 == 2 else 0),
+                              extra_partitions=int(i % 5 == 3), sms=(1, 132)[i % 2]))
+            i += 1
+    # v2 with several partitions (3 and 2) and a 64:1 group split over CTAs.
+    cases.append(Case("multi-part-f32-mqa", F32, 4, 1, 64, 16, (1100, 600, 20), alibi=True))
+    cases.append(Case("multi-part-bf16-64to1", BF16, 64, 1, 64, 32, (700, 5), sms=1))
+    # Strided query rows (views of a bigger tensor).
+    for kind, dt in (("fused_qkv", F16), ("head_stride", BF16), ("seq_step", F32)):
+        cases.append(Case(f"strided-{kind}-{dtype_name(dt)}", dt, 8, 2, 64, 16, (37, 530, 1),
+                          alibi=kind == "seq_step", query=kind))
+    # Table columns past a sequence's end hold garbage ids; kv scales.
+    cases.append(Case("garbage-table-bf16", BF16, 8, 1, 128, 16, (1, 17, 300),
+                      table_extra_cols=4, table_fill="garbage"))
+    cases.append(Case("scales-f16", F16, 8, 2, 80, 8, (50, 520), alibi=True, k_scale=0.5,
+                      v_scale=2.0))
+    cases.append(Case("all-empty-f16", F16, 4, 4, 32, 16, (0, 0), max_seq_len=0))
+    return cases
+
+
+CASES = _cases()
+
+
+@dataclass
+class Prepared:
+    case: Case
+    dir: harness.CaseDir
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    slopes: torch.Tensor | None
+    scale: float
+    storage: torch.Tensor
+    out: torch.Tensor  # NaN templates (shape/dtype of the outputs)
+    exp_sums: torch.Tensor
+    tmp_out: torch.Tensor
+
+
+def _query(c: Case, g: torch.Generator) -> torch.Tensor:
+    s, h, d = len(c.seq_lens), c.num_heads, c.head_size
+    if c.query == "contiguous":
+        return torch.randn(s, h, d, generator=g).to(c.dtype)
+    if c.query == "fused_qkv":
+        big = torch.randn(s, (h + 2 * c.num_kv_heads) * d, generator=g).to(c.dtype)
+        return big[:, : h * d].view(s, h, d)
+    if c.query == "head_stride":
+        return torch.randn(s, h, 2 * d, generator=g).to(c.dtype)[:, :, d:]
+    return torch.randn(2 * s, h, d, generator=g).to(c.dtype)[::2]
+
+
+def prepare(c: Case, root) -> Prepared:
+    g = torch.Generator().manual_seed(zlib.crc32(c.id.encode()))
+    cols = max(1, math.ceil(c.msl / c.block_size)) + c.table_extra_cols
+    kv = make_paged_kv(list(c.seq_lens), c.num_kv_heads, c.head_size, c.block_size, c.dtype,
+                       "cpu", g, table_cols=cols, unused_table_fill=c.table_fill)
+    query = _query(c, g)
+    slopes = alibi_slopes(c.num_heads) if c.alibi else None
+    scale = 1.0 / math.sqrt(c.head_size)
+    storage, q_off = harness.storage_of(query)
+    s, h, d = query.shape
+    p = num_partitions(c.msl) + c.extra_partitions
+    out = torch.full((s, h, d), float("nan"), dtype=c.dtype)
+    exp_sums = torch.full((s, h, p), float("nan"), dtype=torch.float32)
+    tmp_out = torch.full((s, h, p, d), float("nan"), dtype=c.dtype)
+
+    cd = case_dir(root, c.id)
+    cd.set(op="attention", dtype=CODE[c.dtype], num_seqs=s, num_heads=h,
+           num_kv_heads=c.num_kv_heads, head_size=d, block_size=c.block_size,
+           num_blocks=kv.key_cache.shape[0], max_blocks_per_seq=cols,
+           q_stride_seq=query.stride(0), q_stride_head=query.stride(1), q_offset=q_off,
+           max_seq_len=c.msl, sms=c.sms, scale=scale, k_scale=c.k_scale, v_scale=c.v_scale,
+           num_partitions=p)
+    cd.buf("query_storage", storage, out=True)
+    cd.buf("key_cache", kv.key_cache, out=True)
+    cd.buf("value_cache", kv.value_cache, out=True)
+    cd.buf("block_tables", kv.block_tables)
+    cd.buf("seq_lens", kv.seq_lens)
+    if slopes is not None:
+        cd.buf("alibi_slopes", slopes)
+    cd.buf("out_v1", out, out=True)
+    cd.buf("out_v2", out, out=True)
+    cd.buf("exp_sums", exp_sums, out=True)
+    cd.buf("max_logits", exp_sums, out=True)
+    cd.buf("tmp_out", tmp_out, out=True)
+    cd.write()
+    return Prepared(c, cd, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                    slopes, scale, storage, out, exp_sums, tmp_out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case prepared and run (all seeds) in one emulator process."""
+    root = tmp_path_factory.mktemp("emu_attention")
+    prepared = {c.id: prepare(c, root) for c in CASES}
+    results = harness.run_cases([p.dir.path for p in prepared.values()])
+    return prepared, results
+
+
+def _check_v2_scratch(c: Case, stats, exp_sums, max_logits, tmp_out):
+    s_, h, p = exp_sums.shape
+    used = torch.zeros(s_, p, dtype=torch.bool)
+    want_ml = torch.zeros(s_, h, p, dtype=torch.float64)
+    want_es = torch.zeros(s_, h, p, dtype=torch.float64)
+    want_to = torch.zeros(s_, h, p, tmp_out.shape[-1], dtype=torch.float64)
+    for s, ps in enumerate(stats):
+        n = ps.max_logits.shape[1]
+        used[s, :n] = True
+        want_ml[s, :, :n], want_es[s, :, :n], want_to[s, :, :n] = (
+            ps.max_logits, ps.exp_sums, ps.tmp_out)
+
+    def sel(t, m):
+        return t.transpose(1, 2)[m]
+
+    assert_close(sel(max_logits, used), sel(want_ml, used), c.dtype, "max_logits (used)")
+    assert_close(sel(exp_sums, used), sel(want_es, used), c.dtype, "exp_sums (used)")
+    assert_close(sel(tmp_out, used), sel(want_to, used), c.dtype, "tmp_out (used)")
+    for name, t in (("exp_sums", exp_sums), ("max_logits", max_logits), ("tmp_out", tmp_out)):
+        rest = sel(t, ~used)
+        assert_bitwise_equal(rest, nan_like(rest), f"{name}: partitions past a sequence's "
+                             f"length (seq_lens {list(c.seq_lens)}) must stay untouched")
+
+
+@pytest.mark.parametrize("seed", harness.seeds(), ids=lambda s: f"sched{s}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_paged_attention_emulated(runs, case, seed):
+    prepared, results = runs
+    p = prepared[case.id]
+    res = results[p.dir.path]
+    assert res.ok, res.message
+    d = p.dir
+    ref, stats = ref_paged_attention(p.query, p.key_cache, p.value_cache, case.num_kv_heads,
+                                     p.scale, p.block_tables, p.seq_lens, case.block_size,
+                                     p.slopes, case.k_scale, case.v_scale)
+    out1 = d.read("out_v1", seed, p.out)
+    out2 = d.read("out_v2", seed, p.out)
+    exp_sums = d.read("exp_sums", seed, p.exp_sums)
+    max_logits = d.read("max_logits", seed, p.exp_sums)
+    tmp_out = d.read("tmp_out", seed, p.tmp_out)
+    assert_close(out1, ref, case.dtype, "v1 out")
+    assert_close(out2, ref, case.dtype, "v2 out")
+    _check_v2_scratch(case, stats, exp_sums, max_logits, tmp_out)
+    assert_close(out1, out2, case.dtype, "v1 vs v2")
+    for name, t in (("query_storage", p.storage), ("key_cache", p.key_cache),
+                    ("value_cache", p.value_cache)):
+        assert_bitwise_equal(d.read(name, seed, t), t, f"{name} must not be modified")
