@@ -7,12 +7,55 @@ config is made rather than deep inside the scheduler.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
+import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+
+#: The most logprobs / prompt_logprobs a request may ask for, unless the engine is built
+#: with another max_logprobs (vLLM's default). The server's --max-logprobs defaults to it.
+DEFAULT_MAX_LOGPROBS = 20
+
+
+def check_int(name: str, value: object, minimum: Optional[int] = None) -> int:
+    """``value`` as a plain int (bool and float refused), at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return int(value)
+
+
+def check_number(name: str, value: object) -> float:
+    """``value`` as a finite float (an int or float; bool, str, None, NaN and inf refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        result = float(value)
+    except (OverflowError, ValueError):
+        result = math.inf
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return result
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def total_memory_bytes() -> Optional[int]:
+    """Physical memory of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 SchedulerPolicy = Literal["fcfs", "priority", "shortest_first"]
 PreemptionMode = Literal["recompute", "swap"]
@@ -58,18 +101,24 @@ class CacheConfig:
     watermark: float = 0.01
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
-            raise ValueError(f"num_gpu_blocks must be at least 1, got {self.num_gpu_blocks}")
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if not self.swap_space_gib >= 0:  # also rejects NaN
+        self.block_size = check_int("block_size", self.block_size, 1)
+        if self.num_gpu_blocks is not None:
+            self.num_gpu_blocks = check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
+        if self.num_cpu_blocks is not None:
+            self.num_cpu_blocks = check_int("num_cpu_blocks", self.num_cpu_blocks)
+            if self.num_cpu_blocks < 0:
+                raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        self.swap_space_gib = check_number("swap_space_gib", self.swap_space_gib)
+        if not self.swap_space_gib >= 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
+        self.gpu_memory_utilization = check_number(
+            "gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        self.watermark = check_number("watermark", self.watermark)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
@@ -100,10 +149,13 @@ class SchedulerConfig:
     max_wait_steps: int = 256
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1)
+        self.max_model_len = check_int("max_model_len", self.max_model_len, 1)
+        if self.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = check_int(
+                "max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        self.max_wait_steps = check_int("max_wait_steps", self.max_wait_steps)
         if self.policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {self.policy!r}")
         if self.preemption_mode is not None and self.preemption_mode not in _PREEMPTION_MODES:

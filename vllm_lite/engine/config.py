@@ -11,7 +11,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from vllm_lite.config import CacheConfig, SchedulerConfig
+from vllm_lite.config import (
+    DEFAULT_MAX_LOGPROBS, GiB, CacheConfig, SchedulerConfig, check_int, check_number,
+    total_memory_bytes)
 
 
 def resolve_device(device: Union[str, torch.device]) -> torch.device:
@@ -41,11 +43,15 @@ class ModelConfig:
     # None: the model's max_position_embeddings.
     max_model_len: Optional[int] = None
     seed: int = 0
+    # The most logprobs / prompt_logprobs one request may ask for (vLLM's max_logprobs).
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     hf_config: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         from vllm_lite.models import resolve_model
+        from vllm_lite.models.loader import read_hf_config
 
+        self.max_logprobs = check_int("max_logprobs", self.max_logprobs, 0)
         # An alias (smollm2-135m) or a .gguf file becomes its converted, cached HF folder.
         path = resolve_model(self.model)
         self.model = str(path)
@@ -56,9 +62,8 @@ class ModelConfig:
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.hf_config is None:
-            from transformers import AutoConfig
-
-            self.hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+            # Checks config.json's sizes; a bad file is a ValueError naming the key.
+            self.hf_config = read_hf_config(path)
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         if self.max_model_len is None:
             self.max_model_len = int(limit) if limit else 2048
@@ -98,8 +103,19 @@ class EngineConfig:
     num_gpu_blocks_override: Optional[int] = None
 
     def __post_init__(self) -> None:
+        self.kv_cache_space = check_number("kv_cache_space", self.kv_cache_space)
         if not self.kv_cache_space > 0:
             raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
+        total = total_memory_bytes()
+        if total is not None:
+            # Both are host memory: more than the whole machine can never be allocated.
+            # (Their sum is not checked: the pools are allocated lazily by the OS, and the
+            # defaults, 4 + 4 GiB, must keep working on small machines.)
+            for name, gib in (("kv_cache_space", self.kv_cache_space),
+                              ("swap_space", self.cache_config.swap_space_gib)):
+                if gib * GiB > total:
+                    raise ValueError(f"{name} {gib} GiB is more than this machine's memory "
+                                     f"({total / GiB:.1f} GiB)")
         if self.num_gpu_blocks_override is not None and (
             isinstance(self.num_gpu_blocks_override, bool)
             or not isinstance(self.num_gpu_blocks_override, int)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,8 @@ from torch import nn
 from vllm_lite.models.gguf import DEFAULT_MODEL, resolve_model
 from vllm_lite.models.registry import get_model_class
 
-__all__ = ["DEFAULT_MODEL", "iterate_weights", "load_model", "resolve_dtype", "resolve_model"]
+__all__ = ["DEFAULT_MODEL", "check_model_memory", "estimate_model_bytes", "iterate_weights",
+           "load_model", "read_hf_config", "resolve_dtype", "resolve_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,128 @@ def resolve_dtype(dtype: torch.dtype | str, config: Any) -> torch.dtype:
     return resolved
 
 
+# config.json keys every supported (Llama-family) checkpoint must state: transformers would
+# otherwise fill in its class defaults (a 7B Llama) for a file that lacks them.
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size")
+# Integer sizes that may be absent (or null) and then take a derived default.
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _positive_int(config_file: Path, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{config_file}: {key} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_config_dict(config_file: Path, raw: Any) -> None:
+    """The shape fields of a config.json, checked before transformers interprets them
+    (it raises assorted errors, or divides by zero, on bad ones)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
+    missing = [k for k in _REQUIRED_KEYS if k not in raw]
+    if missing:
+        raise ValueError(f"{config_file} lacks {', '.join(missing)}")
+    for key in _REQUIRED_KEYS:
+        _positive_int(config_file, key, raw[key])
+    for key in _OPTIONAL_SIZES:
+        if raw.get(key) is not None:
+            _positive_int(config_file, key, raw[key])
+    heads = raw["num_attention_heads"]
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ValueError(f"{config_file}: num_attention_heads {heads} is not a multiple of "
+                         f"num_key_value_heads {kv_heads}")
+    if raw.get("head_dim") is None and raw["hidden_size"] % heads:
+        raise ValueError(f"{config_file}: hidden_size {raw['hidden_size']} is not divisible by "
+                         f"num_attention_heads {heads} (and no head_dim is given)")
+    eps = raw.get("rms_norm_eps")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
+                            or not 0 < eps < math.inf):
+        raise ValueError(f"{config_file}: rms_norm_eps must be a positive number, got {eps!r}")
+
+
+def read_hf_config(path: str | Path) -> Any:
+    """The transformers config of the HF folder ``path``, after checking its config.json;
+    every problem (unreadable or invalid JSON, a missing or non-positive size, heads that
+    do not divide, a model type transformers does not know) is a ValueError."""
+    config_file = Path(path) / "config.json"
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a Hugging Face model folder (no config.json)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {config_file}: {e}") from None
+    _check_config_dict(config_file, raw)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001  (transformers raises many kinds for a bad file)
+        raise ValueError(f"cannot load {config_file}: {type(e).__name__}: {e}") from None
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def estimate_model_bytes(config: Any, dtype: torch.dtype, max_model_len: int | None = None) -> int:
+    """Bytes the model's parameters and buffers take (within a few per cent): embeddings,
+    the untied lm_head, per layer the QKV / output / MLP projections and norms, and the
+    float32 rotary table. Computed with Python ints, so absurd sizes cannot overflow."""
+    hidden, vocab = config.hidden_size, config.vocab_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = _head_dim(config)
+    inter = config.intermediate_size
+    per_layer = (hidden * (heads + 2 * kv_heads) * head_dim  # fused QKV
+                 + heads * head_dim * hidden                  # o_proj
+                 + 3 * hidden * inter                         # gate/up and down
+                 + 2 * hidden + 2 * head_dim)                 # norms (q/k norms for Qwen3)
+    params = vocab * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    params += config.num_hidden_layers * per_layer + hidden
+    positions = max_model_len or getattr(config, "max_position_embeddings", None) or 2048
+    rotary = positions * head_dim * 4
+    return params * torch.empty((), dtype=dtype).element_size() + rotary
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    """Memory a new model may take on ``device`` now: MemAvailable on the CPU, the free
+    device memory on CUDA; None when unknown."""
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except Exception:  # noqa: BLE001  (no usable CUDA: let the allocation say so)
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_model_memory(config: Any, dtype: torch.dtype, device: torch.device,
+                       max_model_len: int | None = None) -> int:
+    """Refuse (ValueError) a model whose weights cannot fit the memory ``device`` has free,
+    before anything is allocated; returns the estimated bytes."""
+    need = estimate_model_bytes(config, dtype, max_model_len)
+    have = _available_bytes(device)
+    if have is not None and need > have:
+        raise ValueError(
+            f"the model needs about {need / 2**30:.3g} GiB for its weights "
+            f"(vocab_size {config.vocab_size}, hidden_size {config.hidden_size}, "
+            f"{config.num_hidden_layers} layers, {dtype}), more than the "
+            f"{have / 2**30:.3g} GiB free on {device}"
+        )
+    return need
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     # Build the parameters directly in the target dtype (no float32 copy of a big model).
@@ -68,8 +193,7 @@ def _weight_files(folder: Path) -> tuple[list[Path], str]:
                             ("pytorch_model.bin.index.json", "bin")):
         index = folder / index_name
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return [folder / f for f in sorted(set(weight_map.values()))], fmt
+            return _indexed_files(folder, index), fmt
     if (folder / "model.safetensors").is_file():
         return [folder / "model.safetensors"], "safetensors"
     files = sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("consolidated"))
@@ -81,18 +205,53 @@ def _weight_files(folder: Path) -> tuple[list[Path], str]:
     raise ValueError(f"no weights in {folder}: expected *.safetensors or pytorch_model*.bin")
 
 
+def _indexed_files(folder: Path, index: Path) -> list[Path]:
+    """The shard files an index's weight_map names, each a plain file inside ``folder``:
+    an absolute path, a ``..`` or a symlink leading out of the folder is refused."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the weight_map of {index}: {type(e).__name__}: {e}") \
+            from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) and f for f in weight_map.values()):
+        raise ValueError(f"{index}: weight_map must map tensor names to file names")
+    root = folder.resolve()
+    files = []
+    for name in sorted(set(weight_map.values())):
+        shard = (folder / name).resolve()  # follows symlinks and ".."
+        if Path(name).is_absolute() or root not in shard.parents:
+            raise ValueError(f"{index}: weight file {name!r} lies outside the model folder")
+        if not shard.is_file():
+            raise ValueError(f"{index}: weight file {name!r} does not exist")
+        files.append(shard)
+    return files
+
+
 def iterate_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint, one file at a time."""
     files, fmt = _weight_files(Path(folder))
     for path in files:
+        # A truncated or corrupt file is bad input (ValueError), whatever the reader raises.
         if fmt == "safetensors":
             from safetensors import safe_open
 
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    names = list(f.keys())
+                    tensors = ((name, f.get_tensor(name)) for name in names)
+                    yield from tensors
+            except ValueError:
+                raise
+            except Exception as e:  # noqa: BLE001  (SafetensorError, OSError, ...)
+                raise ValueError(f"cannot read weights from {path}: {type(e).__name__}: {e}") \
+                    from None
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # noqa: BLE001  (UnpicklingError, RuntimeError, ...)
+                raise ValueError(f"cannot read weights from {path}: {type(e).__name__}: {e}") \
+                    from None
             yield from state.items()
             del state
 
@@ -110,15 +269,17 @@ def load_model(
     once into a cache folder (:func:`resolve_model`), which later loads read directly.
     Returns ``(model, hf_config)``, the model in eval mode on ``device`` in ``dtype``
     (the rotary table stays float32). Local files only: nothing is downloaded.
-    Raises ValueError for an unknown alias or missing path, a missing package, an
-    unsupported architecture, or missing / unexpected / mis-shaped weights.
+    Raises ValueError for an unknown alias or missing path, a missing package, a bad
+    config.json (see :func:`read_hf_config`), a model too big for the free memory of
+    ``device`` (checked before allocating), an unsupported architecture, an index naming
+    files outside the folder, an unreadable weight file, or missing / unexpected /
+    mis-shaped weights.
     """
     path = resolve_model(path)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config = read_hf_config(path)
     model_cls = get_model_class(getattr(config, "architectures", None))
     torch_dtype = resolve_dtype(dtype, config)
+    check_model_memory(config, torch_dtype, torch.device(device), max_model_len)
     with _default_dtype(torch_dtype), torch.device(device):
         model = model_cls(config, max_model_len=max_model_len)
     model.load_weights(iterate_weights(path))
