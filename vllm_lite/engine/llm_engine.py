@@ -125,6 +125,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.verify_max_n(self.config.scheduler_config.max_num_seqs)
+        params.verify_max_logprobs(self.config.model_config.max_logprobs)
         if params.use_beam_search and params.stop:
             # Beams are ranked before they are detokenized; stop tokens work.
             raise ValueError("stop strings are not supported with beam search; use stop_token_ids")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from vllm_lite.config import CacheConfig, SchedulerConfig
+from vllm_lite.config import DEFAULT_MAX_LOGPROBS, CacheConfig, SchedulerConfig
 from vllm_lite.engine.config import EngineConfig, ModelConfig, resolve_device
 from vllm_lite.engine.llm_engine import LLMEngine
 from vllm_lite.outputs import RequestOutput
@@ -34,6 +35,11 @@ def _load_tokenizer(folder: str) -> Any:
 
 
 class LLM:
+    """Offline generation over one engine. Thread-safe: generate / chat calls from several
+    threads run one after another (a lock around each call), since they share the engine's
+    steps; each call gets exactly what it would get alone. max_logprobs: the most
+    logprobs / prompt_logprobs a request may ask for (vLLM's default 20)."""
+
     def __init__(
         self,
         model: str,
@@ -53,9 +59,11 @@ class LLM:
         scheduling_policy: str = "fcfs",
         seed: int = 0,
         num_gpu_blocks_override: Optional[int] = None,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         model_config = ModelConfig(model=str(model), tokenizer=tokenizer, dtype=dtype,
-                                   max_model_len=max_model_len, seed=seed)
+                                   max_model_len=max_model_len, seed=seed,
+                                   max_logprobs=max_logprobs)
         self.config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -74,6 +82,9 @@ class LLM:
         self.tokenizer = _load_tokenizer(model_config.tokenizer)
         self.llm_engine = LLMEngine(self.config, tokenizer=self.tokenizer)
         self._counter = itertools.count()
+        # One caller at a time drives the engine: two threads stepping it at once would
+        # mix their batches (and each would drop the other's finished outputs).
+        self._lock = threading.Lock()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -131,9 +142,10 @@ class LLM:
     def generate(self, prompts: Any, sampling_params: Any = None,
                  use_tqdm: bool = True) -> List[RequestOutput]:
         """Completes every prompt; the outputs come back in input order."""
-        parsed = self._parse_prompts(prompts)
-        params = self._params_list(sampling_params, len(parsed))
-        return self._run(parsed, params, use_tqdm)
+        with self._lock:
+            parsed = self._parse_prompts(prompts)
+            params = self._params_list(sampling_params, len(parsed))
+            return self._run(parsed, params, use_tqdm)
 
     def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> List[RequestOutput]:
@@ -144,15 +156,16 @@ class LLM:
         if not messages:
             raise ValueError("no messages given")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt)
-            prompts.append((text, list(self.tokenizer.encode(text, add_special_tokens=False))))
-        for _, ids in prompts:
-            self.llm_engine.validate_prompt(ids)
-        params = self._params_list(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm)
+        with self._lock:
+            prompts = []
+            for conv in conversations:
+                text = self.tokenizer.apply_chat_template(
+                    conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+                prompts.append((text, list(self.tokenizer.encode(text, add_special_tokens=False))))
+            for _, ids in prompts:
+                self.llm_engine.validate_prompt(ids)
+            params = self._params_list(sampling_params, len(prompts))
+            return self._run(prompts, params, use_tqdm)
 
     def _run(self, parsed: List[Tuple[Optional[str], List[int]]], params: List[SamplingParams],
              use_tqdm: bool) -> List[RequestOutput]:
