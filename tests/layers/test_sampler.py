@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_lite.layers.sampler import (
+    LOGPROB_FLOOR,
     Sampler,
     beam_search_candidates,
     compute_prompt_logprobs,
@@ -455,12 +456,14 @@ def check_logprob_dict(d: Dict, ref_lp: List[float], chosen: int, k: int):
     k = min(k, len(ref_lp))
     assert chosen in d and len(d) in (k, k + 1)
     assert d[chosen].rank == 1 + sum(1 for v in ref_lp if v > ref_lp[chosen])
+    # A cut token's -inf is reported as LOGPROB_FLOOR (finite, for JSON), as vLLM does.
+    reported = [max(v, LOGPROB_FLOOR) for v in ref_lp]
     for t, lp in d.items():
-        assert lp.logprob == pytest.approx(ref_lp[t], abs=1e-5), t
+        assert lp.logprob == pytest.approx(reported[t], abs=1e-5), t
     # The k largest entries are the k largest logprobs (robust to which tied ids topk picks;
     # an extra chosen token is never above the k-th).
     got_top = sorted((lp.logprob for lp in d.values()), reverse=True)[:k]
-    assert got_top == pytest.approx(sorted(ref_lp, reverse=True)[:k], abs=1e-5)
+    assert got_top == pytest.approx(sorted(reported, reverse=True)[:k], abs=1e-5)
 
 
 def test_logprobs_from_processed_logits():
@@ -485,7 +488,7 @@ def test_logprobs_from_processed_logits():
                               torch.tensor(ref_lp, dtype=torch.float64), atol=1e-5)
     assert list(out.outputs[3].top_logprobs[0]) == [out.outputs[3].token_ids[0]]
     d2 = out.outputs[2].top_logprobs[0]
-    assert sum(1 for lp in d2.values() if lp.logprob == NEG_INF) == 2  # 6 asked, 4 kept
+    assert sum(1 for lp in d2.values() if lp.logprob == LOGPROB_FLOOR) == 2  # 6 asked, 4 kept
 
 
 def test_no_top_logprobs_unless_asked():

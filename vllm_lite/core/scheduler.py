@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence as Seq, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence as Seq, Tuple, Union
 
 from vllm_lite.config import CacheConfig, SchedulerConfig
 from vllm_lite.core.beam_search import BeamCandidate, Hypothesis, ScoredCandidate, select_beams
@@ -206,6 +206,11 @@ class Scheduler:
 
     def get_num_unfinished_seq_groups(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def usable_gpu_blocks(self) -> int:
+        """KV blocks one request may ever hold at once (the pool less the watermark)."""
+        bm = self.block_manager
+        return bm.num_total_gpu_blocks - bm.watermark_blocks
 
     def get_seq_group(self, request_id: str) -> Optional[SequenceGroup]:
         return self._requests.get(request_id)
@@ -460,6 +465,7 @@ class Scheduler:
         sampled: Mapping[int, Seq[int]],
         logprobs: Optional[Mapping[int, Seq[float]]] = None,
         beams: Optional[Mapping[str, Seq[BeamCandidate]]] = None,
+        errors: Optional[Dict[str, Exception]] = None,
     ) -> List[SequenceGroup]:
         """Record a step: the scheduled tokens are now computed; each sequence that was
         sampled (do_sample) gets its new token from ``sampled[seq_id]``.
@@ -472,7 +478,9 @@ class Scheduler:
         ones fork their parents (sharing blocks, copy-on-write), dropped beams free their
         blocks at once, finished ones stay in the group as hypotheses without blocks.
 
-        Returns the groups that finished in this update.
+        Returns the groups that finished in this update. With ``errors`` (a dict), a group
+        whose own update raises is aborted (its blocks freed) and recorded there
+        (request_id -> exception) instead of failing the others' updates.
         """
         if output is not self._pending_output:
             raise ValueError("output must be the latest schedule() result, not yet updated")
@@ -484,21 +492,34 @@ class Scheduler:
             group = sched.seq_group
             if group.is_finished():
                 continue  # aborted after it was scheduled
-            for s in sched.seqs:
-                seq = group.get_seq(s.seq_id)
-                if seq is not None and seq.status == SequenceStatus.RUNNING:
-                    seq.num_computed_tokens += s.num_new_tokens
-                    self.block_manager.mark_computed(seq)
-            for seq, tokens in todo.get(group.request_id, []):
-                lps = list(logprobs[seq.seq_id]) if logprobs is not None else [0.0] * len(tokens)
-                self._append_samples(group, seq, tokens, lps)
-            if group.request_id in beam_todo:
-                self._beam_step(group, beam_todo[group.request_id])
+            try:
+                self._update_group(group, sched, todo, beam_todo, logprobs)
+            except Exception as e:
+                if errors is None:
+                    raise
+                errors[group.request_id] = e
+                self.abort_seq_group(group.request_id)
+                continue
             if group.is_finished():
                 self.running.remove(group)
                 self._requests.pop(group.request_id, None)
                 finished.append(group)
         return finished
+
+    def _update_group(self, group: SequenceGroup, sched: Any,
+                      todo: Dict[str, List[Tuple[Sequence, List[int]]]],
+                      beam_todo: Dict[str, List[BeamCandidate]],
+                      logprobs: Optional[Mapping[int, Seq[float]]]) -> None:
+        for s in sched.seqs:
+            seq = group.get_seq(s.seq_id)
+            if seq is not None and seq.status == SequenceStatus.RUNNING:
+                seq.num_computed_tokens += s.num_new_tokens
+                self.block_manager.mark_computed(seq)
+        for seq, tokens in todo.get(group.request_id, []):
+            lps = list(logprobs[seq.seq_id]) if logprobs is not None else [0.0] * len(tokens)
+            self._append_samples(group, seq, tokens, lps)
+        if group.request_id in beam_todo:
+            self._beam_step(group, beam_todo[group.request_id])
 
     def _validate_samples(
         self,

@@ -9,9 +9,10 @@
 
 An engine step is synchronous torch work, so it runs in a dedicated thread and the event
 loop stays responsive. That thread alone touches the LLMEngine: requests to add and abort
-are queued under a lock and applied between steps. Each request has an asyncio queue on
-the loop that called ``generate``, fed from the step outputs with
-``loop.call_soon_threadsafe``. Leaving the ``async for`` early (client gone, task
+are queued under a lock and applied between steps. Each request has a one-slot stream on
+the loop that called ``generate`` holding its newest (cumulative) output, so a slow
+consumer costs no memory; one that reads nothing for ``stream_timeout`` seconds is
+aborted. Leaving the ``async for`` early (client gone, task
 cancelled) aborts the request.
 
 Callers validate requests first (``LLMEngine.validate_prompt``, ``SamplingParams``); a
@@ -55,25 +56,73 @@ class _PendingAdd:
     arrival: float
 
 
-@dataclass
 class _Stream:
-    """One request's outputs, delivered to the event loop that waits for them."""
+    """One request's outputs, handed from the engine thread to the event loop that waits
+    for them.
 
-    loop: asyncio.AbstractEventLoop
-    queue: "asyncio.Queue[Any]" = field(default_factory=asyncio.Queue)
-    finished: bool = False
+    Bounded: a RequestOutput is cumulative (all tokens, text and logprobs so far), so only
+    the newest one is kept; a consumer that falls behind gets the latest state, never a
+    growing backlog. ``pending_since`` says how long an output has waited unread (a client
+    that stops reading a stream is aborted after the engine's stream timeout).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.event = asyncio.Event()
+        self.finished = False
+        self._lock = threading.Lock()
+        self._latest: Optional[RequestOutput] = None
+        self._error: Optional[BaseException] = None
+        self.pending_since: Optional[float] = None
 
     def put(self, item: Any) -> None:
+        """Engine thread (or any thread): a RequestOutput, or an exception that ends the
+        stream."""
+        with self._lock:
+            if self._error is not None:
+                return  # already ended
+            if isinstance(item, BaseException):
+                self._error = item
+            else:
+                self._latest = item
+            if self.pending_since is None:
+                self.pending_since = time.monotonic()
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.event.set)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
+    async def get(self) -> Any:
+        """The newest output (or the error), waiting for one."""
+        while True:
+            with self._lock:
+                if self._latest is not None:
+                    item, self._latest = self._latest, None
+                elif self._error is not None:
+                    item = self._error
+                else:
+                    item = None
+                if item is not None:
+                    self.pending_since = None
+                    return item
+                self.event.clear()
+            await self.event.wait()
+
+    def unread_for(self, now: float) -> float:
+        with self._lock:
+            return 0.0 if self.pending_since is None else now - self.pending_since
+
 
 class AsyncLLMEngine:
-    def __init__(self, engine: Any, metrics: Optional[Metrics] = None) -> None:
+    def __init__(self, engine: Any, metrics: Optional[Metrics] = None,
+                 stream_timeout: Optional[float] = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        # Seconds an output may wait unread before its request is aborted (a client that
+        # stopped reading must not hold KV blocks forever); None: no limit.
+        if stream_timeout is not None and not stream_timeout > 0:
+            raise ValueError(f"stream_timeout must be > 0 seconds, got {stream_timeout}")
+        self.stream_timeout = stream_timeout
         self._cv = threading.Condition()
         # Guarded by _cv: what the engine thread applies before its next step.
         self._adds: List[_PendingAdd] = []
@@ -136,7 +185,7 @@ class AsyncLLMEngine:
             self._cv.notify_all()
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     stream.finished = True
                     raise item
@@ -222,16 +271,17 @@ class AsyncLLMEngine:
         try:
             outputs = engine.step()
         except EngineStepError as e:
-            # The step aborted exactly the requests it ran (their blocks are free): they
-            # fail, everything else goes on.
-            logger.error("engine step failed; failing %d request(s)", len(e.request_ids),
-                         exc_info=e.cause)
+            # The step aborted the requests that broke it (their blocks are free): they
+            # fail, everything else goes on with this step's outputs.
+            logger.error("engine step failed; failing %d request(s): %s", len(e.request_ids),
+                         ", ".join(e.request_ids), exc_info=e.cause)
             err = EngineError(f"the engine failed while running this request: {e.cause!r}")
+            failed = set(e.request_ids)
             for rid in e.request_ids:
                 if self.metrics is not None:
                     self.metrics.on_request_aborted(rid, "error")
                 self._deliver(rid, err)
-            outputs = e.outputs
+            outputs = [o for o in e.outputs if o.request_id not in failed]
         if self.metrics is not None:
             self.metrics.on_outputs(outputs)
         with self._cv:
@@ -242,8 +292,25 @@ class AsyncLLMEngine:
                     self.abort(out.request_id)
                 continue
             stream.put(out)
+        self._abort_unread()
         for cb in self.step_callbacks:
             cb(outputs)
+
+    def _abort_unread(self) -> None:
+        """Aborts the requests whose consumer has not taken an output for stream_timeout
+        seconds (a streaming client that stopped reading): their blocks are freed."""
+        if self.stream_timeout is None:
+            return
+        now = time.monotonic()
+        with self._cv:
+            stale = [(rid, s) for rid, s in self._streams.items()
+                     if not s.finished and s.unread_for(now) > self.stream_timeout]
+        for rid, stream in stale:
+            logger.warning("request %s: its client read nothing for %.0f s; aborting it",
+                           rid, self.stream_timeout)
+            stream.put(EngineError(f"request {rid} aborted: its client stopped reading "
+                                   f"for {self.stream_timeout:g} s"))
+            self.abort(rid)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._cv:

@@ -55,6 +55,20 @@ class _RequestState:
     stopped_by_string: set = field(default_factory=set)
 
 
+@dataclass
+class _Computed:
+    """One step's model results, before anything is recorded."""
+
+    prompt_logprobs: Dict[str, List[Optional[Dict[int, Any]]]] = field(default_factory=dict)
+    sampled: Dict[int, List[int]] = field(default_factory=dict)
+    lps: Dict[int, List[float]] = field(default_factory=dict)
+    tops: Dict[int, Any] = field(default_factory=dict)
+    beams: Dict[str, List[BeamCandidate]] = field(default_factory=dict)
+    # Per beam request: seq_id -> its row of the step's logprobs.
+    beam_rows: Dict[str, Dict[int, int]] = field(default_factory=dict)
+    step_logprobs: Optional[torch.Tensor] = None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any = None,
                  model: Optional[torch.nn.Module] = None) -> None:
@@ -114,6 +128,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = list(prompt_token_ids)
         self.validate_prompt(ids)
+        self.validate_fits(len(ids), params)
+        self.validate_priority(priority)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         group = self.scheduler.add_request(
@@ -143,6 +159,33 @@ class LLMEngine:
             raise ValueError(
                 f"prompt length {len(ids)} is longer than max_model_len {mc.max_model_len}")
 
+    def validate_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """A request whose sequences could never all be in the KV cache at once (best_of
+        of them, each up to prompt + max_tokens tokens, sharing the prompt's full blocks)
+        is refused: it would otherwise run until the cache is full and end early."""
+        if params.max_tokens is None:
+            return  # runs to max_model_len; the scheduler preempts or ends it there
+        bs = self.cache_config.block_size
+        total = prompt_len + params.max_tokens
+        shared = prompt_len // bs
+        per_seq = -(-total // bs) - shared
+        needed = shared + params.best_of * per_seq
+        usable = self.scheduler.usable_gpu_blocks()
+        if needed > usable:
+            what = (f"n={params.n}" if params.best_of == params.n
+                    else f"best_of={params.best_of}")
+            raise ValueError(
+                f"max_tokens {params.max_tokens} with {what} and a {prompt_len}-token prompt "
+                f"needs {needed} KV blocks at once, more than the cache's {usable} "
+                f"({bs} tokens each); lower max_tokens or n")
+
+    def validate_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError(f"priority {priority} needs the priority scheduling policy; this "
+                             f"engine schedules {self.config.scheduler_config.policy!r}")
+
     def abort_request(self, request_id: str | Seq[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self.scheduler.abort_seq_group(ids)
@@ -158,6 +201,10 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
+        """One step. A request that breaks the step (a value that fails inside the shared
+        sampler, a bug triggered by its state) fails alone: the step is re-run without it
+        and every other request gets exactly the tokens it would have got. The step then
+        raises EngineStepError naming the failed requests, carrying everyone's outputs."""
         out = self.scheduler.schedule()
         outputs: List[RequestOutput] = []
         for group in out.ignored_seq_groups:
@@ -172,61 +219,164 @@ class LLMEngine:
         except Exception as e:
             # The swap pool's contents are unknown now: every swapped group fails too.
             self._fail_step(scheduled + [g.request_id for g in self.scheduler.swapped], e, outputs)
+        failed: Dict[str, Exception] = {}
         try:
-            outputs.extend(self._run(out))
+            computed = self._compute_isolated(out, failed)
         except Exception as e:
-            self._fail_step(scheduled, e, outputs)
+            self._fail_step([r for r in scheduled if r not in failed], e, outputs, failed)
+        try:
+            outputs.extend(self._apply(out, computed, failed))
+        except Exception as e:
+            # Scheduler bookkeeping failed outside any one request: nothing is known.
+            self._fail_step([r for r in scheduled if r in self._requests], e, outputs, failed)
+        if failed:
+            raise self._step_error(failed, outputs)
         return outputs
+
+    def _step_error(self, failed: Dict[str, Exception],
+                    outputs: List[RequestOutput]) -> EngineStepError:
+        """Aborts the failed requests and adds a finished, error-carrying output for each."""
+        for rid, cause in failed.items():
+            state = self._requests.get(rid)
+            self.abort_request(rid)
+            if state is not None:
+                state.group.error = f"the engine failed while running this request: {cause!r}"
+                outputs.append(self._make_output(state))
+        cause = next(iter(failed.values()))
+        return EngineStepError(list(failed), cause, outputs)
 
     def _fail_step(self, request_ids: List[str], cause: Exception,
-                   outputs: List[RequestOutput]) -> None:
+                   outputs: List[RequestOutput],
+                   failed: Optional[Dict[str, Exception]] = None) -> None:
         """A failed step leaves its requests in an unknown state: abort them (their blocks
         are free at once) and tell the caller which ones; the engine serves on."""
-        self.abort_request(request_ids)
-        raise EngineStepError(request_ids, cause, outputs) from cause
+        failed = dict(failed or {})
+        for rid in request_ids:
+            failed.setdefault(rid, cause)
+        raise self._step_error(failed, outputs) from cause
 
-    def _run(self, out: Any) -> List[RequestOutput]:
-        """Forward, sampling and bookkeeping of one scheduled step."""
+    # Re-runs allowed while looking for the requests that broke a step: a bisection finds
+    # one culprit among n requests in about 2 log2(n) runs; past this many the remaining
+    # suspects all fail (a step that breaks for everybody is not worth more forwards).
+    _MAX_ISOLATION_RUNS = 32
+
+    def _compute_isolated(self, out: Any, failed: Dict[str, Exception]) -> "_Computed":
+        """The step's forward and sampling. If it raises, re-run halves of the batch
+        (random states restored each time, the KV writes are the same values again) to
+        find the requests that make it fail, record them in ``failed`` (request_id ->
+        exception) and run the others once more: their results are exactly those of a
+        step without the failed requests."""
+        snap = self.sampler.snapshot()
+        try:
+            return self._compute(out)
+        except Exception as e:
+            groups = list(out.scheduled_seq_groups)
+            if len(groups) <= 1:
+                raise
+            logger.warning("step %d failed (%r); looking for the request that broke it",
+                           out.step, e)
+            budget = [self._MAX_ISOLATION_RUNS]
+            culprits: Dict[str, Exception] = {}
+            self._bisect(out, groups, snap, culprits, budget, e)
+            if not culprits or len(culprits) == len(groups):
+                raise
+        failed.update(culprits)
+        for rid in culprits:
+            # Out of the scheduler now, so the update below skips them.
+            self.scheduler.abort_seq_group([rid])
+        logger.error("step %d: request(s) %s failed alone; the others go on", out.step,
+                     ", ".join(culprits))
+        self.sampler.restore(snap)
+        rest = dataclasses.replace(
+            out, scheduled_seq_groups=[g for g in groups if g.request_id not in culprits])
+        return self._compute(rest)
+
+    def _bisect(self, out: Any, groups: List[Any], snap: Any, culprits: Dict[str, Exception],
+                budget: List[int], cause: Exception) -> None:
+        """Adds to ``culprits`` the groups of ``groups`` (a failing set) that fail alone."""
+        if len(groups) == 1:
+            culprits[groups[0].request_id] = cause
+            return
+        half = len(groups) // 2
+        for part in (groups[:half], groups[half:]):
+            if budget[0] <= 0:
+                for g in part:  # out of re-runs: every remaining suspect fails
+                    culprits.setdefault(g.request_id, cause)
+                continue
+            budget[0] -= 1
+            self.sampler.restore(snap)
+            try:
+                self._compute(dataclasses.replace(out, scheduled_seq_groups=part))
+            except Exception as e:  # noqa: BLE001  (narrowing down which request broke it)
+                self._bisect(out, part, snap, culprits, budget, e)
+
+    def _compute(self, out: Any) -> "_Computed":
+        """Forward + sampling + beam candidates; touches no request or scheduler state
+        (only the KV slots of this step and the sampler's random states)."""
+        computed = _Computed()
+        if not out.scheduled_seq_groups:
+            return computed
+        result = self.runner.execute_model(out)
+        computed.prompt_logprobs = result.prompt_logprobs
+        sampler_out, meta = result.sampler_output, result.metadata
+        if sampler_out is None:
+            return computed
+        computed.step_logprobs = sampler_out.logprobs
+        for i, (row, so) in enumerate(zip(meta.rows, sampler_out.outputs)):
+            if row.params.use_beam_search:
+                computed.beam_rows.setdefault(row.request_id, {})[row.seq_id] = i
+                continue
+            computed.sampled[row.seq_id] = so.token_ids
+            computed.lps[row.seq_id] = so.logprobs
+            computed.tops[row.seq_id] = so.top_logprobs
+        groups = {s.request_id: s.seq_group for s in out.scheduled_seq_groups}
+        for rid, rows in computed.beam_rows.items():
+            computed.beams[rid] = self._beam_candidates(groups[rid], rows, sampler_out.logprobs)
+        return computed
+
+    def _apply(self, out: Any, computed: "_Computed",
+               failed: Dict[str, Exception]) -> List[RequestOutput]:
+        """Records the step (scheduler update, prompt logprobs, detokenization, stop
+        strings) and builds the outputs; a request whose own bookkeeping raises fails
+        alone (into ``failed``)."""
         outputs: List[RequestOutput] = []
-        sampled: Dict[int, List[int]] = {}
-        lps: Dict[int, List[float]] = {}
-        tops: Dict[int, Any] = {}
-        beams: Dict[str, List[BeamCandidate]] = {}
-        # Per beam request: seq_id -> its row of the step's logprobs.
-        beam_rows: Dict[str, Dict[int, int]] = {}
-        step_logprobs: Optional[torch.Tensor] = None
-        if out.scheduled_seq_groups:
-            result = self.runner.execute_model(out)
-            for rid, chunk in result.prompt_logprobs.items():
-                self._add_prompt_logprobs(rid, chunk)
-            sampler_out, meta = result.sampler_output, result.metadata
-            if sampler_out is not None:
-                step_logprobs = sampler_out.logprobs
-                for i, (row, so) in enumerate(zip(meta.rows, sampler_out.outputs)):
-                    if row.params.use_beam_search:
-                        beam_rows.setdefault(row.request_id, {})[row.seq_id] = i
-                        continue
-                    sampled[row.seq_id] = so.token_ids
-                    lps[row.seq_id] = so.logprobs
-                    tops[row.seq_id] = so.top_logprobs
-                groups = {s.request_id: s.seq_group for s in out.scheduled_seq_groups}
-                for rid, rows in beam_rows.items():
-                    beams[rid] = self._beam_candidates(groups[rid], rows, sampler_out.logprobs)
+        for rid, chunk in computed.prompt_logprobs.items():
+            self._guarded(rid, failed, self._add_prompt_logprobs, rid, chunk)
         before = {s.request_id: list(s.seq_group.seqs_dict) for s in out.scheduled_seq_groups}
-        self.scheduler.update(out, sampled, lps, beams)
+        group_errors: Dict[str, Exception] = {}
+        self.scheduler.update(out, computed.sampled, computed.lps, computed.beams,
+                              errors=group_errors)
+        for rid, e in group_errors.items():
+            logger.error("request %s failed in the scheduler update: %r", rid, e)
+            failed.setdefault(rid, e)
         for sched in out.scheduled_seq_groups:
-            state = self._requests.get(sched.request_id)
-            if state is None:
-                continue  # aborted meanwhile
-            if sched.request_id in beam_rows and step_logprobs is not None:
-                self._record_beam_logprobs(state, before[sched.request_id],
-                                           beam_rows[sched.request_id], step_logprobs)
-            self._process(state, before[sched.request_id], tops)
-            outputs.append(self._make_output(state))
+            rid = sched.request_id
+            state = self._requests.get(rid)
+            if state is None or rid in failed:
+                continue  # aborted meanwhile, or failed this step
+            try:
+                if rid in computed.beam_rows and computed.step_logprobs is not None:
+                    self._record_beam_logprobs(state, before[rid], computed.beam_rows[rid],
+                                               computed.step_logprobs)
+                self._process(state, before[rid], computed.tops)
+                outputs.append(self._make_output(state))
+            except Exception as e:  # noqa: BLE001  (this request fails, the others go on)
+                logger.exception("request %s failed while recording its step", rid)
+                failed[rid] = e
+                continue
             if state.group.is_finished():
-                del self._requests[sched.request_id]
-                self.sampler.free_request(sched.request_id)
+                del self._requests[rid]
+                self.sampler.free_request(rid)
         return outputs
+
+    def _guarded(self, rid: str, failed: Dict[str, Exception], fn: Any, *args: Any) -> None:
+        if rid in failed:
+            return
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001  (this request fails, the others go on)
+            logger.exception("request %s failed while recording its step", rid)
+            failed[rid] = e
 
     @staticmethod
     def _beam_candidates(group: SequenceGroup, rows: Dict[int, int],

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from vllm_lite.config import DEFAULT_MAX_LOGPROBS, CacheConfig, SchedulerConfig
 from vllm_lite.engine.config import EngineConfig, ModelConfig, resolve_device
-from vllm_lite.engine.llm_engine import LLMEngine
+from vllm_lite.engine.llm_engine import EngineStepError, LLMEngine
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 
@@ -178,6 +178,7 @@ class LLM:
                 engine.add_request(rid, text, p, prompt_token_ids=tokens)
                 ids.append(rid)
             wanted = set(ids)
+            failed: set = set()
             bar = None
             if use_tqdm:
                 from tqdm.auto import tqdm
@@ -187,7 +188,19 @@ class LLM:
                 while len(results) < len(ids):
                     if not engine.has_unfinished_requests():
                         raise RuntimeError("the engine stopped with requests unfinished")
-                    for out in engine.step():
+                    try:
+                        step_outputs = engine.step()
+                    except EngineStepError as e:
+                        # Only the requests that broke the step failed; their outputs
+                        # carry the error, and every other prompt goes on. When every
+                        # prompt of this call failed there is nothing to return: raise.
+                        failed.update(r for r in e.request_ids if r in wanted)
+                        if failed == wanted:
+                            raise
+                        logger.error("request(s) %s failed: %r", ", ".join(e.request_ids),
+                                     e.cause)
+                        step_outputs = e.outputs
+                    for out in step_outputs:
                         if out.finished and out.request_id in wanted:
                             results[out.request_id] = out
                             if bar is not None:

@@ -19,7 +19,8 @@ Per row, in vLLM 0.6's order (vllm/model_executor/layers/sampler.py):
    keyed by request_id), so its tokens do not depend on its batch mates.
 
 Logprobs are the log_softmax of the *processed* logits (after steps 1-4), as vLLM 0.6
-returns them: a token cut by top_k/top_p/min_p has logprob -inf, and a temperature
+returns them: a token cut by top_k/top_p/min_p has logprob -inf (reported as
+``LOGPROB_FLOOR``, -9999.0, as vLLM does: JSON has no infinity), and a temperature
 changes them. Greedy rows use temperature 1. The sampled tokens' logprobs (always
 computed: the engine sums them into cumulative_logprob) come from the same tensor.
 """
@@ -34,7 +35,13 @@ import torch
 from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from vllm_lite.sampling_params import _SAMPLING_EPS, SamplingParams, SamplingType
 
+# What a reported logprob of -inf (a token the processors cut) becomes: a finite number
+# every JSON encoder accepts, vLLM's value. Only reported Logprob entries are clamped; the
+# sampled tokens' logprobs that sum into cumulative_logprob are never -inf.
+LOGPROB_FLOOR = -9999.0
+
 __all__ = [
+    "LOGPROB_FLOOR",
     "Logprob",
     "SampleOutput",
     "SamplerOutput",
@@ -201,7 +208,10 @@ def _apply_sampling_processors(
     temps = [_temperature(p) for p in params_list]
     if any(t != 1.0 for t in temps):
         logits = apply_temperature(logits, torch.tensor(temps, dtype=logits.dtype, device=dev))
-    top_ks = [p.top_k for p in params_list]
+    # top_k past the vocabulary keeps everything (vLLM clamps it the same way); clamping
+    # here also keeps a huge value such as 2**63 out of the int64 tensor.
+    vocab = logits.shape[1]
+    top_ks = [min(p.top_k, vocab) for p in params_list]
     top_ps = [p.top_p for p in params_list]
     if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
         logits = apply_top_k_top_p(
@@ -271,11 +281,11 @@ def top_logprob_dicts(
         top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
     out: List[Dict[int, Logprob]] = []
     for i, (tok, lp, rank) in enumerate(zip(chosen.tolist(), chosen_lp.tolist(), ranks.tolist())):
-        d: Dict[int, Logprob] = {tok: Logprob(lp, rank)}
+        d: Dict[int, Logprob] = {tok: Logprob(max(lp, LOGPROB_FLOOR), rank)}
         for j in range(min(num_top[i], k)):
             t = top_ids_l[i][j]
             if t not in d:
-                d[t] = Logprob(top_vals_l[i][j], j + 1)
+                d[t] = Logprob(max(top_vals_l[i][j], LOGPROB_FLOOR), j + 1)
         out.append(d)
     return out
 
@@ -338,6 +348,14 @@ def beam_search_candidates(
 # ----------------------------------------------------------------------------------------
 
 
+@dataclass
+class RngSnapshot:
+    requests: Dict[str, torch.Tensor]
+    global_: Dict[torch.device, torch.Tensor]
+    default_cpu: Optional[torch.Tensor]
+    default_cuda: Optional[List[torch.Tensor]]
+
+
 class Sampler:
     """Samples one step's tokens: sampler(logits, metadata) -> SamplerOutput.
 
@@ -355,6 +373,32 @@ class Sampler:
     def free_request(self, request_id: str) -> None:
         """Forget a finished/aborted request's generator (call once it leaves the engine)."""
         self.generators.pop(request_id, None)
+
+    def snapshot(self) -> "RngSnapshot":
+        """Every random state a step may advance, so a step can be run again exactly
+        (the engine re-runs parts of a failed step to find the request that broke it)."""
+        return RngSnapshot(
+            {rid: g.get_state() for rid, g in self.generators.items()},
+            {dev: g.get_state() for dev, g in self._global_generators.items()},
+            torch.get_rng_state() if self.seed is None else None,
+            torch.cuda.get_rng_state_all() if self.seed is None and torch.cuda.is_initialized()
+            else None,
+        )
+
+    def restore(self, snap: "RngSnapshot") -> None:
+        for rid in [r for r in self.generators if r not in snap.requests]:
+            del self.generators[rid]  # created by the step being undone
+        for rid, state in snap.requests.items():
+            if rid in self.generators:
+                self.generators[rid].set_state(state)
+        for dev in [d for d in self._global_generators if d not in snap.global_]:
+            del self._global_generators[dev]
+        for dev, state in snap.global_.items():
+            self._global_generators[dev].set_state(state)
+        if snap.default_cpu is not None:
+            torch.set_rng_state(snap.default_cpu)
+        if snap.default_cuda is not None:
+            torch.cuda.set_rng_state_all(snap.default_cuda)
 
     def _global_generator(self, device: torch.device) -> Optional[torch.Generator]:
         if self.seed is None:
