@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from vllm_lite import LLM
-from vllm_lite.entrypoints.openai.api_server import ServerConfig, build_app
+from vllm_lite.entrypoints.openai.api_server import ServerConfig, build_app, uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,9 @@ class ServerThread:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(
-            self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+        cfg = uvicorn_config(self.app, self.config, log_level="warning", lifespan="on")
+        cfg.timeout_graceful_shutdown = 2
+        self.server = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name=f"uvicorn-{self.port}", daemon=True)
 

@@ -12,6 +12,7 @@ the OpenAI-compatible server (vllm_lite.entrypoints.openai.api_server).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -102,22 +103,51 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $VLLM_LITE_API_KEY)")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the --model argument)")
-    p.add_argument("--max-n", type=int, default=16, help="the largest n / best_of accepted")
-    p.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most logprobs / top_logprobs accepted")
+                   help="the model name clients send (default: the alias, or the model "
+                        "folder's / .gguf file's name; never the path)")
+    from vllm_lite.entrypoints.openai.api_server import ServerConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+    for name, help_text in _SERVER_LIMITS.items():
+        flag = "--" + name.removesuffix("_s").replace("_", "-")
+        p.add_argument(flag, dest=name, type=type(defaults[name]), default=defaults[name],
+                       help=f"{help_text} (default: %(default)s)")
+    p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="accept only these Host header values (DNS rebinding protection for a "
+                        "server without an API key; default: any)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     _add_engine_args(p)
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    from vllm_lite.entrypoints.openai.api_server import ServerConfig, serve
+# ServerConfig fields with a flag of their own (README: "Limits and security"); the
+# defaults are read from ServerConfig.
+_SERVER_LIMITS = {
+    "max_n": "the largest n / best_of accepted",
+    "max_logprobs": "the most logprobs / top_logprobs accepted",
+    "max_request_bytes": "request bodies past this many bytes are refused with 413",
+    "max_prompts_per_request": "the most prompts in one /v1/completions request",
+    "max_chat_messages": "the most messages in one chat request",
+    "max_connections": "open connections served; past it only /health is answered",
+    "read_timeout_s": "seconds a client has to send a request's headers, and its body",
+    "keep_alive_timeout_s": "seconds an idle keep-alive connection stays open",
+    "stream_timeout_s": "seconds a stream's output may wait unread before the request is "
+                        "aborted (a client that stopped reading)",
+    "tokenizer_threads": "threads that tokenize and apply chat templates off the event loop",
+}
 
-    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                          served_model_name=args.served_model_name or args.model,
-                          max_n=args.max_n, max_logprobs=args.max_logprobs,
-                          log_level=args.log_level)
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from vllm_lite.entrypoints.openai.api_server import ServerConfig, default_served_name, serve
+
+    try:
+        config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                              served_model_name=(args.served_model_name
+                                                 or default_served_name(args.model)),
+                              log_level=args.log_level, allowed_hosts=args.allowed_hosts,
+                              **{name: getattr(args, name) for name in _SERVER_LIMITS})
+    except ValueError as e:
+        sys.exit(f"vllm-lite serve: error: {e}")
     logging.getLogger().setLevel(args.log_level.upper())
     serve(_make_llm(args).llm_engine, config)
     return 0

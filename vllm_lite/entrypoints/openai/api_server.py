@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
+import resource
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,8 +43,16 @@ from vllm_lite.entrypoints.openai.protocol import (
 )
 from vllm_lite.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_lite.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm_lite.entrypoints.openai.http_limits import (
+    BodyLimitMiddleware,
+    HostCheckMiddleware,
+    RateLimitFilter,
+    guarded_h11_protocol,
+    install_rate_limit,
+)
 from vllm_lite.entrypoints.openai.serving_engine import (
     RequestError, ServingLimits, error_body, sse_stream)
+from vllm_lite.entrypoints.openai.tokenizer_pool import TokenizerPool
 from vllm_lite.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm_lite.entrypoints.openai.sse import SSEResponse, run_unless_disconnected
 
@@ -51,12 +61,14 @@ logger = logging.getLogger(__name__)
 # Not behind the API key: load balancers probe it.
 _OPEN_PATHS = frozenset({"/health"})
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowed", 500: "InternalServerError", 503: "ServiceUnavailable"}
+                405: "MethodNotAllowed", 408: "RequestTimeout", 413: "RequestEntityTooLarge",
+                500: "InternalServerError", 503: "ServiceUnavailable"}
 
 
 @dataclass
 class ServerConfig:
-    """How the server listens and what it allows; validated once."""
+    """How the server listens and what it allows; validated once. Every limit here has a
+    ``vllm-lite serve`` flag of the same name (README: "Limits and security")."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -68,34 +80,78 @@ class ServerConfig:
     log_level: str = "info"
     # Seconds uvicorn waits for open requests when stopping.
     graceful_shutdown_s: float = 5.0
+    # A request body past this is a 413, refused before it is read.
+    max_request_bytes: int = 4 * 1024 * 1024
+    # Prompts in one /v1/completions request, messages in one chat request.
+    max_prompts_per_request: int = 256
+    max_chat_messages: int = 1024
+    # Open connections served; past it only /health is answered.
+    max_connections: int = 1000
+    # Seconds a client has to send a request's headers (from connecting or from its last
+    # response) and, separately, its body.
+    read_timeout_s: float = 30.0
+    # Seconds an idle keep-alive connection stays open.
+    keep_alive_timeout_s: float = 5.0
+    # Seconds a stream's output may wait unread before the request is aborted.
+    stream_timeout_s: float = 60.0
+    # Host header values accepted (None: any). "*" accepts any.
+    allowed_hosts: Optional[List[str]] = None
+    # Threads that tokenize and apply chat templates, off the event loop.
+    tokenizer_threads: int = 2
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or \
                 not 0 <= self.port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
-        for name in ("max_n", "max_logprobs"):
+        for name in ("max_n", "max_logprobs", "max_request_bytes", "max_prompts_per_request",
+                     "max_chat_messages", "max_connections", "tokenizer_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty (leave it unset for no key)")
+        for name in ("read_timeout_s", "keep_alive_timeout_s", "stream_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.api_key is not None:
+            if not self.api_key:
+                raise ValueError("api_key must not be empty (leave it unset for no key)")
+            if self.api_key != self.api_key.strip():
+                raise ValueError("api_key must not start or end with whitespace (a copy-paste "
+                                 "slip: clients would send it trimmed)")
+            if any(not 0x21 <= ord(c) <= 0x7e for c in self.api_key):
+                raise ValueError("api_key must be printable ASCII without spaces")
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if not self.graceful_shutdown_s >= 0:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
+        if self.allowed_hosts is not None:
+            hosts = [h.strip() for h in self.allowed_hosts if h.strip()]
+            if not hosts:
+                raise ValueError("allowed_hosts must name at least one host")
+            self.allowed_hosts = hosts
+
+    @property
+    def limits(self) -> ServingLimits:
+        return ServingLimits(max_n=self.max_n, max_logprobs=self.max_logprobs,
+                             max_prompts_per_request=self.max_prompts_per_request,
+                             max_chat_messages=self.max_chat_messages)
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` (compared in constant time)."""
+    """401 unless ``Authorization: Bearer <key>`` (scheme case-insensitive, RFC 7235; the
+    key compared in constant time)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
+            scheme, _, token = got.strip().partition(b" ")
+            ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+            if not ok:
                 response = JSONResponse(
                     error_body("invalid or missing API key (Authorization: Bearer <key>)",
                                "AuthenticationError", 401), status_code=401)
@@ -129,13 +185,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 
 def build_app(llm_engine: Any, config: ServerConfig, model_name: Optional[str] = None) -> FastAPI:
     """The app around an LLMEngine; its lifespan starts and stops the engine thread."""
-    served = config.served_model_name or model_name or llm_engine.config.model_config.model
+    served = (config.served_model_name or model_name
+              or default_served_name(llm_engine.config.model_config.model))
     metrics = Metrics(served)
-    engine = AsyncLLMEngine(llm_engine, metrics)
-    limits = ServingLimits(max_n=config.max_n, max_logprobs=config.max_logprobs)
-    completion = OpenAIServingCompletion(engine, served, limits)
-    chat = OpenAIServingChat(engine, served, limits)
-    tokenization = OpenAIServingTokenization(engine, served, limits)
+    engine = AsyncLLMEngine(llm_engine, metrics, stream_timeout=config.stream_timeout_s)
+    limits = config.limits
+    tokenizers = TokenizerPool(llm_engine.tokenizer, config.tokenizer_threads)
+    completion = OpenAIServingCompletion(engine, served, limits, tokenizers)
+    chat = OpenAIServingChat(engine, served, limits, tokenizers)
+    tokenization = OpenAIServingTokenization(engine, served, limits, tokenizers)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -145,13 +203,20 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: Optional[str] =
             yield
         finally:
             engine.shutdown()
+            tokenizers.shutdown()
 
     app = FastAPI(title="vllm_lite", version=vllm_lite.__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.served_model = served
+    # Added innermost first: a request meets the Host check, then the key, then the body
+    # limit, then the app.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes,
+                       read_timeout=config.read_timeout_s)
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=config.allowed_hosts)
 
     # -- errors --------------------------------------------------------------------------------
     @app.exception_handler(RequestError)
@@ -181,7 +246,7 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: Optional[str] =
                             status_code=500)
 
     # -- endpoints -----------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200 if engine.is_running else 503)
 
@@ -191,8 +256,8 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: Optional[str] =
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=served, root=llm_engine.config.model_config.model,
-                         max_model_len=completion.max_model_len)
+        # root is the served name too: never a path on this machine.
+        card = ModelCard(id=served, root=served, max_model_len=completion.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/metrics")
@@ -201,15 +266,17 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: Optional[str] =
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
-        return JSONResponse(tokenization.tokenize(req).model_dump())
+        return JSONResponse((await tokenizers.run(tokenization.tokenize, req)).model_dump())
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse(tokenization.detokenize(req).model_dump())
+        return JSONResponse((await tokenizers.run(tokenization.detokenize, req)).model_dump())
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        prompts, params = completion.prepare(req)
+        # Checks, tokenization and templating run on the tokenizer threads: a huge prompt
+        # must not stall the event loop (and every other client with it).
+        prompts, params = await tokenizers.run(completion.prepare, req)
         if req.stream:
             return SSEResponse(sse_stream(completion.stream(req, prompts, params)))
         result = await run_unless_disconnected(raw, completion.complete(req, prompts, params))
@@ -217,13 +284,63 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: Optional[str] =
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        text, ids, params = chat.prepare(req)
+        text, ids, params = await tokenizers.run(chat.prepare, req)
         if req.stream:
             return SSEResponse(sse_stream(chat.stream(req, text, ids, params)))
         result = await run_unless_disconnected(raw, chat.complete(req, text, ids, params))
         return JSONResponse(result.model_dump() if result is not None else None)
 
     return app
+
+
+def default_served_name(model: str) -> str:
+    """The name /v1/models shows when none is given: an alias as is, a path's last part
+    (a folder's name, a .gguf file's stem), never the whole local path."""
+    from pathlib import Path
+
+    p = Path(model)
+    if len(p.parts) <= 1 and not model.endswith(".gguf"):
+        return model
+    return p.stem if p.suffix == ".gguf" else (p.name or model)
+
+
+def _raise_fd_limit(config: ServerConfig) -> int:
+    """Lifts the soft open-file limit to the hard one and keeps max_connections under it
+    (each connection holds a descriptor; running out would refuse every client)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    # Room for model files, logs, the tokenizer, and connections past the cap (answered
+    # /health-only and closed within 2 s).
+    room = max(soft // 2 - 64, 16)
+    if config.max_connections > room:
+        logger.warning("max_connections %d does not fit the open-file limit %d; using %d",
+                       config.max_connections, soft, room)
+        return room
+    return config.max_connections
+
+
+def uvicorn_config(app: FastAPI, config: ServerConfig, **kw: Any) -> Any:
+    """The uvicorn.Config that enforces the server's connection limits (used by serve()
+    and by anything embedding the app in its own uvicorn.Server)."""
+    import uvicorn
+
+    max_connections = _raise_fd_limit(config)
+    kw.setdefault("log_level", config.log_level)
+    uv = uvicorn.Config(
+        app, host=config.host, port=config.port,
+        timeout_graceful_shutdown=config.graceful_shutdown_s,
+        timeout_keep_alive=config.keep_alive_timeout_s,
+        http=guarded_h11_protocol(max_connections, config.read_timeout_s),
+        **kw)
+    # Config() configured logging: now every handler drops repeats beyond a few a second.
+    install_rate_limit(RateLimitFilter())
+    return uv
 
 
 def serve(llm_engine: Any, config: ServerConfig, model_name: Optional[str] = None) -> None:
@@ -234,5 +351,4 @@ def serve(llm_engine: Any, config: ServerConfig, model_name: Optional[str] = Non
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s: reachable from other machines%s", config.host,
                        "" if config.api_key else ", and without an API key")
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=config.graceful_shutdown_s)
+    uvicorn.Server(uvicorn_config(app, config)).run()

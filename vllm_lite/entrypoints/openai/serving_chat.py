@@ -80,6 +80,9 @@ class OpenAIServingChat(OpenAIServing):
         if req.response_format is not None and req.response_format.type != "text":
             raise RequestError("only the text response_format is supported",
                                param="response_format")
+        self.check_priority(req.priority)
+        self.check_strings(req)
+        self.check_messages(req.messages)
         tok = self.need_tokenizer("chat")
         text, ids = apply_chat_template(tok, req.messages, req.add_generation_prompt,
                                         req.add_special_tokens)
@@ -95,7 +98,8 @@ class OpenAIServingChat(OpenAIServing):
                                                  "max_completion_tokens")
         else:
             max_tokens = self.resolve_max_tokens(req.max_tokens, len(ids))
-        return text, ids, self.sampling_params(req, max_tokens, logprobs, "top_logprobs")
+        return text, ids, self.sampling_params(req, len(ids), max_tokens, logprobs,
+                                               "top_logprobs")
 
     def _logprobs(self, c: CompletionOutput, start: int, token_ids: List[int], k: int,
                   as_ids: bool) -> ChoiceLogprobs:

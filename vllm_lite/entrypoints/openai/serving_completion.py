@@ -40,6 +40,13 @@ class OpenAIServingCompletion(OpenAIServing):
             items = [p]
         else:
             items = list(p)
+        if len(items) > self.limits.max_prompts_per_request:
+            raise RequestError(f"prompt holds {len(items)} prompts; at most "
+                               f"{self.limits.max_prompts_per_request} per request "
+                               "(--max-prompts-per-request)", param="prompt")
+        for item in items:  # every text checked before any is tokenized
+            if isinstance(item, str):
+                self.check_text(item, "prompt")
         prompts: List[Prompt] = []
         for item in items:
             if isinstance(item, str):
@@ -59,6 +66,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(req.model)
         if req.suffix:
             raise RequestError("suffix is not supported", param="suffix")
+        self.check_priority(req.priority)
+        self.check_strings(req)
         if req.logprobs is not None and req.logprobs < 0:
             raise RequestError(f"logprobs must be non-negative, got {req.logprobs}",
                                param="logprobs")
@@ -68,8 +77,8 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.resolve_max_tokens(req.max_tokens, len(ids))
             # Echoed prompts come with their tokens' logprobs too.
             prompt_logprobs = req.logprobs if req.echo else None
-            params.append(self.sampling_params(req, max_tokens, req.logprobs, "logprobs",
-                                               prompt_logprobs))
+            params.append(self.sampling_params(req, len(ids), max_tokens, req.logprobs,
+                                               "logprobs", prompt_logprobs))
         return prompts, params
 
     def _streams(self, req: CompletionRequest, request_id: str, prompts: List[Prompt],

@@ -5,12 +5,13 @@ on the AsyncLLMEngine and turning step outputs into stream deltas and logprob to
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+from pydantic import BaseModel
 
 from vllm_lite.engine.async_engine import AsyncLLMEngine, EngineError
 from vllm_lite.outputs import CompletionOutput, RequestOutput
@@ -18,6 +19,7 @@ from vllm_lite.sampling_params import SamplingParams
 
 from vllm_lite.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
 from vllm_lite.entrypoints.openai.sse import DONE, sse_data
+from vllm_lite.entrypoints.openai.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +59,31 @@ def from_value_error(e: ValueError) -> RequestError:
 
 @dataclass(frozen=True)
 class ServingLimits:
-    """Per-request caps the server enforces on top of the engine's own checks."""
+    """Per-request caps the server enforces on top of the engine's own checks (their
+    defaults live in ServerConfig)."""
 
-    max_n: int = 16
-    max_logprobs: int = 20
+    max_n: int
+    max_logprobs: int
+    max_prompts_per_request: int
+    max_chat_messages: int
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for (vocabulary entries are written as
+    their bytes, one character a byte, for byte-level BPE; as text for others)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001  (a tokenizer without a vocabulary view)
+        return 64
+    longest = max((len(t) for t in vocab), default=1)
+    # Added tokens (<|im_start|>...) are in the vocabulary too; 4: a byte-fallback or
+    # normalizer that expands a character never shrinks the token count below this.
+    return max(longest, 4)
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model: str,
-                 limits: ServingLimits = ServingLimits()) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model: str, limits: ServingLimits,
+                 tokenizers: TokenizerPool) -> None:
         self.engine = engine
         self.served_model = served_model
         self.limits = limits
@@ -75,10 +93,21 @@ class OpenAIServing:
         cc = llm_engine.cache_config
         self.cache_tokens: int = cc.num_gpu_blocks * cc.block_size
         self.max_num_seqs: int = llm_engine.config.scheduler_config.max_num_seqs
-        # Our own copy: the engine thread detokenizes with its tokenizer meanwhile, and a
-        # fast tokenizer must not be used from two threads at once.
-        self.tokenizer = copy.deepcopy(llm_engine.tokenizer)
+        self.tokenizers = tokenizers
+        # A text longer than this can never tokenize into max_model_len tokens: refused
+        # before the tokenizer spends time (and memory) on it.
+        self.max_prompt_chars: Optional[int] = None
+        if llm_engine.tokenizer is not None:
+            self.max_prompt_chars = _longest_token_chars(llm_engine.tokenizer) * self.max_model_len
         self._validate_prompt = llm_engine.validate_prompt
+        self._validate_fits = llm_engine.validate_fits
+        self._validate_priority = llm_engine.validate_priority
+
+    @property
+    def tokenizer(self) -> Any:
+        """This thread's tokenizer: the engine thread detokenizes with its own meanwhile,
+        and a fast tokenizer must not be used from two threads at once."""
+        return self.tokenizers.current()
 
     # -- checks ----------------------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> None:
@@ -91,6 +120,66 @@ class OpenAIServing:
             raise RequestError(f"{what} needs a tokenizer, and the model has none; "
                                "send token ids")
         return self.tokenizer
+
+    def check_text(self, text: str, param: str) -> None:
+        """Before tokenizing: valid Unicode (a lone surrogate in the JSON cannot be
+        encoded) and not longer than any prompt that could fit the context."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"{param} is not valid Unicode text: {e.reason} at position "
+                               f"{e.start}", param=param) from None
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise RequestError(f"{param} has {len(text)} characters; no text longer than "
+                               f"{self.max_prompt_chars} fits the context of "
+                               f"{self.max_model_len} tokens", param=param)
+
+    def check_strings(self, req: Any) -> None:
+        """Every string of the request (stop strings, names, user...) is valid Unicode."""
+        def walk(value: Any, param: str) -> None:
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise RequestError(f"{param} is not valid Unicode text: {e.reason}",
+                                       param=param) from None
+            elif isinstance(value, dict):
+                for v in value.values():
+                    walk(v, param)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    walk(v, param)
+
+        for name, value in req:
+            if isinstance(value, BaseModel):
+                value = value.model_dump()
+            elif isinstance(value, list):
+                value = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
+            walk(value, name)
+
+    def check_messages(self, messages: List[Any]) -> None:
+        """Before templating: the count, and the total text against max_prompt_chars."""
+        if len(messages) > self.limits.max_chat_messages:
+            raise RequestError(f"messages holds {len(messages)} messages; at most "
+                               f"{self.limits.max_chat_messages} per request "
+                               "(--max-chat-messages)", param="messages")
+        total = 0
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                total += sum(len(part.text or "") for part in content)
+            elif content:
+                total += len(content)
+        if self.max_prompt_chars is not None and total > self.max_prompt_chars:
+            raise RequestError(f"messages hold {total} characters; no text longer than "
+                               f"{self.max_prompt_chars} fits the context of "
+                               f"{self.max_model_len} tokens", param="messages")
+
+    def check_priority(self, priority: int) -> None:
+        try:
+            self._validate_priority(priority)
+        except ValueError as e:
+            raise RequestError(str(e), param="priority") from None
 
     def check_prompt(self, ids: List[int], param: str = "prompt") -> None:
         try:
@@ -116,8 +205,8 @@ class OpenAIServing:
                                f"the KV cache ({self.cache_tokens} tokens)", param=param)
         return max_tokens
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: Optional[int],
-                        logprobs_param: str,
+    def sampling_params(self, req: SamplingFields, prompt_len: int, max_tokens: int,
+                        logprobs: Optional[int], logprobs_param: str,
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
         for name in ("n", "best_of"):
             value = getattr(req, name)
@@ -153,6 +242,11 @@ class OpenAIServing:
             params.verify_max_n(self.max_num_seqs)
         except ValueError as e:
             raise from_value_error(e) from None
+        try:
+            self._validate_fits(prompt_len, params)
+        except ValueError as e:
+            raise RequestError(str(e), param="max_tokens" if req.n == params.best_of
+                               else "best_of") from None
         if params.use_beam_search and req.stream:
             raise RequestError("beam search cannot stream: its beams change until the end",
                                param="use_beam_search")

@@ -19,12 +19,15 @@ class OpenAIServingTokenization(OpenAIServing):
         tok = self.need_tokenizer("tokenize")
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give exactly one of prompt and messages", param="prompt")
+        self.check_strings(req)
         if req.messages is not None:
+            self.check_messages(req.messages)
             # Chat prompts get no special tokens beyond the template's own (as chat does).
             special = bool(req.add_special_tokens)
             _, ids = apply_chat_template(tok, req.messages, req.add_generation_prompt, special)
         else:
             special = True if req.add_special_tokens is None else req.add_special_tokens
+            self.check_text(req.prompt, "prompt")
             ids = list(tok.encode(req.prompt, add_special_tokens=special))
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
 
