@@ -273,3 +273,18 @@ def test_default_gguf_hash_is_fast() -> None:
 def test_read_hf_config_accepts_the_good_folder(good: Path) -> None:
     cfg = read_hf_config(good)
     assert cfg.vocab_size == 96
+
+
+def test_corrupt_tokenizer_is_a_value_error(tmp_path: Path) -> None:
+    from models.helpers import make_tokenizer
+
+    folder = tmp_path / "m"
+    config = make_config("llama")
+    config.vocab_size = 320
+    save_hf_model(config, folder, seed=random.randrange(1000))
+    make_tokenizer(folder)
+    tok = folder / "tokenizer.json"
+    text = tok.read_text()
+    tok.write_text(text[: random.randrange(1, len(text) // 2)])
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(folder), device="cpu", kv_cache_space=0.01, swap_space=0)

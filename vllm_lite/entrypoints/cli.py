@@ -57,13 +57,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _make_llm(args: argparse.Namespace) -> LLM:
-    from vllm_lite import LLM
+    import torch
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device,
-               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-               max_model_len=args.max_model_len, kv_cache_space=args.kv_cache_space,
-               enable_prefix_caching=args.enable_prefix_caching,
-               enable_chunked_prefill=args.enable_chunked_prefill)
+    from vllm_lite import LLM
+    from vllm_lite.config import DEFAULT_MAX_LOGPROBS
+
+    try:
+        return LLM(model=args.model, dtype=args.dtype, device=args.device,
+                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                   max_model_len=args.max_model_len, kv_cache_space=args.kv_cache_space,
+                   enable_prefix_caching=args.enable_prefix_caching,
+                   enable_chunked_prefill=args.enable_chunked_prefill,
+                   # serve: the engine's cap is the server's --max-logprobs
+                   max_logprobs=getattr(args, "max_logprobs", DEFAULT_MAX_LOGPROBS))
+    except (OSError, MemoryError, torch.OutOfMemoryError) as e:
+        # Loading failed past the loader's checks (a file unreadable midway, memory the
+        # size estimate did not foresee): a one-line error like any bad argument.
+        raise ValueError(f"cannot load model {args.model!r}: {type(e).__name__}: {e}") \
+            from None
 
 
 def _run_generate(args: argparse.Namespace) -> int:

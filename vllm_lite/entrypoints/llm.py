@@ -31,7 +31,11 @@ def _load_tokenizer(folder: str) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001  (a corrupt file fails in many ways: bad input)
+        raise ValueError(f"cannot load the tokenizer in {folder}: {type(e).__name__}: {e}") \
+            from None
 
 
 class LLM:
