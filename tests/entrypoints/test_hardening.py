@@ -511,11 +511,13 @@ def test_stream_that_is_never_read_is_aborted(model_dir: Path) -> None:
 
     llm = make_llm(model_dir)
     engine = AsyncLLMEngine(llm.llm_engine, stream_timeout=0.5)
+    # Paced (>= 5 s for 250 tokens) so the request cannot finish before it is aborted.
+    engine.step_callbacks.append(lambda outs: time.sleep(0.02))
     engine.start()
     try:
         async def run() -> Any:
             gen = engine.generate("stuck", prompt_token_ids=[1, 2, 3],
-                                  sampling_params=SamplingParams(max_tokens=200,
+                                  sampling_params=SamplingParams(max_tokens=250,
                                                                  ignore_eos=True))
             first = await gen.__anext__()
             stream = engine._streams["stuck"]
@@ -529,7 +531,7 @@ def test_stream_that_is_never_read_is_aborted(model_dir: Path) -> None:
             return first, pending
 
         first, pending = asyncio.run(run())
-        assert len(first.outputs[0].token_ids) < 200
+        assert len(first.outputs[0].token_ids) < 250
         # One cumulative output waited, holding everything generated so far.
         assert pending is None or len(pending.outputs[0].token_ids) >= len(first.outputs[0].token_ids)
         deadline = time.monotonic() + 10
@@ -608,3 +610,40 @@ def test_allowed_hosts(model_dir: Path) -> None:
         r = httpx.get(srv.url + "/v1/models", headers={"Host": f"localhost:{srv.port}"},
                       timeout=TIMEOUT)
         assert r.status_code == 200
+
+
+def test_streaming_client_that_stops_reading_is_aborted(model_dir: Path, offline: Any) -> None:
+    """A raw client with a tiny receive buffer asks for a long n=16 stream and reads
+    nothing: once the socket buffers are full the request is aborted after the stream
+    timeout (not run to its end) and its blocks are freed; the server serves on."""
+    config = ServerConfig(served_model_name=MODEL_NAME, stream_timeout_s=1.0)
+    with ServerThread(make_llm(model_dir), config) as srv:
+        body = json.dumps({"model": MODEL_NAME, "prompt": [1, 2, 3], "n": 16,
+                           "temperature": 1.0, "seed": 1, "max_tokens": 240,
+                           "ignore_eos": True, "stream": True, "logprobs": 5}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", srv.port))
+        # Small kernel buffers on the server's side too, so a few steps of events fill
+        # everything between the engine and this client (loopback buffers grow to MBs).
+        deadline = time.monotonic() + 10
+        while not srv.server.server_state.connections:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for conn in list(srv.server.server_state.connections):
+            conn.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        try:
+            deadline = time.monotonic() + 20
+            while read_metrics(httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text)[
+                    "vllm_lite:num_requests_running"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            m = _wait_idle(srv.url, timeout=30)
+        finally:
+            s.close()
+        assert m['vllm_lite:request_success_total{finished_reason="abort"}'] == 1
+        assert m["vllm_lite:generation_tokens_total"] < 16 * 240
+        _still_serves(srv.url, offline)

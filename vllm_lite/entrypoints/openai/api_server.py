@@ -278,7 +278,8 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: Optional[str] =
         # must not stall the event loop (and every other client with it).
         prompts, params = await tokenizers.run(completion.prepare, req)
         if req.stream:
-            return SSEResponse(sse_stream(completion.stream(req, prompts, params)))
+            return SSEResponse(sse_stream(completion.stream(req, prompts, params)),
+                               send_timeout=config.stream_timeout_s)
         result = await run_unless_disconnected(raw, completion.complete(req, prompts, params))
         return JSONResponse(result.model_dump() if result is not None else None)
 
@@ -286,7 +287,8 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: Optional[str] =
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         text, ids, params = await tokenizers.run(chat.prepare, req)
         if req.stream:
-            return SSEResponse(sse_stream(chat.stream(req, text, ids, params)))
+            return SSEResponse(sse_stream(chat.stream(req, text, ids, params)),
+                               send_timeout=config.stream_timeout_s)
         result = await run_unless_disconnected(raw, chat.complete(req, text, ids, params))
         return JSONResponse(result.model_dump() if result is not None else None)
 

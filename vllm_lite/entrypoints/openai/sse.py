@@ -46,12 +46,17 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: Any, **kw: Any) -> None:
+    def __init__(self, content: Any, send_timeout: Optional[float] = None, **kw: Any) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         headers.update(kw.pop("headers", None) or {})
         super().__init__(content, headers=headers, **kw)
+        # A client that stops reading blocks our sends once the socket buffers are full;
+        # after this long the stream ends (its request is aborted, the connection closed).
+        self.send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.send_timeout is not None:
+            send = _timed_send(send, self.send_timeout)
         try:
             async with anyio.create_task_group() as tg:
                 async def stream() -> None:
@@ -59,6 +64,9 @@ class SSEResponse(StreamingResponse):
                         await self.stream_response(send)
                     except OSError:  # the client went away while we were sending
                         logger.debug("client gone while streaming")
+                    except TimeoutError:
+                        logger.warning("a stream's client read nothing for %s s; closing it",
+                                       self.send_timeout)
                     tg.cancel_scope.cancel()
 
                 async def listen() -> None:
@@ -71,6 +79,13 @@ class SSEResponse(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
+
+
+def _timed_send(send: Send, timeout: float) -> Send:
+    async def timed(message: Any) -> None:
+        with anyio.fail_after(timeout):
+            await send(message)
+    return timed
 
 
 async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
