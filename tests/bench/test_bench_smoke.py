@@ -125,6 +125,7 @@ def test_throughput_report_is_consistent(model_dir: Path, tmp_path: Path) -> Non
         assert 0.0 <= run["kv"]["waste"] <= 1.0
         assert run["kv"]["peak_live_slots"] <= run["kv"]["peak_allocated_slots"]
         assert run["output_tokens_per_s"] > 0
+        assert run["cpu_share"] > 0  # CPU runs report how much of the cores they got
     assert ours["generated_tokens"] == wanted  # no padding, no past-length tokens
     # HF's static batches run every row to the batch's longest output.
     batches = [requests[:2], requests[2:]]

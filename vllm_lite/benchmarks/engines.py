@@ -156,6 +156,9 @@ class RunResult:
     output_lens: List[int] = field(default_factory=list, repr=False)
     prefix_hit_rate: Optional[float] = None
     num_preemptions: Optional[int] = None
+    # CPU seconds the process used / (wall seconds x torch threads): well below 1 while
+    # other jobs share the cores (timings then say little); see cpu_share().
+    cpu_share: Optional[float] = None
     settings: Dict[str, Any] = field(default_factory=dict)
     note: str = ""
     # Set when the engine could not run: the reason, shown as n/a.
@@ -182,6 +185,7 @@ class RunResult:
             "requests_per_s": self.requests_per_s,
             "kv": self.kv.to_dict() if self.kv is not None else None,
             "prefix_hit_rate": self.prefix_hit_rate, "num_preemptions": self.num_preemptions,
+            "cpu_share": self.cpu_share,
             "settings": self.settings, "note": self.note, "error": self.error,
         }
 
@@ -208,6 +212,19 @@ def release_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+class CpuShare:
+    """How much of its threads' CPU time the process got over a timed span (CPU only)."""
+
+    def __init__(self) -> None:
+        self.cpu0, self.wall0 = time.process_time(), time.perf_counter()
+
+    def __call__(self, device: torch.device) -> Optional[float]:
+        if device.type != "cpu":
+            return None
+        wall = time.perf_counter() - self.wall0
+        return (time.process_time() - self.cpu0) / (wall * torch.get_num_threads()) if wall else None
 
 
 def _sync(device: torch.device) -> None:
@@ -258,6 +275,7 @@ def run_vllm_lite(llm: Any, requests: Sequence[BenchRequest], track_kv: bool = T
     accounting = 0.0
     bar = _progress(len(requests), label, progress)
     _sync(device)
+    share = CpuShare()
     start = time.perf_counter()
     try:
         for rid, req in zip(ids, requests):
@@ -291,6 +309,7 @@ def run_vllm_lite(llm: Any, requests: Sequence[BenchRequest], track_kv: bool = T
         kv=kv, output_lens=lens,
         prefix_hit_rate=(stats.hits - hits0) / queries if queries else None,
         num_preemptions=sum(scheduler.num_preemptions.values()) - preempt0,
+        cpu_share=share(device),
         settings={"block_size": engine.cache_config.block_size,
                   "kv_pool_bytes": engine.cache_config.num_gpu_blocks
                   * engine.cache_config.block_size * bytes_per_slot,
@@ -375,6 +394,7 @@ def run_hf_static(model: Any, requests: Sequence[BenchRequest], batch_size: int,
     generated = 0
     bar = _progress(len(requests), HF_STATIC, progress)
     _sync(device)
+    share = CpuShare()
     start = time.perf_counter()
     try:
         for b in range(0, len(requests), batch_size):
@@ -392,7 +412,7 @@ def run_hf_static(model: Any, requests: Sequence[BenchRequest], batch_size: int,
         engine=HF_STATIC, num_requests=len(requests), elapsed_s=elapsed,
         prompt_tokens=sum(r.prompt_len for r in requests),
         output_tokens=sum(r.output_len for r in requests), generated_tokens=generated, kv=kv,
-        output_lens=[r.output_len for r in requests],
+        output_lens=[r.output_len for r in requests], cpu_share=share(device),
         settings={"batch_size": batch_size, "padding": "left", "cache": "DynamicCache"},
         note="KV as a preallocated cache: rows x (longest prompt + most new tokens)",
     )
@@ -446,6 +466,7 @@ def run_hf_continuous(model: Any, requests: Sequence[BenchRequest],
                 generation_config=gen_config, continuous_batching_config=cb_config,
                 block=True, timeout=30) as manager:
             _sync(model.device)
+            share = CpuShare()
             start = time.perf_counter()
             ids = [manager.add_request(list(r.prompt_token_ids), request_id=f"r{i}",
                                        max_new_tokens=r.output_len, eos_token_id=-1)
@@ -467,6 +488,7 @@ def run_hf_continuous(model: Any, requests: Sequence[BenchRequest],
                     bar.update(1)
             _sync(model.device)
             result.elapsed_s = time.perf_counter() - start
+            result.cpu_share = share(model.device)
     except Exception as e:
         result.error = f"{type(e).__name__}: {e}"
         return result

@@ -269,7 +269,7 @@ def _engine_rows(main: E.RunResult, peers: Sequence[E.RunResult]) -> List[List[A
     for r in [main, *peers]:
         if not r.ok:
             rows.append([r.engine, r.num_requests, "n/a", "n/a", "n/a", "n/a", "n/a", "n/a",
-                         "n/a", "n/a", f"n/a: {r.error}"])
+                         "n/a", "n/a", "n/a", f"n/a: {r.error}"])
             continue
         speed = "1 (reference)" if r is main else fmt(_speedup(main, r))
         notes = [r.note] if r.note else []
@@ -284,7 +284,7 @@ def _engine_rows(main: E.RunResult, peers: Sequence[E.RunResult]) -> List[List[A
             r.engine, r.num_requests, r.output_tokens, r.generated_tokens, fmt(r.elapsed_s),
             fmt(r.output_tokens_per_s), fmt(r.requests_per_s), speed,
             pct(r.kv.waste) if r.kv else "n/a", fmt(r.kv.peak_allocated_mib) if r.kv else "n/a",
-            "; ".join(notes),
+            fmt(r.cpu_share, 2), "; ".join(notes),
         ])
     return rows
 
@@ -292,7 +292,8 @@ def _engine_rows(main: E.RunResult, peers: Sequence[E.RunResult]) -> List[List[A
 def _sweep_rows(results: Sequence[E.RunResult], key: str) -> List[List[Any]]:
     return [[r.settings[key], r.num_requests, r.output_tokens, fmt(r.elapsed_s),
              fmt(r.output_tokens_per_s), pct(r.kv.waste) if r.kv else "n/a",
-             fmt(r.kv.peak_allocated_mib) if r.kv else "n/a", r.num_preemptions]
+             fmt(r.kv.peak_allocated_mib) if r.kv else "n/a", r.num_preemptions,
+             fmt(r.cpu_share, 2)]
             for r in results]
 
 
@@ -330,9 +331,11 @@ def write_report(report: Report, s: BenchSetup, info: Dict[str, Any], wl: Worklo
                "KV memory).")
     report.add("## Engines\n\n" + markdown_table(
         ["engine", "requests", "output tokens", "generated tokens", "time (s)", "output tok/s",
-         "req/s", "vllm_lite speedup", "KV waste", "peak KV (MiB)", "notes"],
+         "req/s", "vllm_lite speedup", "KV waste", "peak KV (MiB)", "CPU share", "notes"],
         _engine_rows(main, peers)))
-    report.add("Output tokens are each request's own tokens; generated tokens add the "
+    report.add("CPU share: CPU time the process got / (wall time x threads); on a shared "
+               "machine a run well below the others' share was slowed by other jobs. "
+               "Output tokens are each request's own tokens; generated tokens add the "
                "padded and past-length rows of static batches. KV waste: step-averaged share "
                "of handed-out KV slots holding no live token (vllm_lite: blocks held by "
                "sequences vs their computed tokens, read after every step; hf_generate: a "
@@ -342,27 +345,30 @@ def write_report(report: Report, s: BenchSetup, info: Dict[str, Any], wl: Worklo
     if bs_sweep:
         report.add(f"## Block size sweep (vllm_lite, first {bs_sweep[0].num_requests} requests)\n\n"
                    + markdown_table(["block size", "requests", "output tokens", "time (s)",
-                                     "output tok/s", "KV waste", "peak KV (MiB)", "preemptions"],
+                                     "output tok/s", "KV waste", "peak KV (MiB)", "preemptions",
+                                     "CPU share"],
                                     _sweep_rows(bs_sweep, "block_size")))
     if seqs_sweep:
         report.add(f"## max_num_seqs sweep (vllm_lite, first {seqs_sweep[0].num_requests} "
                    "requests)\n\n"
                    + markdown_table(["max_num_seqs", "requests", "output tokens", "time (s)",
-                                     "output tok/s", "KV waste", "peak KV (MiB)", "preemptions"],
+                                     "output tok/s", "KV waste", "peak KV (MiB)", "preemptions",
+                                     "CPU share"],
                                     _sweep_rows(seqs_sweep, "max_num_seqs")))
     if prefix_runs and prefix_wl is not None:
         off, on = prefix_runs
         speed = on.output_tokens_per_s / off.output_tokens_per_s if off.output_tokens_per_s else None
         rows = [[r.engine, r.num_requests, r.prompt_tokens, r.output_tokens, fmt(r.elapsed_s),
                  fmt(r.output_tokens_per_s), pct(r.prefix_hit_rate) if r is on else "-",
-                 pct(r.kv.waste) if r.kv else "n/a", fmt(r.kv.peak_allocated_mib) if r.kv else "n/a"]
+                 pct(r.kv.waste) if r.kv else "n/a", fmt(r.kv.peak_allocated_mib) if r.kv else "n/a",
+                 fmt(r.cpu_share, 2)]
                 for r in prefix_runs]
         report.add(f"## Prefix caching (vllm_lite)\n\nWorkload: {prefix_wl.describe()}. "
                    "Each prefix is computed once before the timed run (one untimed request "
                    "per prefix, both runs), as a server's shared system prompt would be.\n\n"
                    + markdown_table(["run", "requests", "prompt tokens", "output tokens",
                                      "time (s)", "output tok/s", "block hit rate", "KV waste",
-                                     "peak KV (MiB)"], rows)
+                                     "peak KV (MiB)", "CPU share"], rows)
                    + f"\n\nSpeedup with prefix caching: {fmt(speed)}x (hit rate: full prompt "
                      "blocks found in the cache / looked up).")
     report.data = {

@@ -54,7 +54,7 @@ class Linear(nn.Linear):
       project's AVX-512 VM: the decoder layers' GEMMs 1.4x faster at 16 rows, 1.9x at 8,
       equal from 128 rows up).
     - bfloat16: oneDNN's prepacked (blocked) copy of the weight (AMX / AVX-512 BF16),
-      1.7-1.8x faster from 1 to 64 rows and no slower on prefills, with results equal to
+      1.6-1.8x faster from 1 to 64 rows and no slower on prefills, with results equal to
       ``F.linear``'s bit for bit. The copy doubles these weights' memory.
 
     Other dtypes, devices and autograd keep plain ``F.linear``.

@@ -1,0 +1,67 @@
+"""models.llama.Linear's CPU weight forms (column-major float32, oneDNN-prepacked bfloat16)
+against plain F.linear on the original weight, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_lite.models.llama import Linear
+
+
+def _linear(dtype: torch.dtype, bias: bool, seed: int) -> tuple[Linear, torch.Tensor]:
+    torch.manual_seed(seed)
+    lin = Linear(96, 160, bias=bias).to(dtype)
+    return lin, lin.weight.detach().clone()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_column_major_weight(bias: bool) -> None:
+    lin, ref_w = _linear(torch.float32, bias, seed=1)
+    lin.prepare_for_cpu()
+    assert lin.weight.stride() == (1, 160)  # W.t() contiguous
+    assert torch.equal(lin.weight, ref_w) and lin.weight.shape == (160, 96)
+    with torch.no_grad():
+        for rows in (1, 8, 33):
+            x = torch.randn(rows, 96)
+            torch.testing.assert_close(lin(x), F.linear(x, ref_w, lin.bias), atol=1e-5, rtol=1e-5)
+    assert set(lin.state_dict()) == ({"weight", "bias"} if bias else {"weight"})
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_prepacked_weight(bias: bool) -> None:
+    lin, ref_w = _linear(torch.bfloat16, bias, seed=2)
+    lin.prepare_for_cpu()
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN: Linear keeps F.linear")
+    try:  # oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 16)
+    except RuntimeError as e:
+        assert lin._packed is None  # and Linear falls back to F.linear
+        pytest.skip(f"no bf16 weight packing on this CPU: {e}")
+    assert lin._packed is not None
+    with torch.no_grad():
+        for rows in (1, 16, 64, 300):
+            x = torch.randn(rows, 96, dtype=torch.bfloat16)
+            # bf16 outputs: one rounding step apart at most (the same math, maybe another
+            # accumulation order on another CPU).
+            torch.testing.assert_close(lin(x).float(), F.linear(x, ref_w, lin.bias).float(),
+                                       atol=2e-2, rtol=1.6e-2)
+        x = torch.randn(5, 200, dtype=torch.bfloat16)[:, 50:146]  # a strided input
+        torch.testing.assert_close(lin(x).float(), F.linear(x, ref_w, lin.bias).float(),
+                                   atol=2e-2, rtol=1.6e-2)
+    # With autograd on, the packed copy (which has no gradient) is not used.
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    out = lin(x)
+    assert out.requires_grad
+    out.float().sum().backward()
+    assert lin.weight.grad is not None
+
+
+def test_prepare_for_cpu_leaves_other_devices_alone() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    lin = Linear(96, 160).cuda()
+    lin.prepare_for_cpu()
+    assert lin._packed is None and lin.weight.is_contiguous()
