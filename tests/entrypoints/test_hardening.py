@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from entrypoints.utils import MODEL_NAME, ServerThread, make_llm, read_metrics, token_ids  # noqa: E402
+import vllm_lite  # noqa: E402
 from vllm_lite import SamplingParams  # noqa: E402
 from vllm_lite.entrypoints.openai.api_server import (  # noqa: E402
     ServerConfig, default_served_name)
@@ -419,9 +420,15 @@ def test_descriptor_exhaustion_does_not_flood_the_log(model_dir: Path, tmp_path:
         port = probe.getsockname()[1]
     log = tmp_path / "server.log"
     tests_dir = str(Path(__file__).resolve().parent.parent)
+    # Run outside the checkout: `python -c` puts the cwd first on sys.path, and the checkout's
+    # vllm_lite has no built extension when the package is installed (as in CI).
+    home = str(Path(vllm_lite.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([home] + [p for p in os.environ.get(
+        "PYTHONPATH", "").split(os.pathsep) if p])}
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", _FLOOD_SERVER, str(model_dir), tests_dir,
-                                 str(port)], stdout=out, stderr=subprocess.STDOUT)
+                                 str(port)], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env=env)
     try:
         deadline = time.monotonic() + 60
         while True:

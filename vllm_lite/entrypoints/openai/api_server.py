@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import vllm_lite
+from vllm_lite.config import DEFAULT_MAX_LOGPROBS
 from vllm_lite.engine.async_engine import AsyncLLMEngine, EngineError
 from vllm_lite.metrics import CONTENT_TYPE, Metrics
 
@@ -76,7 +77,7 @@ class ServerConfig:
     served_model_name: Optional[str] = None
     api_key: Optional[str] = None
     max_n: int = 16
-    max_logprobs: int = 20
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     log_level: str = "info"
     # Seconds uvicorn waits for open requests when stopping.
     graceful_shutdown_s: float = 5.0
