@@ -19,10 +19,9 @@
 
 #include <ATen/ATen.h>
 
-namespace vllm_lite {
+#include "attention_limits.h"  // kPartitionSize, kMaxQueryHeadsPerKvHead, kMaxHeadSize
 
-// Sequences are cut into partitions of this many tokens by paged_attention_v2.
-constexpr int64_t kPartitionSize = 512;
+namespace vllm_lite {
 
 #define VLLM_LITE_DECLARE_OPS                                                              \
   void paged_attention_v1(                                                                 \

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "attention_limits.h"
+
 namespace vllm_lite {
 namespace {
 
@@ -46,8 +48,8 @@ void check_float_dtype(const char* op, const at::Tensor& t, const char* name) {
 }
 
 void check_head_size(const char* op, int64_t head_size) {
-  TORCH_CHECK(head_size > 0 && head_size % 8 == 0 && head_size <= 256, op,
-              ": head_size must be a multiple of 8 in [8, 256], got ", head_size);
+  TORCH_CHECK(head_size > 0 && head_size % 8 == 0 && head_size <= kMaxHeadSize, op,
+              ": head_size must be a multiple of 8 in [8, ", kMaxHeadSize, "], got ", head_size);
 }
 
 // True when the tensor's values can be read without a device round trip.
@@ -118,8 +120,8 @@ PagedAttentionDims check_paged_attention(
 
   TORCH_CHECK(d.num_heads % num_kv_heads == 0, op, ": num_heads (", d.num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK(d.num_heads / num_kv_heads <= 64, op,
-              ": at most 64 query heads per KV head are supported, got ",
+  TORCH_CHECK(d.num_heads / num_kv_heads <= kMaxQueryHeadsPerKvHead, op, ": at most ",
+              kMaxQueryHeadsPerKvHead, " query heads per KV head are supported, got ",
               d.num_heads / num_kv_heads);
 
   check_dim(op, block_tables, "block_tables", 2, "[num_seqs, max_blocks_per_seq]");
@@ -155,7 +157,7 @@ int64_t check_paged_attention_v2_scratch(
     const PagedAttentionDims& d, const at::Tensor& out, const at::Tensor& exp_sums,
     const at::Tensor& max_logits, const at::Tensor& tmp_out, int64_t max_seq_len) {
   constexpr const char* op = "paged_attention_v2";
-  const int64_t need = (max_seq_len + 511) / 512;
+  const int64_t need = (max_seq_len + kPartitionSize - 1) / kPartitionSize;
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{exp_sums, "exp_sums"},
                                 {max_logits, "max_logits"}}) {
     check_same_device(op, t, name, out, "out");

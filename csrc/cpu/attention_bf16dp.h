@@ -127,8 +127,8 @@ void attention_task_bf16dp(const AttentionParams& p, int64_t task, float* scratc
     }
   });
 
-  float* outs[64];
-  const float* probs[64];
+  float* outs[kMaxGroup];  // G <= kMaxQueryHeadsPerKvHead (validate.cpp)
+  const float* probs[kMaxGroup];
   softmax(p, k.s, k.part, k.h0, k.start, n, logits, probs, outs);
   for (int64_t g = 0; g < G; ++g) {
     const float* lg = probs[g];

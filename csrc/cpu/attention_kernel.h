@@ -20,11 +20,14 @@
 //      once per (head, dim).
 // Vectors are VLLM_LITE_VEC_WIDTH floats wide, the target's native width (4, 8 or 16).
 // Output per (seq, head, partition): max logit, exp sum, normalized output (float32), which
-// attention.cpp combines across partitions. Limits: head_size a multiple of 8 up to 256,
-// any block size, up to 64 query heads per KV head.
+// attention.cpp combines across partitions. Limits (attention_limits.h): head_size a
+// multiple of 8 up to kMaxHeadSize (256), any block size, up to kMaxQueryHeadsPerKvHead
+// (64) query heads per KV head, partitions of at most kPartitionSize (512) tokens.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
+#include "attention_limits.h"
 #include "cpu/attention_params.h"
 
 #ifndef VLLM_LITE_ISA_FN
@@ -237,8 +240,9 @@ VLLM_LITE_INLINE float max_of(const float* x, int64_t n) {
   return r;
 }
 
-// Runs of one partition: partition_size tokens at one token per block at worst.
-constexpr int64_t kMaxRuns = 512;
+// Runs of one partition: partition_size (== kPartitionSize, set by attention.cpp) tokens
+// at one token per block at worst.
+constexpr int64_t kMaxRuns = kPartitionSize;
 // The partition as runs of consecutive tokens within one block: where each run's V tile
 // starts for this KV head, its first token within the partition, and its length.
 template <typename T>
@@ -248,6 +252,11 @@ struct Runs {
   int64_t len[kMaxRuns];
   int64_t count;
 };
+static_assert(std::extent_v<decltype(Runs<float>::first)> >= kPartitionSize,
+              "a partition of block-size-1 blocks has kPartitionSize runs");
+
+// Per-head pointers of one task (softmax's probs / outs): one per query head of a KV head.
+constexpr int64_t kMaxGroup = kMaxQueryHeadsPerKvHead;
 
 // One task's place in the grid and the geometry of its KV head's tiles.
 template <typename T>
@@ -441,8 +450,8 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   });
 
   // 2. Softmax; logits become probabilities.
-  float* outs[64];
-  const float* probs[64];
+  float* outs[kMaxGroup];  // G <= kMaxQueryHeadsPerKvHead (validate.cpp)
+  const float* probs[kMaxGroup];
   softmax(p, k.s, k.part, k.h0, k.start, k.n(), logits, probs, outs);
 
   // 3. V pass, four heads at a time (then the remainder).

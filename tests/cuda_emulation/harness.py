@@ -82,7 +82,8 @@ def _object_key(src: str) -> str:
     h = hashlib.sha256()
     _hash_files(h, [HERE / src, *HERE.rglob("*.h")])
     if src.startswith(("emu_attention", "emu_cache")):
-        _hash_files(h, (CSRC / "cuda").rglob("*"))
+        # The kernels and the limits they share with the CPU side (csrc/attention_limits.h).
+        _hash_files(h, [*(CSRC / "cuda").rglob("*"), CSRC / "attention_limits.h"])
     h.update(" ".join(CXXFLAGS).encode())
     h.update(_compiler_version().encode())
     return h.hexdigest()[:16]

@@ -38,9 +38,10 @@
 //          8 * (256 + 512) * 4 = 24 KiB, under the 48 KiB default: no opt-in needed), plus
 //          static 512 / block_size ints and 3 * 8 floats. It does NOT grow with the sequence
 //          length: long sequences only add chunks, so v1 has no length limit.
-//   Head sizes: every multiple of 8 up to 256, at runtime; HEAD_MAX in {64, 128, 256} is a
-//          bucket that fixes register arrays (chunks per lane, value rows per thread) and
-//          the loops are guarded by the runtime head_size.
+//   Head sizes: every multiple of 8 up to kMaxHeadSize = 256, at runtime; HEAD_MAX in
+//          {64, 128, 256} is a bucket that fixes register arrays (chunks per lane, value
+//          rows per thread) and the loops are guarded by the runtime head_size.
+//   Limits shared with the CPU side and validate.cpp: csrc/attention_limits.h.
 //   Block sizes: 8, 16, 32 (template). dtypes: float, half, bfloat16 (math in float32).
 //   Bounds: seq_len is clamped to [0, max_tokens] (max_tokens <= max_blocks_per_seq *
 //          block_size, and <= P * 512 for v2), so the table is never indexed past its row
@@ -57,6 +58,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "../../attention_limits.h"
 #include "../dtype.cuh"
 
 namespace vllm_lite {
@@ -65,8 +67,11 @@ namespace attn {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kChunkTokens = 512;  // softmax chunk of the online loop == v2 partition
+constexpr int kChunkTokens = kPartitionSize;  // softmax chunk of the online loop == v2 partition
 constexpr int kMaxHeadsPerCta = 8;
+// Dynamic shared memory (attention_smem_bytes) at the limits: no opt-in above 48 KiB needed.
+static_assert(kMaxHeadsPerCta * (kMaxHeadSize + kChunkTokens) * sizeof(float) <= 48 * 1024,
+              "the attention kernel's dynamic shared memory must fit the 48 KiB default");
 
 struct AttentionParams {
   void* out;          // v1: out [S, H, D]; v2: tmp_out [S, H, P, D]
@@ -442,7 +447,8 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) paged_attention_v2_reduce_kernel(
     const ReduceParams p) {
   constexpr int kTile = 256;  // partitions whose weights are staged at once
-  constexpr int ROWS = 256 / kThreads;  // head_size <= 256
+  constexpr int ROWS = kMaxHeadSize / kThreads;  // output rows per thread
+  static_assert(ROWS * kThreads == kMaxHeadSize, "every row of the largest head has a thread");
   __shared__ float w_s[kTile];
   __shared__ float red_s[kWarps];
 
@@ -512,6 +518,7 @@ using AttentionKernel = void (*)(AttentionParams);
 
 template <typename T>
 AttentionKernel attention_kernel_for(int block_size, int head_size) {
+  static_assert(kMaxHeadSize <= 256, "the largest head-size bucket is 256");
 #define VLLM_LITE_ATTN_HEADS(BS)                                        \
   if (head_size <= 64) return &paged_attention_kernel<T, BS, 64>;       \
   if (head_size <= 128) return &paged_attention_kernel<T, BS, 128>;     \

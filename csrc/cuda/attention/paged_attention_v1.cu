@@ -20,8 +20,6 @@ namespace vllm_lite {
 namespace cuda {
 namespace attn {
 
-static_assert(kChunkTokens == kPartitionSize, "the CUDA chunk is the v2 partition");
-
 void launch_paged_attention(const PagedAttentionDims& d, void* out, float* exp_sums,
                             float* max_logits, int64_t num_partitions, int64_t grid_partitions,
                             int64_t max_tokens, const at::Tensor& query,
