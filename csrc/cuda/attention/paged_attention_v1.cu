@@ -1,8 +1,8 @@
-// paged_attention_v1 on CUDA, and the launcher of the attention kernel shared with v2
-// (this file is the only one that instantiates paged_attention_kernel; see
-// attention_kernels.cuh for the design). v1 runs one CTA per (sequence, kv head[, head
-// group]) over the whole sequence with an online softmax in 512-token chunks, so it has
-// no sequence-length limit and needs no scratch.
+// paged_attention_v1 on CUDA, and PagedAttentionCall (attention_launch.h): the prologue
+// and the attention kernel's launch that v1 and v2 share (this file is the only one that
+// instantiates paged_attention_kernel; see attention_kernels.cuh for the design). v1 runs
+// one CTA per (sequence, kv head[, head group]) over the whole sequence with an online
+// softmax in 512-token chunks, so it has no sequence-length limit and needs no scratch.
 #include <algorithm>
 #include <climits>
 
@@ -20,16 +20,45 @@ namespace vllm_lite {
 namespace cuda {
 namespace attn {
 
-void launch_paged_attention(const PagedAttentionDims& d, void* out, float* exp_sums,
-                            float* max_logits, int64_t num_partitions, int64_t grid_partitions,
-                            int64_t max_tokens, const at::Tensor& query,
-                            const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            double scale, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens,
-                            const std::optional<at::Tensor>& alibi_slopes, double k_scale,
-                            double v_scale, cudaStream_t stream) {
+PagedAttentionCall::PagedAttentionCall(
+    const char* op, const at::Tensor& out, const at::Tensor* exp_sums,
+    const at::Tensor* max_logits, const at::Tensor* tmp_out, const at::Tensor& query,
+    const at::Tensor& key_cache, const at::Tensor& value_cache, int64_t num_kv_heads,
+    double scale, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    int64_t block_size, int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+    const std::string& kv_cache_dtype, double k_scale, double v_scale)
+    : query_(query),
+      key_cache_(key_cache),
+      value_cache_(value_cache),
+      block_tables_(block_tables),
+      seq_lens_(seq_lens),
+      alibi_slopes_(alibi_slopes),
+      scale_(scale),
+      k_scale_(k_scale),
+      v_scale_(v_scale),
+      d_(check_paged_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables,
+                               seq_lens, block_size, max_seq_len, alibi_slopes,
+                               kv_cache_dtype, k_scale, v_scale)),
+      num_partitions_(exp_sums == nullptr
+                          ? 1
+                          : check_paged_attention_v2_scratch(d_, out, *exp_sums, *max_logits,
+                                                             *tmp_out, max_seq_len)) {
+  TORCH_CHECK(query.is_cuda(), op, ": the CUDA kernel needs CUDA tensors, got query on ",
+              query.device());
+  check_cuda_block_size(block_size);
+  device_guard_.set_device(query.device());
+  stream_ = at::cuda::getCurrentCUDAStream();
+  if (!stream_is_capturing(stream_)) {
+    check_paged_attention_values(d_, block_tables, seq_lens, max_seq_len);
+  }
+}
+
+void PagedAttentionCall::launch(void* out, float* exp_sums, float* max_logits,
+                                int64_t num_partitions, int64_t grid_partitions,
+                                int64_t max_tokens) const {
+  const PagedAttentionDims& d = d_;
   if (d.num_seqs == 0 || d.num_heads == 0 || grid_partitions == 0) return;
-  TORCH_CHECK(is_aligned16(key_cache.data_ptr()) && is_aligned16(value_cache.data_ptr()),
+  TORCH_CHECK(is_aligned16(key_cache_.data_ptr()) && is_aligned16(value_cache_.data_ptr()),
               "paged_attention: key_cache and value_cache must start at 16-byte aligned "
               "addresses on CUDA");
 
@@ -50,12 +79,12 @@ void launch_paged_attention(const PagedAttentionDims& d, void* out, float* exp_s
   p.out = out;
   p.exp_sums = exp_sums;
   p.max_logits = max_logits;
-  p.query = query.data_ptr();
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+  p.query = query_.data_ptr();
+  p.key_cache = key_cache_.data_ptr();
+  p.value_cache = value_cache_.data_ptr();
+  p.block_tables = block_tables_.data_ptr<int32_t>();
+  p.seq_lens = seq_lens_.data_ptr<int32_t>();
+  p.alibi_slopes = alibi_slopes_.has_value() ? alibi_slopes_->data_ptr<float>() : nullptr;
   p.q_stride_seq = d.q_stride_seq;
   p.q_stride_head = d.q_stride_head;
   p.kv_block_stride = d.num_kv_heads * d.head_size * d.block_size;
@@ -70,15 +99,15 @@ void launch_paged_attention(const PagedAttentionDims& d, void* out, float* exp_s
   p.max_blocks_per_seq = static_cast<int>(d.max_blocks_per_seq);
   p.num_partitions = static_cast<int>(num_partitions);
   p.partition_tokens = exp_sums != nullptr ? kChunkTokens : INT_MAX;
-  p.qk_scale = static_cast<float>(scale * k_scale);
-  p.v_scale = static_cast<float>(v_scale);
+  p.qk_scale = static_cast<float>(scale_ * k_scale_);
+  p.v_scale = static_cast<float>(v_scale_);
 
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_partitions));
   const size_t smem = attention_smem_bytes(p.heads_per_cta, p.head_size);
-  VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention", [&] {
+  VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query_.scalar_type(), "paged_attention", [&] {
     const AttentionKernel kernel = attention_kernel_for<scalar_t>(
         static_cast<int>(d.block_size), static_cast<int>(d.head_size));
-    kernel<<<grid, kThreads, smem, stream>>>(p);
+    kernel<<<grid, kThreads, smem, stream_>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -91,22 +120,12 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
                         int64_t block_size, int64_t max_seq_len,
                         const std::optional<at::Tensor>& alibi_slopes,
                         const std::string& kv_cache_dtype, double k_scale, double v_scale) {
-  const PagedAttentionDims d = check_paged_attention(
-      out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, block_size,
-      max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale);
-  TORCH_CHECK(query.is_cuda(), "paged_attention: the CUDA kernel needs CUDA tensors, got query on ",
-              query.device());
-  attn::check_cuda_block_size(block_size);
-  const c10::cuda::CUDAGuard device_guard(query.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (!stream_is_capturing(stream)) {
-    check_paged_attention_values(d, block_tables, seq_lens, max_seq_len);
-  }
-  attn::launch_paged_attention(d, out.data_ptr(), nullptr, nullptr, /*num_partitions=*/1,
-                               /*grid_partitions=*/1,
-                               /*max_tokens=*/d.max_blocks_per_seq * block_size, query,
-                               key_cache, value_cache, scale, block_tables, seq_lens,
-                               alibi_slopes, k_scale, v_scale, stream);
+  const attn::PagedAttentionCall call(
+      "paged_attention", out, nullptr, nullptr, nullptr, query, key_cache, value_cache,
+      num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
+      kv_cache_dtype, k_scale, v_scale);
+  call.launch(out.data_ptr(), nullptr, nullptr, /*num_partitions=*/1, /*grid_partitions=*/1,
+              /*max_tokens=*/call.dims().max_blocks_per_seq * block_size);
 }
 
 }  // namespace cuda

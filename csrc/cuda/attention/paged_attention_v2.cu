@@ -25,19 +25,12 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
                         int64_t block_size, int64_t max_seq_len,
                         const std::optional<at::Tensor>& alibi_slopes,
                         const std::string& kv_cache_dtype, double k_scale, double v_scale) {
-  const PagedAttentionDims d = check_paged_attention(
-      out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, block_size,
-      max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale);
-  const int64_t num_partitions =
-      check_paged_attention_v2_scratch(d, out, exp_sums, max_logits, tmp_out, max_seq_len);
-  TORCH_CHECK(query.is_cuda(), "paged_attention_v2: the CUDA kernel needs CUDA tensors, got query on ",
-              query.device());
-  attn::check_cuda_block_size(block_size);
-  const c10::cuda::CUDAGuard device_guard(query.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (!stream_is_capturing(stream)) {
-    check_paged_attention_values(d, block_tables, seq_lens, max_seq_len);
-  }
+  const attn::PagedAttentionCall call(
+      "paged_attention_v2", out, &exp_sums, &max_logits, &tmp_out, query, key_cache,
+      value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
+      alibi_slopes, kv_cache_dtype, k_scale, v_scale);
+  const PagedAttentionDims& d = call.dims();
+  const int64_t num_partitions = call.num_partitions();
   if (out.numel() == 0) return;
   TORCH_CHECK(num_partitions <= INT_MAX, "paged_attention_v2: ", num_partitions,
               " partitions are too many");
@@ -48,10 +41,8 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
       std::min(num_partitions, ceil_div(max_seq_len, attn::kChunkTokens));
   const int64_t max_tokens = std::min(d.max_blocks_per_seq * block_size,
                                       grid_partitions * attn::kChunkTokens);
-  attn::launch_paged_attention(d, tmp_out.data_ptr(), exp_sums.data_ptr<float>(),
-                               max_logits.data_ptr<float>(), num_partitions, grid_partitions,
-                               max_tokens, query, key_cache, value_cache, scale, block_tables,
-                               seq_lens, alibi_slopes, k_scale, v_scale, stream);
+  call.launch(tmp_out.data_ptr(), exp_sums.data_ptr<float>(), max_logits.data_ptr<float>(),
+              num_partitions, grid_partitions, max_tokens);
 
   const int64_t grid_x = d.num_seqs * d.num_heads;
   TORCH_CHECK(grid_x <= INT_MAX, "paged_attention_v2: too many (sequence, head) pairs (",
@@ -68,7 +59,7 @@ void paged_attention_v2(at::Tensor& out, at::Tensor& exp_sums, at::Tensor& max_l
   rp.num_partitions = static_cast<int>(num_partitions);
   VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_v2", [&] {
     attn::paged_attention_v2_reduce_kernel<scalar_t>
-        <<<static_cast<unsigned>(grid_x), attn::kThreads, 0, stream>>>(rp);
+        <<<static_cast<unsigned>(grid_x), attn::kThreads, 0, call.stream()>>>(rp);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
