@@ -1,7 +1,8 @@
 // Argument validation shared by the CPU and CUDA implementations, so every device
 // rejects the same bad input with the same message. Shape, dtype and device checks
 // read only metadata; the *_values checks read tensor contents (a device sync on
-// CUDA, which the CUDA launchers skip while a CUDA graph is being captured).
+// CUDA, so the CUDA launchers run them only with VLLM_LITE_CHECK_VALUES=1 and never
+// while a CUDA graph is being captured; the CPU kernels always run them).
 #pragma once
 
 #include <optional>

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,9 @@ import torch
 # vllm_lite always wins.
 if importlib.util.find_spec("vllm_lite") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# The CUDA kernels' content checks (lengths, block ids, slots) are opt-in; tests want them.
+os.environ.setdefault("VLLM_LITE_CHECK_VALUES", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

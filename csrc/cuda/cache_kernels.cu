@@ -1,5 +1,7 @@
 // CUDA cache ops: reshape_and_cache (+ flash layout), copy_blocks, swap_blocks.
 //
+// Content checks of slot mappings and copy_blocks pairs run only with
+// VLLM_LITE_CHECK_VALUES=1 (a device sync each; see should_check_values in cuda_utils.cuh).
 // reshape_and_cache[_flash]: grid = num_tokens, one CTA per token, up to 256 threads.
 //   A slot outside [0, num_blocks * block_size) (padding is negative) writes nothing, so
 //   unvalidated slot mappings (CUDA graph capture) cannot write out of bounds. Key chunks
@@ -44,7 +46,7 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value,
               key.device());
   const c10::cuda::CUDAGuard device_guard(key.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (!stream_is_capturing(stream)) check_slot_mapping_values(d, slot_mapping);
+  if (should_check_values(stream)) check_slot_mapping_values(d, slot_mapping);
   if (d.num_tokens == 0 || d.num_kv_heads == 0) return;
   TORCH_CHECK(d.num_tokens <= INT_MAX, op, ": ", d.num_tokens,
               " tokens are too many for one launch");
@@ -91,7 +93,8 @@ void reshape_and_cache_flash(const at::Tensor& key, const at::Tensor& value,
 
 void copy_blocks(const std::vector<at::Tensor>& key_caches,
                  const std::vector<at::Tensor>& value_caches, const at::Tensor& block_mapping) {
-  // Metadata first (no device access), then the value check unless capturing a graph.
+  // Metadata first (no device access), then the value check when enabled (a device sync;
+  // see should_check_values).
   int64_t num_blocks =
       check_copy_blocks(key_caches, value_caches, block_mapping, /*check_values=*/false);
   if (key_caches.empty()) return;
@@ -99,7 +102,7 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
               key_caches[0].device());
   const c10::cuda::CUDAGuard device_guard(key_caches[0].device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (!stream_is_capturing(stream)) {
+  if (should_check_values(stream)) {
     num_blocks = check_copy_blocks(key_caches, value_caches, block_mapping, /*check_values=*/true);
   }
   const int64_t pairs = block_mapping.size(0);

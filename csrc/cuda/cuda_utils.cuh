@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -17,6 +19,25 @@ inline bool stream_is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
   return status != cudaStreamCaptureStatusNone;
+}
+
+// Whether the launchers run the argument checks that read tensor contents (slot mappings,
+// block tables and sequence lengths, copy_blocks pairs) on CUDA: each copies to the host
+// and syncs the device, too slow for every call on the hot path, so they are opt-in:
+// VLLM_LITE_CHECK_VALUES=1 turns them on (read once, at the first call; the tests set
+// it). Never while `stream` captures a graph. Without them a bad value still never makes a
+// kernel touch memory outside its tensors (the kernels clamp lengths, skip bad slots and
+// block pairs, read bad block ids as zeros); it only gives a wrong result.
+inline bool check_values_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("VLLM_LITE_CHECK_VALUES");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return enabled;
+}
+
+inline bool should_check_values(cudaStream_t stream) {
+  return check_values_enabled() && !stream_is_capturing(stream);
 }
 
 inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -512,3 +512,43 @@ def test_swap_blocks_mapping_on_cuda():
     dst = torch.full((6, 4, 8), float("nan"), device="cuda")
     expect_swap_error(src, dst, torch.tensor([[0, 1]], device="cuda"),
                       r"swap_blocks: block_mapping must be on the CPU, got cuda")
+
+
+# --- CUDA content checks are opt-in ----------------------------------------------------
+
+_UNCHECKED_CUDA_CALLS = """
+import torch
+from tests.kernels.test_bad_inputs import attn, write
+from vllm_lite import ops
+
+w = write("cuda")
+w.slot_mapping[3] = 10 * 16  # one past the cache: skipped by the kernel, no error
+w.call()
+torch.cuda.synchronize()
+a = attn("cuda")
+a.seq_lens[0] = a.max_seq_len + 5  # clamped to the block table, no error
+a.block_tables[0, 0] = 10**6       # reads as zeros, no error
+a.v1()
+a.v2()
+kcs = [torch.zeros(4, 8, device="cuda")]
+ops.copy_blocks(kcs, [torch.zeros(4, 8, device="cuda")], torch.tensor([[0, 9]], device="cuda"))
+torch.cuda.synchronize()
+print("unchecked ok")
+"""
+
+
+@needs_cuda
+def test_cuda_value_checks_are_opt_in():
+    """Without VLLM_LITE_CHECK_VALUES=1 the CUDA launchers skip the content checks (each
+    one a device sync) and the kernels' own guards keep every access in bounds."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LITE_CHECK_VALUES"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _UNCHECKED_CUDA_CALLS], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "unchecked ok" in r.stdout, r.stderr[-3000:]

@@ -46,7 +46,7 @@
 //   Bounds: seq_len is clamped to [0, max_tokens] (max_tokens <= max_blocks_per_seq *
 //          block_size, and <= P * 512 for v2), so the table is never indexed past its row
 //          and partitions stay inside the scratch, even when values were not validated
-//          (CUDA graph capture).
+//          (VLLM_LITE_CHECK_VALUES unset, or CUDA graph capture).
 //
 // paged_attention_v2_reduce_kernel<T>: grid x = num_seqs * num_heads, 128 threads. Combines
 //   the partitions: M = max_p max_logits, w_p = exp_sums_p * exp(max_logits_p - M),

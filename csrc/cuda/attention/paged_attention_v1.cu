@@ -48,7 +48,7 @@ PagedAttentionCall::PagedAttentionCall(
   check_cuda_block_size(block_size);
   device_guard_.set_device(query.device());
   stream_ = at::cuda::getCurrentCUDAStream();
-  if (!stream_is_capturing(stream_)) {
+  if (should_check_values(stream_)) {
     check_paged_attention_values(d_, block_tables, seq_lens, max_seq_len);
   }
 }
