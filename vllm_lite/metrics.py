@@ -6,7 +6,7 @@ servers can live in one process (tests). Everything here is fed by the engine th
     metrics.on_request_added(request_id, num_prompt_tokens)     when it enters the engine
     metrics.on_outputs(outputs)                                  after each step
     metrics.on_request_aborted(request_id)                       when it is aborted
-    metrics.on_engine_stats(EngineStats.of(engine))              after each loop iteration
+    metrics.on_engine_stats(engine.stats())                      after each loop iteration
 
 and read by the HTTP thread with ``render()`` (the text exposition format).
 """
@@ -27,6 +27,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from vllm_lite.core.scheduler import SchedulerStats
+
 PREFIX = "vllm_lite:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -34,42 +36,6 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the scheduler and the KV cache, taken by the thread that steps."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    gpu_blocks_total: int = 0
-    gpu_blocks_free: int = 0
-    cpu_blocks_total: int = 0
-    cpu_blocks_free: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-
-    @classmethod
-    def of(cls, engine: Any) -> "EngineStats":
-        sched = engine.scheduler
-        bm = sched.block_manager
-        prefix = sched.prefix_cache_stats
-        if callable(prefix):
-            prefix = prefix()
-        return cls(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_swapped=len(sched.swapped),
-            gpu_blocks_total=bm.num_total_gpu_blocks,
-            gpu_blocks_free=bm.get_num_free_gpu_blocks(),
-            cpu_blocks_total=bm.num_total_cpu_blocks,
-            cpu_blocks_free=bm.get_num_free_cpu_blocks(),
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
-            num_preemptions=sum(sched.num_preemptions.values()),
-        )
 
 
 def _usage(total: int, free: int) -> float:
@@ -172,7 +138,7 @@ class Metrics:
         if self._requests.pop(request_id, None) is not None:
             self._success.labels(self.model_name, reason).inc()
 
-    def on_engine_stats(self, stats: EngineStats) -> None:
+    def on_engine_stats(self, stats: SchedulerStats) -> None:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.num_swapped.set(stats.num_swapped)

@@ -9,12 +9,37 @@ simulation.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional, Sequence as Seq
 
+import torch
+
+from vllm_lite.core.beam_search import BeamCandidate
 from vllm_lite.core.scheduler import Scheduler, SchedulerOutput
+from vllm_lite.engine.output_processor import OutputProcessor
+from vllm_lite.engine.stop_checker import StopChecker
+from vllm_lite.layers.sampler import SampleOutput, SamplerOutput
+from vllm_lite.layers.sampling_metadata import SamplingMetadata
 from vllm_lite.sequence import SequenceGroup
+from vllm_lite.worker.model_runner import RunnerOutput
 
 Content = Dict[int, List[Optional[int]]]
+
+
+def record_step(sched: Scheduler, out: SchedulerOutput, sampled: Mapping[int, Seq[int]],
+                logprobs: Optional[Mapping[int, Seq[float]]] = None,
+                beams: Optional[Mapping[str, Seq[BeamCandidate]]] = None) -> None:
+    """Records a step as the engine does (its output processor: stop rules, forks, beam
+    decisions through the scheduler), from plain per-sequence samples. A request whose
+    recording fails re-raises here instead of failing alone."""
+    outputs = [SampleOutput(seq_id, list(tokens),
+                            list(logprobs[seq_id]) if logprobs is not None else [0.0] * len(tokens))
+               for seq_id, tokens in sampled.items()]
+    result = RunnerOutput(SamplerOutput(outputs, torch.empty(0), {k: list(v) for k, v in (beams or {}).items()}),
+                          SamplingMetadata([]))
+    failed: Dict[str, Exception] = {}
+    OutputProcessor(sched, StopChecker(sched.config.max_model_len)).process(out, result, failed)
+    if failed:
+        raise next(iter(failed.values()))
 
 
 class FakeModel:
@@ -65,8 +90,12 @@ class FakeModel:
                     sampled[s.seq_id] = [self.next_token(s.seq_id, end, b) for b in range(k)]
         if abort_before_update is not None:
             sched.abort_seq_group(abort_before_update)
-        sched.update(out, sampled)
+        record_step(sched, out, sampled, beams=self.beams(out))
         return out
+
+    def beams(self, out: SchedulerOutput) -> Dict[str, List[BeamCandidate]]:
+        """Beam-search candidates of the step (none: FakeModel samples plain sequences)."""
+        return {}
 
     def check_budgets(self, out: SchedulerOutput) -> None:
         sched = self.scheduler

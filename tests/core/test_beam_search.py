@@ -21,7 +21,9 @@ from vllm_lite.layers.sampler import beam_search_candidates
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.sequence import SequenceStatus
 
-from .fake_model import FakeModel, run_to_completion
+from vllm_lite.errors import InternalError
+
+from .fake_model import FakeModel, record_step, run_to_completion
 
 STOP = (SequenceStatus.FINISHED_STOPPED, None)
 
@@ -188,14 +190,6 @@ class BeamFakeModel(FakeModel):
                                       num_batched_tokens=sum(g.token_chunk_size for g in rest))
         super().check_budgets(out)
 
-    def step(self, abort_before_update: Optional[str] = None) -> SchedulerOutput:
-        sched = self.scheduler
-        update = sched.update
-        sched.update = lambda out, sampled, logprobs=None: update(out, sampled, logprobs, self.beams(out))
-        try:
-            return super().step(abort_before_update)
-        finally:
-            del sched.update
 
 
 def _make(num_gpu_blocks: int = 64, num_cpu_blocks: int = 64, prefix_caching: bool = False,
@@ -329,13 +323,14 @@ def test_bad_beam_updates_raise() -> None:
     sched.add_request("b", [1, 2, 3], _beam_params(2), eos_token_id=EOS)
     out = sched.schedule()
     seq_id = out.scheduled_seq_groups[0].seqs[0].seq_id
-    with pytest.raises(ValueError, match="candidates"):
-        sched.update(out, {})
-    with pytest.raises(ValueError, match="not a live beam"):
-        sched.update(out, {}, beams={"b": [BeamCandidate(seq_id + 1000, 1, -1.0)]})
-    with pytest.raises(ValueError, match="not a beam-search request"):
-        sched.update(out, {}, beams={"zzz": [BeamCandidate(seq_id, 1, -1.0)]})
-    sched.update(out, {}, beams={"b": [BeamCandidate(seq_id, 1, -1.0), BeamCandidate(seq_id, 2, -2.0)]})
+    # A runner result that does not match the step is a bug: InternalError, nothing changed.
+    with pytest.raises(InternalError, match="candidates"):
+        record_step(sched, out, {})
+    with pytest.raises(InternalError, match="candidates"):
+        record_step(sched, out, {}, beams={"b": [BeamCandidate(seq_id + 1000, 1, -1.0)]})
+    with pytest.raises(InternalError, match="not a beam-search request"):
+        record_step(sched, out, {}, beams={"zzz": [BeamCandidate(seq_id, 1, -1.0)]})
+    record_step(sched, out, {}, beams={"b": [BeamCandidate(seq_id, 1, -1.0), BeamCandidate(seq_id, 2, -2.0)]})
     group = sched.get_seq_group("b")
     assert sorted(s.output_token_ids for s in group.get_seqs()) == [[1], [2]]
     bm = sched.block_manager

@@ -12,7 +12,9 @@ from vllm_lite.core.scheduler import Scheduler
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.sequence import SequenceStatus
 
-from .fake_model import FakeModel, first_scheduled_step, run_to_completion
+from vllm_lite.errors import InternalError
+
+from .fake_model import FakeModel, first_scheduled_step, record_step, run_to_completion
 
 
 def make(
@@ -197,27 +199,28 @@ def test_abort_frees_blocks_wherever_the_request_is() -> None:
     out = sched.schedule()
     sched.abort_seq_group("a")  # between schedule and update: update skips it
     sampled = {s.seq_id: [1] for g in out.scheduled_seq_groups for s in g.seqs if s.do_sample}
-    sched.update(out, sampled)
+    record_step(sched, out, sampled)
     sched.abort_seq_group("b")
     for rid in "abcw":
         assert sched.get_seq_group(rid) is None
     m.check_drained()
 
 
-def test_update_rejects_bad_samples_and_changes_nothing() -> None:
+def test_recording_rejects_bad_samples_and_changes_nothing() -> None:
     m = make()
     sched = m.scheduler
     g = sched.add_request("a", [1, 2, 3], params(3, n=2, temperature=1.0))
     out = sched.schedule()
     seq_id = g.seqs[0].seq_id
-    for bad in ({}, {seq_id: [5]}, {seq_id: [5, -1]}):
-        with pytest.raises(ValueError, match=f"sampled\\[{seq_id}\\]"):
-            sched.update(out, bad)
+    # Samples that do not match the step are a runner bug: InternalError, nothing changed.
+    for bad in ({}, {seq_id: [5]}, {seq_id: [5, 6, 7]}):
+        with pytest.raises(InternalError, match=f"seq {seq_id} must get 2"):
+            record_step(sched, out, bad)
         assert g.seqs[0].num_computed_tokens == 0 and g.num_seqs() == 1
-    sched.update(out, {seq_id: [5, 6]})
+    record_step(sched, out, {seq_id: [5, 6]})
     assert g.num_seqs() == 2
-    with pytest.raises(ValueError, match="latest schedule"):
-        sched.update(out, {seq_id: [5, 6]})
+    with pytest.raises(InternalError, match="recorded once"):
+        record_step(sched, out, {seq_id: [5]})
 
 
 def test_best_of_forks_at_the_first_sample_sharing_the_prompt() -> None:
@@ -251,7 +254,7 @@ def test_stop_conditions() -> None:
         for g in out.scheduled_seq_groups:
             for s in g.seqs:
                 sampled[s.seq_id] = [9 if g.request_id == "stop" else 7]
-        sched.update(out, sampled)
+        record_step(sched, out, sampled)
     assert eos.seqs[0].status == SequenceStatus.FINISHED_STOPPED and eos.seqs[0].get_output_len() == 1
     assert ignore.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED and ignore.seqs[0].get_output_len() == 3
     assert min_tok.seqs[0].status == SequenceStatus.FINISHED_STOPPED and min_tok.seqs[0].get_output_len() == 2
@@ -306,6 +309,6 @@ def test_finish_seq_frees_one_sequence_and_then_the_request() -> None:
     assert first.status == SequenceStatus.FINISHED_STOPPED and first.stop_reason == "###"
     assert sched.finish_seq("a", second.seq_id)
     assert not sched.has_unfinished_seqs()
-    with pytest.raises(ValueError, match="no unfinished seq"):
+    with pytest.raises(InternalError, match="no unfinished seq"):
         sched.finish_seq("a", second.seq_id)
     m.check_drained()

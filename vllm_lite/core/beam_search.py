@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence as Seq, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence as Seq, Tuple, Union
 
 from vllm_lite.sampling_params import SamplingParams
 
@@ -25,11 +25,14 @@ from vllm_lite.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class BeamCandidate:
     """One extension of a live beam: its parent sequence, the token and the token's logprob.
-    A step's candidates come best first (by parent cumulative logprob + logprob)."""
+    A step's candidates come best first (by parent cumulative logprob + logprob).
+    top_logprobs: when the request asks for logprobs, the token's entry (the token and the
+    parent row's top tokens -> Logprob), as a sampled token's."""
 
     parent_seq_id: int
     token_id: int
     logprob: float
+    top_logprobs: Optional[Dict[int, Any]] = field(default=None, compare=False, hash=False)
 
 
 @dataclass(frozen=True)

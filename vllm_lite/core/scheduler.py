@@ -2,11 +2,13 @@
 
 Every step re-decides the batch: running groups first (growing their block tables, and
 preempting the lowest-priority newest group when blocks run out), then swapped groups
-coming back, then new prompts. A finished sequence frees its blocks in ``update`` at once,
+coming back, then new prompts. A finished sequence frees its blocks at once (finish_seq),
 so a waiting request can join on the very next step.
 
-A step is ``out = scheduler.schedule()``, the model runs ``out``, then
-``scheduler.update(out, sampled)`` records the computed tokens and the sampled ones.
+The scheduler owns admission, budgets, preemption and swapping. A step is
+``out = scheduler.schedule()``, the worker runs ``out``, then the engine's output
+processor records it (end_step, mark_computed, fork_seq / finish_seq / drop_seq); what
+a new token means (stop rules, beams) is decided there, not here.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence as Seq, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence as Seq, Union
 
 from vllm_lite.config import CacheConfig, SchedulerConfig
-from vllm_lite.core.beam_search import BeamCandidate, Hypothesis, ScoredCandidate, select_beams
 from vllm_lite.core.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
 from vllm_lite.core.policy import running_key, waiting_key
 from vllm_lite.core.prefix_cache import PrefixCacheStats
+from vllm_lite.errors import InternalError
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.sequence import Sequence, SequenceGroup, SequenceStatus, next_seq_id
 
@@ -76,18 +78,6 @@ class SchedulerOutput:
     ignored_seq_groups: List[SequenceGroup]
     num_preempted: int
 
-    @property
-    def num_prefill_groups(self) -> int:
-        return sum(1 for g in self.scheduled_seq_groups if g.is_prompt)
-
-    def is_empty(self) -> bool:
-        return not (
-            self.scheduled_seq_groups
-            or self.blocks_to_swap_in
-            or self.blocks_to_swap_out
-            or self.blocks_to_copy
-        )
-
 
 @dataclass
 class _StepState:
@@ -105,6 +95,23 @@ class _StepState:
     @property
     def tokens_left(self) -> int:
         return self.token_budget - self.num_batched_tokens
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the queues and the KV pools (the engine's stats(), the metrics).
+    "gpu" names the device pool, whatever the device (vLLM's names, kept for dashboards)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    gpu_blocks_total: int = 0
+    gpu_blocks_free: int = 0
+    cpu_blocks_total: int = 0
+    cpu_blocks_free: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
 
 
 class Scheduler:
@@ -214,6 +221,50 @@ class Scheduler:
 
     def get_seq_group(self, request_id: str) -> Optional[SequenceGroup]:
         return self._requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        prefix = bm.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            gpu_blocks_total=bm.num_total_gpu_blocks,
+            gpu_blocks_free=bm.get_num_free_gpu_blocks(),
+            cpu_blocks_total=bm.num_total_cpu_blocks,
+            cpu_blocks_free=bm.get_num_free_cpu_blocks(),
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=sum(self.num_preemptions.values()),
+        )
+
+    def kv_slot_usage(self) -> tuple[int, int]:
+        """(allocated, live) KV slots of the device pool right now.
+
+        Allocated: blocks held by some sequence (free and evictable prefix-cache blocks
+        excluded) times the block size. Live: the slots of those blocks that hold a
+        computed token of a running sequence; a block shared by several sequences (prefix
+        caching, forks) counts once, with its fullest use.
+        """
+        bm = self.block_manager
+        block_size = self.cache_config.block_size
+        allocated = (bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()) * block_size
+        fill: Dict[int, int] = {}
+        for group in self.running:
+            for seq in group.get_unfinished_seqs():
+                table = bm.get_block_table(seq) if bm.has_blocks(seq) else []
+                n = seq.num_computed_tokens
+                full = min(n // block_size, len(table))
+                for block in table[:full]:
+                    fill[block] = block_size
+                if full < len(table) and n % block_size:
+                    block = table[full]
+                    fill[block] = max(fill.get(block, 0), n % block_size)
+        return allocated, sum(fill.values())
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block not in use; returns how many were dropped."""
+        return self.block_manager.reset_prefix_cache()
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -459,184 +510,36 @@ class Scheduler:
         logger.debug("preempted %s by %s", group.request_id, mode)
 
     # -- after the model ran -----------------------------------------------------------
-    def update(
-        self,
-        output: SchedulerOutput,
-        sampled: Mapping[int, Seq[int]],
-        logprobs: Optional[Mapping[int, Seq[float]]] = None,
-        beams: Optional[Mapping[str, Seq[BeamCandidate]]] = None,
-        errors: Optional[Dict[str, Exception]] = None,
-    ) -> List[SequenceGroup]:
-        """Record a step: the scheduled tokens are now computed; each sequence that was
-        sampled (do_sample) gets its new token from ``sampled[seq_id]``.
-
-        A group's first sample carries best_of tokens: the sequence forks into best_of
-        sequences sharing its blocks. Finished sequences free their blocks now.
-
-        A beam-search group that sampled takes ``beams[request_id]`` instead: the step's
-        candidates over all its live beams, best first (see core/beam_search.py). The kept
-        ones fork their parents (sharing blocks, copy-on-write), dropped beams free their
-        blocks at once, finished ones stay in the group as hypotheses without blocks.
-
-        Returns the groups that finished in this update. With ``errors`` (a dict), a group
-        whose own update raises is aborted (its blocks freed) and recorded there
-        (request_id -> exception) instead of failing the others' updates.
-        """
+    # The output processor (engine/output_processor.py) records a step through these:
+    # end_step, then per group mark_computed and the sequence changes (fork_seq,
+    # finish_seq, drop_seq), so blocks always follow the sequences.
+    def end_step(self, output: SchedulerOutput) -> None:
+        """The step ``output`` ran; it can be recorded once."""
         if output is not self._pending_output:
-            raise ValueError("output must be the latest schedule() result, not yet updated")
-        todo = self._validate_samples(output, sampled, logprobs)
-        beam_todo = self._validate_beams(output, beams or {})
+            raise InternalError("a step must be recorded once, after the latest schedule()")
         self._pending_output = None
-        finished: List[SequenceGroup] = []
-        for sched in output.scheduled_seq_groups:
-            group = sched.seq_group
-            if group.is_finished():
-                continue  # aborted after it was scheduled
-            try:
-                self._update_group(group, sched, todo, beam_todo, logprobs)
-            except Exception as e:
-                if errors is None:
-                    raise
-                errors[group.request_id] = e
-                self.abort_seq_group(group.request_id)
-                continue
-            if group.is_finished():
-                self.running.remove(group)
-                self._requests.pop(group.request_id, None)
-                finished.append(group)
-        return finished
 
-    def _update_group(self, group: SequenceGroup, sched: Any,
-                      todo: Dict[str, List[Tuple[Sequence, List[int]]]],
-                      beam_todo: Dict[str, List[BeamCandidate]],
-                      logprobs: Optional[Mapping[int, Seq[float]]]) -> None:
+    def mark_computed(self, sched: ScheduledSequenceGroup) -> None:
+        """The scheduled tokens of the group's running sequences are in the KV cache now
+        (full blocks become prefix-cache hits for others)."""
+        group = sched.seq_group
         for s in sched.seqs:
             seq = group.get_seq(s.seq_id)
             if seq is not None and seq.status == SequenceStatus.RUNNING:
                 seq.num_computed_tokens += s.num_new_tokens
                 self.block_manager.mark_computed(seq)
-        for seq, tokens in todo.get(group.request_id, []):
-            lps = list(logprobs[seq.seq_id]) if logprobs is not None else [0.0] * len(tokens)
-            self._append_samples(group, seq, tokens, lps)
-        if group.request_id in beam_todo:
-            self._beam_step(group, beam_todo[group.request_id])
 
-    def _validate_samples(
-        self,
-        output: SchedulerOutput,
-        sampled: Mapping[int, Seq[int]],
-        logprobs: Optional[Mapping[int, Seq[float]]],
-    ) -> Dict[str, List[Tuple[Sequence, List[int]]]]:
-        todo: Dict[str, List[Tuple[Sequence, List[int]]]] = {}
-        for sched in output.scheduled_seq_groups:
-            group = sched.seq_group
-            if group.is_finished() or group.sampling_params.use_beam_search:
-                continue
-            expected = group.sampling_params.best_of if group.awaiting_first_sample() else 1
-            for s in sched.seqs:
-                seq = group.get_seq(s.seq_id)
-                if not s.do_sample or seq is None or seq.is_finished():
-                    continue
-                tokens = sampled.get(s.seq_id)
-                if tokens is None or len(tokens) != expected:
-                    raise ValueError(f"sampled[{s.seq_id}] must hold {expected} token id(s), got {tokens!r}")
-                if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
-                    raise ValueError(f"sampled[{s.seq_id}] must hold non-negative ints, got {tokens!r}")
-                if logprobs is not None and len(logprobs.get(s.seq_id, ())) != expected:
-                    raise ValueError(f"logprobs[{s.seq_id}] must hold {expected} value(s)")
-                todo.setdefault(group.request_id, []).append((seq, list(tokens)))
-        return todo
-
-    def _validate_beams(
-        self, output: SchedulerOutput, beams: Mapping[str, Seq[BeamCandidate]]
-    ) -> Dict[str, List[BeamCandidate]]:
-        todo: Dict[str, List[BeamCandidate]] = {}
-        scheduled = {s.request_id: s for s in output.scheduled_seq_groups}
-        for request_id in beams:
-            sched = scheduled.get(request_id)
-            if sched is None or not sched.seq_group.sampling_params.use_beam_search:
-                raise ValueError(f"beams[{request_id!r}]: not a beam-search request of this step")
-        for request_id, sched in scheduled.items():
-            group = sched.seq_group
-            if not group.sampling_params.use_beam_search or group.is_finished():
-                continue
-            sampled_ids = {s.seq_id for s in sched.seqs if s.do_sample}
-            if not sampled_ids:
-                continue
-            live = {s.seq_id for s in group.get_seqs(SequenceStatus.RUNNING)}
-            if sampled_ids != live:
-                raise RuntimeError(f"beam request {request_id!r} sampled {sorted(sampled_ids)} "
-                                   f"but runs {sorted(live)}")
-            cands = list(beams.get(request_id, ()))
-            if not cands:
-                raise ValueError(f"beams[{request_id!r}] must hold the step's candidates")
-            for c in cands:
-                if c.parent_seq_id not in live:
-                    raise ValueError(f"beams[{request_id!r}]: {c.parent_seq_id} is not a live beam")
-                if isinstance(c.token_id, bool) or not isinstance(c.token_id, int) or c.token_id < 0:
-                    raise ValueError(f"beams[{request_id!r}]: bad token id {c.token_id!r}")
-            todo[request_id] = cands
-        return todo
-
-    def _beam_step(self, group: SequenceGroup, cands: List[BeamCandidate]) -> None:
-        live = {s.seq_id: s for s in group.get_seqs(SequenceStatus.RUNNING)}
-        scored = []
-        for c in cands:
-            parent = live[c.parent_seq_id]
-            out_len = parent.get_output_len() + 1
-            scored.append(ScoredCandidate(
-                c, parent.cumulative_logprob + c.logprob, out_len,
-                self._stop_status(group, c.token_id, out_len, parent.get_len() + 1)))
-        hypotheses = [Hypothesis(s.seq_id, s.cumulative_logprob, s.get_output_len())
-                      for s in group.get_seqs() if s.is_finished()]
-        decision = select_beams(scored, hypotheses, group.sampling_params, self.max_output_len(group))
-        for seq_id in decision.dropped_hypotheses:
-            group.remove(seq_id)
-        # Hypotheses are copies of their parents plus the token; they hold no blocks.
-        for sc in decision.new_hypotheses:
-            parent = live[sc.candidate.parent_seq_id]
-            hyp = parent.fork(next_seq_id())
-            hyp.append_token_id(sc.candidate.token_id, sc.candidate.logprob)
-            hyp.status, hyp.stop_reason = sc.finish
-            group.add(hyp)
-        children: Dict[int, List[BeamCandidate]] = {}
-        for sc in decision.continue_:
-            children.setdefault(sc.candidate.parent_seq_id, []).append(sc.candidate)
-        for parent in live.values():
-            kids = children.get(parent.seq_id, [])
-            if not kids:
-                self.block_manager.free(parent)
-                parent.status = SequenceStatus.FINISHED_ABORTED
-                group.remove(parent.seq_id)
-                continue
-            # Fork before the parent takes its own token: the children share its blocks.
-            for kid in kids[1:]:
-                self._fork(group, parent).append_token_id(kid.token_id, kid.logprob)
-            parent.append_token_id(kids[0].token_id, kids[0].logprob)
-
-    def _append_samples(self, group: SequenceGroup, seq: Sequence, tokens: List[int], lps: List[float]) -> None:
-        targets = [seq]
-        for _ in tokens[1:]:
-            targets.append(self._fork(group, seq))
-        for target, token, lp in zip(targets, tokens, lps):
-            target.append_token_id(token, lp)
-            self._check_stop(group, target)
-            if target.is_finished():
-                self.block_manager.free(target)
-
-    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+    def fork_seq(self, request_id: str, parent_seq_id: int) -> Sequence:
+        """A new running sequence of the request sharing every block of the parent
+        (n / best_of children, beams; the blocks are copied on write)."""
+        group = self._requests.get(request_id)
+        parent = group.get_seq(parent_seq_id) if group is not None else None
+        if parent is None or parent.status != SequenceStatus.RUNNING:
+            raise InternalError(f"no running seq {parent_seq_id} in request {request_id!r}")
         child = parent.fork(next_seq_id())
         self.block_manager.fork(parent, child)
         group.add(child)
         return child
-
-    def fork_seq(self, request_id: str, parent_seq_id: int) -> Sequence:
-        """A new running sequence sharing every block of the parent (beam search)."""
-        group = self._requests.get(request_id)
-        parent = group.get_seq(parent_seq_id) if group is not None else None
-        if parent is None or parent.status != SequenceStatus.RUNNING:
-            raise ValueError(f"no running seq {parent_seq_id} in request {request_id!r}")
-        return self._fork(group, parent)
 
     def finish_seq(
         self,
@@ -645,53 +548,34 @@ class Scheduler:
         status: SequenceStatus = SequenceStatus.FINISHED_STOPPED,
         stop_reason: Optional[Union[int, str]] = None,
     ) -> bool:
-        """End one sequence early (a stop string, a dropped beam) and free its blocks.
+        """End one sequence (a stop rule, a stop string) and free its blocks.
 
-        Returns True when that finished the whole request.
+        Returns True when that finished the whole request (it leaves the scheduler).
         """
         if not SequenceStatus.is_finished(status):
-            raise ValueError(f"status must be a finished status, got {status}")
+            raise InternalError(f"status must be a finished status, got {status}")
         group = self._requests.get(request_id)
         seq = group.get_seq(seq_id) if group is not None else None
         if seq is None or seq.is_finished():
-            raise ValueError(f"no unfinished seq {seq_id} in request {request_id!r}")
+            raise InternalError(f"no unfinished seq {seq_id} in request {request_id!r}")
         self.block_manager.free(seq)
         seq.status = status
         seq.stop_reason = stop_reason
+        return self._retire_if_finished(group)
+
+    def drop_seq(self, request_id: str, seq_id: int) -> bool:
+        """Remove a running sequence from its request (a beam that lost), freeing its
+        blocks. Returns True when the request is finished by it."""
+        group = self._requests.get(request_id)
+        done = self.finish_seq(request_id, seq_id, SequenceStatus.FINISHED_ABORTED)
+        group.remove(seq_id)
+        return done
+
+    def _retire_if_finished(self, group: SequenceGroup) -> bool:
         if not group.is_finished():
             return False
         for queue in (self.waiting, self.running, self.swapped):
             if group in queue:
                 queue.remove(group)
-        del self._requests[request_id]
+        self._requests.pop(group.request_id, None)
         return True
-
-    def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        finish = self._stop_status(group, seq.get_last_token_id(), seq.get_output_len(), seq.get_len())
-        if finish is not None:
-            seq.status, seq.stop_reason = finish
-
-    def _stop_status(
-        self, group: SequenceGroup, token: int, output_len: int, seq_len: int
-    ) -> Optional[Tuple[SequenceStatus, Optional[int]]]:
-        """(finished status, stop reason) of a sequence whose last token is ``token``, with
-        output_len output and seq_len tokens in all; None while it runs on."""
-        params = group.sampling_params
-        if output_len >= params.min_tokens:
-            if not params.ignore_eos and group.eos_token_id is not None and token == group.eos_token_id:
-                return SequenceStatus.FINISHED_STOPPED, None
-            if token in params.stop_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, token
-        if params.max_tokens is not None and output_len >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH_CAPPED, None
-        if seq_len > self.config.max_model_len:
-            # As vLLM: the model never sees more than max_model_len tokens; the last
-            # sampled one is not fed back.
-            return SequenceStatus.FINISHED_LENGTH_CAPPED, None
-        return None
-
-    def max_output_len(self, group: SequenceGroup) -> int:
-        """The most tokens a sequence of the group can generate."""
-        limit = self.config.max_model_len + 1 - len(group.prompt_token_ids)
-        max_tokens = group.sampling_params.max_tokens
-        return limit if max_tokens is None else min(max_tokens, limit)

@@ -27,11 +27,11 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Set
 
 from vllm_lite.engine.llm_engine import EngineStepError
-from vllm_lite.metrics import EngineStats, Metrics
+from vllm_lite.metrics import Metrics
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 
@@ -262,9 +262,8 @@ class AsyncLLMEngine:
                 self._deliver(a.request_id, EngineError(f"adding the request failed: {e!r}"))
                 continue
             if self.metrics is not None:
-                group = self.engine.scheduler.get_seq_group(a.request_id)
-                num_prompt = len(group.prompt_token_ids) if group is not None else 0
-                self.metrics.on_request_added(a.request_id, num_prompt, a.arrival)
+                self.metrics.on_request_added(
+                    a.request_id, self.engine.num_prompt_tokens(a.request_id), a.arrival)
 
     def _step(self) -> None:
         engine = self.engine
@@ -320,7 +319,7 @@ class AsyncLLMEngine:
 
     def _publish_stats(self) -> None:
         if self.metrics is not None:
-            self.metrics.on_engine_stats(EngineStats.of(self.engine))
+            self.metrics.on_engine_stats(self.engine.stats())
 
     def _fail_everything(self, err: EngineError) -> None:
         with self._cv:

@@ -27,11 +27,12 @@ computed: the engine sums them into cumulative_logprob) come from the same tenso
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 import torch
 
+from vllm_lite.core.beam_search import BeamCandidate
 from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from vllm_lite.sampling_params import _SAMPLING_EPS, SamplingParams, SamplingType
 
@@ -85,12 +86,14 @@ class SampleOutput:
 
 @dataclass
 class SamplerOutput:
-    """outputs[i] is row i's SampleOutput, None for a beam-search row (the engine ranks
-    beams with beam_search_candidates over logprobs[rows of the group]).
+    """outputs[i] is row i's SampleOutput, None for a beam-search row; beams: per
+    beam-search request, the step's 2 * beam_width best extensions over all its rows
+    (beam_search_candidates), best first, with their logprob entries when asked for.
     logprobs: [num_rows, vocab] float32 log_softmax of the processed logits."""
 
     outputs: List[Optional[SampleOutput]]
     logprobs: torch.Tensor
+    beams: Dict[str, List[BeamCandidate]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------
@@ -466,8 +469,9 @@ class Sampler:
 
         order = sorted(tokens)
         outputs: List[Optional[SampleOutput]] = [None] * len(rows)
+        beams = _beam_candidates(rows, logprobs)
         if not order:
-            return SamplerOutput(outputs, logprobs)
+            return SamplerOutput(outputs, logprobs, beams)
         flat_rows = [i for i in order for _ in range(tokens[i].numel())]
         fr = torch.tensor(flat_rows, dtype=torch.long, device=dev)
         flat_tokens = torch.cat([tokens[i] for i in order])
@@ -491,4 +495,31 @@ class Sampler:
                 top = [top_dicts[j + m] for m in range(n)]
             outputs[i] = SampleOutput(rows[i].seq_id, toks_l[j : j + n], lps_l[j : j + n], top)
             j += n
-        return SamplerOutput(outputs, logprobs)
+        return SamplerOutput(outputs, logprobs, beams)
+
+
+def _beam_candidates(rows: Seq[SamplingRow], logprobs: torch.Tensor
+                     ) -> Dict[str, List[BeamCandidate]]:
+    """Per beam-search request: the best 2 * beam_width extensions over its rows, each
+    with its token's logprob and, when the request asks for logprobs, its entry."""
+    by_request: Dict[str, List[int]] = {}
+    for i, r in enumerate(rows):
+        if r.sampling_type == SamplingType.BEAM:
+            by_request.setdefault(r.request_id, []).append(i)
+    out: Dict[str, List[BeamCandidate]] = {}
+    dev = logprobs.device
+    for rid, idx in by_request.items():
+        params = rows[idx[0]].params
+        group_lps = logprobs.index_select(0, torch.tensor(idx, dtype=torch.long, device=dev))
+        cands = beam_search_candidates(group_lps, [rows[i].cumulative_logprob for i in idx],
+                                       params.best_of)
+        beam_idx = torch.tensor([b for b, _, _ in cands], dtype=torch.long, device=dev)
+        token_idx = torch.tensor([t for _, t, _ in cands], dtype=torch.long, device=dev)
+        token_lps = group_lps[beam_idx, token_idx].tolist()
+        tops: List[Optional[Dict[int, Logprob]]] = [None] * len(cands)
+        if params.logprobs is not None:
+            tops = list(top_logprob_dicts(group_lps.index_select(0, beam_idx), token_idx,
+                                          [params.logprobs] * len(cands)))
+        out[rid] = [BeamCandidate(rows[idx[b]].seq_id, t, lp, top)
+                    for (b, t, _), lp, top in zip(cands, token_lps, tops)]
+    return out

@@ -24,6 +24,7 @@ class SamplingRow:
         (not when params.ignore_eos).
     num_samples: tokens drawn from this row (best_of at a random request's first step,
         multinomial with replacement as vLLM does); 1 otherwise. Greedy rows take 1.
+    Beam-search rows of one request (in row order, consecutive) are ranked together.
     """
 
     seq_id: int
@@ -33,6 +34,8 @@ class SamplingRow:
     output_token_ids: Seq[int] = field(default_factory=list)
     eos_token_id: Optional[int] = None
     num_samples: int = 1
+    # The sequence's cumulative logprob so far (beam search ranks extensions by it).
+    cumulative_logprob: float = 0.0
 
     @classmethod
     def for_seq(cls, group: Any, seq: Any, first_step_draws: bool = True) -> "SamplingRow":
@@ -52,6 +55,7 @@ class SamplingRow:
             output_token_ids=seq.output_token_ids,
             eos_token_id=group.eos_token_id,
             num_samples=params.best_of if first else 1,
+            cumulative_logprob=seq.cumulative_logprob,
         )
 
     def __post_init__(self) -> None:

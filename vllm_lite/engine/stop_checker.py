@@ -1,0 +1,62 @@
+"""Why a sequence stops, in one place: EOS, stop token ids, stop strings, max_tokens and
+max_model_len (vLLM's StopChecker).
+
+Token rules are checked on each new token (sampled, or a beam candidate before the beam
+policy ranks it); stop strings on the new text once the token is detokenized. The
+output processor applies the verdicts through the scheduler's finish_seq.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.sequence import SequenceStatus
+
+# A verdict: the finished status and the stop reason (a stop token id, a stop string, or
+# None for EOS and the length limits), as RequestOutput reports them.
+StopVerdict = Tuple[SequenceStatus, Optional[Union[int, str]]]
+
+
+class StopChecker:
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+
+    def check_token(self, params: SamplingParams, eos_token_id: Optional[int], token: int,
+                    output_len: int, seq_len: int) -> Optional[StopVerdict]:
+        """The verdict on a sequence whose last token is ``token``, with ``output_len``
+        output and ``seq_len`` tokens in all; None while it runs on."""
+        if output_len >= params.min_tokens:
+            if not params.ignore_eos and eos_token_id is not None and token == eos_token_id:
+                return SequenceStatus.FINISHED_STOPPED, None
+            if token in params.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token
+        if params.max_tokens is not None and output_len >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH_CAPPED, None
+        if seq_len > self.max_model_len:
+            # As vLLM: the model never sees more than max_model_len tokens; the last
+            # sampled one is not fed back.
+            return SequenceStatus.FINISHED_LENGTH_CAPPED, None
+        return None
+
+    def max_output_len(self, params: SamplingParams, prompt_len: int) -> int:
+        """The most tokens a sequence with this prompt can generate."""
+        limit = self.max_model_len + 1 - prompt_len
+        return limit if params.max_tokens is None else min(params.max_tokens, limit)
+
+    @staticmethod
+    def check_stop_strings(params: SamplingParams, text: str,
+                           num_new_chars: int) -> Optional[Tuple[str, int]]:
+        """(the stop string found, the length the text keeps) when one of params.stop
+        ends in the last ``num_new_chars`` characters of ``text``; None otherwise. Only
+        the tail that could hold a new match is searched."""
+        if not params.stop or not num_new_chars:
+            return None
+        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop)
+        longest = max(len(s) for s in stops)
+        search_from = max(0, len(text) - num_new_chars - longest + 1)
+        for stop in stops:
+            idx = text.find(stop, search_from)
+            if idx >= 0:
+                return stop, (idx + len(stop) if params.include_stop_str_in_output else idx)
+        return None

@@ -1,0 +1,13 @@
+"""The engine's error types, so that an error means one thing.
+
+- ``ValueError``: the caller's input is bad (a 400 from the server, exit code 2 from the
+  CLI). Raised where a request or an option is admitted, naming the field.
+- ``InternalError``: an invariant inside the engine broke (a bug: a 500 from the server,
+  a traceback in the log). Never raised for anything a user can send.
+"""
+
+from __future__ import annotations
+
+
+class InternalError(RuntimeError):
+    """A broken invariant inside core/ or engine/: a bug, never the user's input."""

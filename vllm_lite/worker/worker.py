@@ -1,0 +1,86 @@
+"""A Worker owns one device's share of the engine: the model, its KV cache (sized here),
+the model runner and the sampler's random states.
+
+One step on a worker: the scheduler's block operations on its caches (``execute_cache_ops``)
+then the forward and sampling (``execute_model``). Today one worker runs in the engine's
+process; with tensor parallelism each rank would hold one, driven through the executor.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_lite.core.scheduler import SchedulerOutput
+from vllm_lite.layers.sampler import RngSnapshot, Sampler
+from vllm_lite.worker.cache_engine import (
+    CacheEngine, cache_block_bytes, num_blocks_for_cpu, profile_num_gpu_blocks)
+from vllm_lite.worker.model_runner import ModelRunner, RunnerOutput
+
+if TYPE_CHECKING:
+    from vllm_lite.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: "EngineConfig", model: torch.nn.Module | None = None) -> None:
+        from vllm_lite.models.loader import load_model
+
+        self.config = config
+        mc = config.model_config
+        self.device = config.device
+        torch.manual_seed(mc.seed)
+        if model is None:
+            model, _ = load_model(mc.model, mc.dtype, config.device, mc.max_model_len)
+        self.model = model
+        self.dtype: torch.dtype = next(model.parameters()).dtype
+        self.block_size = config.cache_config.block_size
+        self.sampler = Sampler(seed=mc.seed)
+        self.runner = ModelRunner(model, self.block_size, config.device, self.sampler)
+        self.cache_engine: CacheEngine | None = None
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device KV blocks, CPU swap blocks) this worker can hold: the CPU pool from
+        kv_cache_space, a GPU's from a profiling forward and gpu_memory_utilization."""
+        config = self.config
+        cc = config.cache_config
+        if config.num_gpu_blocks_override is not None:
+            num_gpu_blocks = config.num_gpu_blocks_override
+        elif self.device.type == "cpu":
+            num_gpu_blocks = num_blocks_for_cpu(self.model, self.block_size, self.dtype,
+                                                config.kv_cache_space)
+        else:
+            num_gpu_blocks = profile_num_gpu_blocks(
+                self.model, self.block_size, self.dtype, self.device,
+                config.scheduler_config.max_num_batched_tokens,
+                config.scheduler_config.max_num_seqs, cc.gpu_memory_utilization)
+        block_bytes = cache_block_bytes(self.model, self.block_size, self.dtype)
+        num_cpu_blocks = cc.cpu_blocks_for(block_bytes) if cc.swap_space_gib > 0 else 0
+        return num_gpu_blocks, num_cpu_blocks
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.cache_engine = CacheEngine(self.model, self.block_size, num_gpu_blocks,
+                                        num_cpu_blocks, self.dtype, self.device)
+
+    def execute_cache_ops(self, out: SchedulerOutput) -> None:
+        """The step's swap-out, swap-in and copy-on-write block operations, in that order."""
+        assert self.cache_engine is not None, "init_cache first"
+        self.cache_engine.execute(out.blocks_to_swap_out, out.blocks_to_swap_in,
+                                  out.blocks_to_copy)
+
+    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
+        """Forward, sampling and prompt logprobs of the scheduled groups. Touches only
+        this step's KV slots and the sampler's random states, so it can run again."""
+        return self.runner.execute_model(out)
+
+    def snapshot_rng(self) -> RngSnapshot:
+        return self.sampler.snapshot()
+
+    def restore_rng(self, snap: RngSnapshot) -> None:
+        self.sampler.restore(snap)
+
+    def free_request(self, request_id: str) -> None:
+        self.sampler.free_request(request_id)
