@@ -12,6 +12,7 @@ import itertools
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence as Seq, Union
 
+from vllm_lite.errors import InternalError
 from vllm_lite.sampling_params import SamplingParams
 
 # Sequence ids are unique in the process, so block tables keyed by them never collide
@@ -66,13 +67,11 @@ class Sequence:
         self,
         seq_id: int,
         prompt_token_ids: Seq[int],
-        block_size: int,
         cache_salt: Optional[bytes] = None,
     ) -> None:
         self.seq_id = seq_id
         self.prompt_token_ids: List[int] = list(prompt_token_ids)
         self.output_token_ids: List[int] = []
-        self.block_size = block_size
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING
         # Tokens whose KV is in the cache (prefix-cache hits, earlier chunks, earlier steps).
@@ -91,9 +90,6 @@ class Sequence:
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def get_prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
 
     def get_output_len(self) -> int:
         return len(self.output_token_ids)
@@ -123,7 +119,7 @@ class Sequence:
         self.num_computed_tokens = 0
 
     def fork(self, new_seq_id: int) -> "Sequence":
-        child = Sequence(new_seq_id, self.prompt_token_ids, self.block_size, self.cache_salt)
+        child = Sequence(new_seq_id, self.prompt_token_ids, self.cache_salt)
         child.output_token_ids = list(self.output_token_ids)
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
@@ -174,10 +170,6 @@ class SequenceGroup:
         self.prompt_logprobs: Optional[List[Optional[Dict[int, Any]]]] = None
 
     @property
-    def seqs(self) -> List[Sequence]:
-        return list(self.seqs_dict.values())
-
-    @property
     def prompt_token_ids(self) -> List[int]:
         return next(iter(self.seqs_dict.values())).prompt_token_ids
 
@@ -197,12 +189,12 @@ class SequenceGroup:
 
     def add(self, seq: Sequence) -> None:
         if seq.seq_id in self.seqs_dict:
-            raise ValueError(f"seq_id {seq.seq_id} is already in request {self.request_id}")
+            raise InternalError(f"seq_id {seq.seq_id} is already in request {self.request_id}")
         self.seqs_dict[seq.seq_id] = seq
 
     def remove(self, seq_id: int) -> None:
         if seq_id not in self.seqs_dict:
-            raise ValueError(f"seq_id {seq_id} is not in request {self.request_id}")
+            raise InternalError(f"seq_id {seq_id} is not in request {self.request_id}")
         del self.seqs_dict[seq_id]
 
     def awaiting_first_sample(self) -> bool:

@@ -8,6 +8,7 @@ import pytest
 from vllm_lite.config import CacheConfig
 from vllm_lite.core.block_manager import AllocStatus, BlockSpaceManager
 from vllm_lite.core.prefix_cache import hash_block
+from vllm_lite.errors import InternalError
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.sequence import Sequence, SequenceGroup, SequenceStatus, next_seq_id
 
@@ -20,13 +21,13 @@ def make_bm(num_gpu_blocks: int = 8, num_cpu_blocks: int = 8, block_size: int = 
 
 
 def make_group(prompt: List[int], block_size: int = 2, salt: Optional[bytes] = None) -> SequenceGroup:
-    seq = Sequence(next_seq_id(), prompt, block_size, salt)
+    seq = Sequence(next_seq_id(), prompt, salt)
     return SequenceGroup(f"r{seq.seq_id}", [seq], SamplingParams())
 
 
 def allocate_and_compute(bm: BlockSpaceManager, group: SequenceGroup) -> Sequence:
     bm.allocate(group)
-    seq = group.seqs[0]
+    seq = group.get_seqs()[0]
     seq.status = SequenceStatus.RUNNING
     seq.num_computed_tokens = seq.get_len()
     bm.mark_computed(seq)
@@ -112,7 +113,7 @@ def test_prefix_cache_reuses_computed_blocks_and_counts_hits() -> None:
     first = allocate_and_compute(bm, make_group([1, 2, 3, 4, 5]))
     second = make_group([1, 2, 3, 4, 9])
     bm.allocate(second)
-    seq = second.seqs[0]
+    seq = second.get_seqs()[0]
     assert seq.num_computed_tokens == 4
     assert bm.get_block_table(seq)[:2] == bm.get_block_table(first)[:2]
     assert bm.get_block_table(seq)[2] != bm.get_block_table(first)[2]
@@ -126,7 +127,7 @@ def test_prefix_cache_keeps_one_token_to_compute() -> None:
     allocate_and_compute(bm, make_group([1, 2, 3, 4]))
     again = make_group([1, 2, 3, 4])
     bm.allocate(again)
-    assert again.seqs[0].num_computed_tokens == 2  # the last block is recomputed for its logits
+    assert again.get_seqs()[0].num_computed_tokens == 2  # the last block is recomputed for its logits
 
 
 def test_salt_keeps_tenants_apart() -> None:
@@ -134,10 +135,10 @@ def test_salt_keeps_tenants_apart() -> None:
     allocate_and_compute(bm, make_group([1, 2, 3, 4, 5], salt=b"a"))
     other = make_group([1, 2, 3, 4, 5], salt=b"b")
     bm.allocate(other)
-    assert other.seqs[0].num_computed_tokens == 0
+    assert other.get_seqs()[0].num_computed_tokens == 0
     same = make_group([1, 2, 3, 4, 5], salt=b"a")
     bm.allocate(same)
-    assert same.seqs[0].num_computed_tokens == 4
+    assert same.get_seqs()[0].num_computed_tokens == 4
 
 
 def test_uncomputed_blocks_are_not_shared() -> None:
@@ -145,7 +146,7 @@ def test_uncomputed_blocks_are_not_shared() -> None:
     bm.allocate(make_group([1, 2, 3, 4, 5]))  # allocated, prefill not run yet
     second = make_group([1, 2, 3, 4, 5])
     bm.allocate(second)
-    assert second.seqs[0].num_computed_tokens == 0
+    assert second.get_seqs()[0].num_computed_tokens == 0
 
 
 def test_evictor_reuses_lru_tail_first_and_drops_the_old_hash() -> None:
@@ -163,7 +164,7 @@ def test_evictor_reuses_lru_tail_first_and_drops_the_old_hash() -> None:
     bm.free(other)
     again = make_group([1, 2, 3, 4, 5])
     bm.allocate(again)
-    assert again.seqs[0].num_computed_tokens == 2  # only the head survived
+    assert again.get_seqs()[0].num_computed_tokens == 2  # only the head survived
 
 
 def test_block_hash_is_chained_sha256() -> None:
@@ -174,18 +175,19 @@ def test_block_hash_is_chained_sha256() -> None:
     assert h1 != hashlib.sha256(b"").digest()
 
 
-def test_bad_input_changes_nothing() -> None:
+def test_broken_invariants_change_nothing() -> None:
+    # Misuse from inside the engine is a bug: InternalError (a 500), never a ValueError.
     bm = make_bm(num_gpu_blocks=2)
     group = make_group([1] * 6)
-    with pytest.raises(ValueError, match="needs 3 GPU blocks, 2 free"):
+    with pytest.raises(InternalError, match="needs 3 GPU blocks, 2 free"):
         bm.allocate(group)
     assert bm.get_num_free_gpu_blocks() == 2 and not bm.gpu_block_tables
     small = make_group([1, 2])
     seq = allocate_and_compute(bm, small)
-    with pytest.raises(ValueError, match="already holds blocks"):
+    with pytest.raises(InternalError, match="already holds blocks"):
         bm.fork(seq, seq)
     free_block = bm.gpu_allocator.free_block_ids()[0]
-    with pytest.raises(ValueError, match="double free"):
+    with pytest.raises(InternalError, match="double free"):
         bm.gpu_allocator.free(free_block)
     assert bm.get_num_free_gpu_blocks() == 1
     bm.free(seq)

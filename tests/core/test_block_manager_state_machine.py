@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from vllm_lite.config import CacheConfig
 from vllm_lite.core.block_manager import AllocStatus, BlockSpaceManager
+from vllm_lite.errors import InternalError
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.sequence import Sequence, SequenceGroup, SequenceStatus, next_seq_id
 
@@ -55,7 +56,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return [g for g in self.groups if g.get_seqs(status)]
 
     def _new_group(self, prompt: List[int], salt: Optional[bytes]) -> SequenceGroup:
-        seq = Sequence(next_seq_id(), prompt, BLOCK_SIZE, salt)
+        seq = Sequence(next_seq_id(), prompt, salt)
         return SequenceGroup(f"r{seq.seq_id}", [seq], SamplingParams())
 
     def _copy(self, dst: Content, src: Content, mapping) -> None:
@@ -82,20 +83,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def allocate_same_prompt(self, data) -> None:
         """A new request with the prompt (and salt) of a live one: the prefix-hit path."""
-        seq = data.draw(st.sampled_from(self.groups)).seqs[0]
+        seq = data.draw(st.sampled_from(self.groups)).get_seqs()[0]
         self._allocate(self._new_group(seq.prompt_token_ids, seq.cache_salt))
 
     def _allocate(self, group: SequenceGroup) -> None:
         status = self.bm.can_allocate(group)
-        needed = -(-group.seqs[0].get_len() // BLOCK_SIZE)
+        needed = -(-group.get_seqs()[0].get_len() // BLOCK_SIZE)
         if status != AllocStatus.OK:
             assert needed > self.bm.get_num_free_gpu_blocks() - self.bm.watermark_blocks
             assert (status == AllocStatus.NEVER) == (needed > NUM_GPU_BLOCKS)
             return
         self.bm.allocate(group)
-        if group.seqs[0].num_computed_tokens:
+        if group.get_seqs()[0].num_computed_tokens:
             event("prefix-cache hit")
-        seq = group.seqs[0]
+        seq = group.get_seqs()[0]
         assert seq.num_computed_tokens < seq.get_len()
         seq.status = SequenceStatus.RUNNING
         self.groups.append(group)
@@ -189,7 +190,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def double_free_is_refused(self, data) -> None:
         free_blocks = self.bm.gpu_allocator.free_block_ids()
         if free_blocks:
-            with pytest.raises(ValueError, match="double free"):
+            with pytest.raises(InternalError, match="double free"):
                 self.bm.gpu_allocator.free(data.draw(st.sampled_from(free_blocks)))
 
     # -- invariants -------------------------------------------------------------------------

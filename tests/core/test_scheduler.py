@@ -171,7 +171,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_mixes_decodes() -> None:
         (s,) = by_id["p"].seqs
         chunks.append((s.num_computed_tokens, s.num_new_tokens, s.do_sample))
     assert chunks == [(0, 7, False), (7, 7, False), (14, 6, True)]
-    assert long.seqs[0].get_output_len() == 1
+    assert long.get_seqs()[0].get_output_len() == 1
     run_to_completion(m)
     m.check_drained()
 
@@ -211,12 +211,12 @@ def test_recording_rejects_bad_samples_and_changes_nothing() -> None:
     sched = m.scheduler
     g = sched.add_request("a", [1, 2, 3], params(3, n=2, temperature=1.0))
     out = sched.schedule()
-    seq_id = g.seqs[0].seq_id
+    seq_id = g.get_seqs()[0].seq_id
     # Samples that do not match the step are a runner bug: InternalError, nothing changed.
     for bad in ({}, {seq_id: [5]}, {seq_id: [5, 6, 7]}):
         with pytest.raises(InternalError, match=f"seq {seq_id} must get 2"):
             record_step(sched, out, bad)
-        assert g.seqs[0].num_computed_tokens == 0 and g.num_seqs() == 1
+        assert g.get_seqs()[0].num_computed_tokens == 0 and g.num_seqs() == 1
     record_step(sched, out, {seq_id: [5, 6]})
     assert g.num_seqs() == 2
     with pytest.raises(InternalError, match="recorded once"):
@@ -255,13 +255,13 @@ def test_stop_conditions() -> None:
             for s in g.seqs:
                 sampled[s.seq_id] = [9 if g.request_id == "stop" else 7]
         record_step(sched, out, sampled)
-    assert eos.seqs[0].status == SequenceStatus.FINISHED_STOPPED and eos.seqs[0].get_output_len() == 1
-    assert ignore.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED and ignore.seqs[0].get_output_len() == 3
-    assert min_tok.seqs[0].status == SequenceStatus.FINISHED_STOPPED and min_tok.seqs[0].get_output_len() == 2
-    assert stop_id.seqs[0].status == SequenceStatus.FINISHED_STOPPED and stop_id.seqs[0].stop_reason == 9
+    assert eos.get_seqs()[0].status == SequenceStatus.FINISHED_STOPPED and eos.get_seqs()[0].get_output_len() == 1
+    assert ignore.get_seqs()[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED and ignore.get_seqs()[0].get_output_len() == 3
+    assert min_tok.get_seqs()[0].status == SequenceStatus.FINISHED_STOPPED and min_tok.get_seqs()[0].get_output_len() == 2
+    assert stop_id.get_seqs()[0].status == SequenceStatus.FINISHED_STOPPED and stop_id.get_seqs()[0].stop_reason == 9
     # The model never sees more than max_model_len tokens: 10 + 3 = 13, the last not fed back.
-    assert capped.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED
-    assert capped.seqs[0].get_len() == 13
+    assert capped.get_seqs()[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED
+    assert capped.get_seqs()[0].get_len() == 13
     assert not sched.has_unfinished_seqs()
 
 

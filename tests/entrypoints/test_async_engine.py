@@ -97,7 +97,7 @@ def test_abort_frees_blocks_by_the_next_step(engine: AsyncLLMEngine, offline: An
         if state["aborted_at"] is None:
             return
         group_b = sched.get_seq_group("b")
-        in_use_b = len(bm.get_block_table(group_b.seqs[0])) if group_b is not None else 0
+        in_use_b = len(bm.get_block_table(group_b.get_seqs()[0])) if group_b is not None else 0
         state["after"].append((
             any(o.request_id == "a" for o in outputs),
             sched.get_seq_group("a") is None,

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Deque, Dict, List, Optional
 
 from vllm_lite.core.prefix_cache import Evictor
+from vllm_lite.errors import InternalError
 
 logger = logging.getLogger(__name__)
 
@@ -59,21 +60,21 @@ class BlockAllocator:
         elif self._evictor:
             block_id = self._evict_one()
         else:
-            raise RuntimeError(f"out of {self.name} blocks")
+            raise InternalError(f"out of {self.name} blocks")
         self._ref_counts[block_id] = 1
         return block_id
 
     def incref(self, block_id: int) -> None:
         if self._ref_counts[block_id] < 1:
-            raise ValueError(f"{self.name} block {block_id} is free; claim it with lookup()")
+            raise InternalError(f"{self.name} block {block_id} is free; claim it with lookup()")
         self._ref_counts[block_id] += 1
 
     def free(self, block_id: int) -> None:
         """Drop one reference; at zero the block becomes free (kept in the evictor if cached)."""
         if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"{self.name} block id {block_id} out of range [0, {self.num_blocks})")
+            raise InternalError(f"{self.name} block id {block_id} out of range [0, {self.num_blocks})")
         if self._ref_counts[block_id] < 1:
-            raise ValueError(f"double free of {self.name} block {block_id}")
+            raise InternalError(f"double free of {self.name} block {block_id}")
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
             if self._block_hash[block_id] is not None:
@@ -105,7 +106,7 @@ class BlockAllocator:
         if not self.enable_caching or block_hash in self._cached:
             return False
         if self._ref_counts[block_id] < 1 or self._block_hash[block_id] is not None:
-            raise RuntimeError(f"cannot register {self.name} block {block_id}")
+            raise InternalError(f"cannot register {self.name} block {block_id}")
         self._cached[block_hash] = block_id
         self._block_hash[block_id] = block_hash
         return True

@@ -19,6 +19,7 @@ from vllm_lite.config import CacheConfig
 from vllm_lite.core.block_allocator import BlockAllocator
 from vllm_lite.core.prefix_cache import PrefixCacheStats, extend_block_hashes
 from vllm_lite.sequence import Sequence, SequenceGroup, SequenceStatus
+from vllm_lite.errors import InternalError
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class BlockSpaceManager:
     def get_block_table(self, seq: Sequence) -> BlockTable:
         table = self.gpu_block_tables.get(seq.seq_id)
         if table is None:
-            raise ValueError(f"seq {seq.seq_id} has no GPU blocks")
+            raise InternalError(f"seq {seq.seq_id} has no GPU blocks")
         return list(table)
 
     def has_blocks(self, seq: Sequence) -> bool:
@@ -114,10 +115,10 @@ class BlockSpaceManager:
         seqs = seq_group.get_seqs(SequenceStatus.WAITING)
         for seq in seqs:
             if self.has_blocks(seq):
-                raise ValueError(f"seq {seq.seq_id} already holds blocks")
+                raise InternalError(f"seq {seq.seq_id} already holds blocks")
         required = self._free_blocks_consumed(seq_group)
         if required > self.get_num_free_gpu_blocks():
-            raise ValueError(
+            raise InternalError(
                 f"request {seq_group.request_id} needs {required} GPU blocks, "
                 f"{self.get_num_free_gpu_blocks()} free"
             )
@@ -195,7 +196,7 @@ class BlockSpaceManager:
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
         for seq in seqs:
             if seq.seq_id not in self.gpu_block_tables:
-                raise ValueError(f"seq {seq.seq_id} is RUNNING but holds no GPU blocks")
+                raise InternalError(f"seq {seq.seq_id} is RUNNING but holds no GPU blocks")
         return seqs
 
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
@@ -215,7 +216,7 @@ class BlockSpaceManager:
         """
         seqs = self._running_seqs_with_blocks(seq_group)
         if not self.can_append_slots(seq_group):
-            raise ValueError(f"not enough free GPU blocks to grow request {seq_group.request_id}")
+            raise InternalError(f"not enough free GPU blocks to grow request {seq_group.request_id}")
         copies: BlockMapping = []
         for seq in seqs:
             num_new, to_copy = self._append_plan(seq, {})
@@ -233,9 +234,9 @@ class BlockSpaceManager:
         """The child shares every block of the parent."""
         table = self.gpu_block_tables.get(parent.seq_id)
         if table is None:
-            raise ValueError(f"parent seq {parent.seq_id} holds no GPU blocks")
+            raise InternalError(f"parent seq {parent.seq_id} holds no GPU blocks")
         if self.has_blocks(child):
-            raise ValueError(f"child seq {child.seq_id} already holds blocks")
+            raise InternalError(f"child seq {child.seq_id} already holds blocks")
         for block_id in table:
             self.gpu_allocator.incref(block_id)
         self.gpu_block_tables[child.seq_id] = list(table)
@@ -249,7 +250,7 @@ class BlockSpaceManager:
     def _tables_of(self, seqs: List[Sequence], tables: Dict[int, BlockTable], where: str) -> List[BlockTable]:
         missing = [seq.seq_id for seq in seqs if seq.seq_id not in tables]
         if missing:
-            raise ValueError(f"seqs {missing} hold no {where} blocks")
+            raise InternalError(f"seqs {missing} hold no {where} blocks")
         return [tables[seq.seq_id] for seq in seqs]
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
@@ -273,7 +274,7 @@ class BlockSpaceManager:
         """Move the group's running sequences to the CPU pool; returns (gpu, cpu) pairs."""
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
         if not self.can_swap_out(seq_group):
-            raise ValueError(f"not enough free CPU blocks to swap out request {seq_group.request_id}")
+            raise InternalError(f"not enough free CPU blocks to swap out request {seq_group.request_id}")
         mapping = self._move(seqs, self.gpu_block_tables, self.cpu_block_tables, self.gpu_allocator, self.cpu_allocator)
         for seq in seqs:
             del self._num_registered[seq.seq_id]
@@ -283,7 +284,7 @@ class BlockSpaceManager:
         """Bring the group's swapped sequences back; returns (cpu, gpu) pairs."""
         seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
         if self.can_swap_in(seq_group) != AllocStatus.OK:
-            raise ValueError(f"not enough free GPU blocks to swap in request {seq_group.request_id}")
+            raise InternalError(f"not enough free GPU blocks to swap in request {seq_group.request_id}")
         mapping = self._move(seqs, self.cpu_block_tables, self.gpu_block_tables, self.cpu_allocator, self.gpu_allocator)
         for seq in seqs:
             # The fresh GPU blocks are unpublished; mark_computed re-registers them.

@@ -14,6 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
+from vllm_lite.errors import InternalError
+
 _EMPTY_PARENT = b"\x00" * 32
 
 
@@ -56,7 +58,7 @@ class Evictor:
 
     def add(self, block_id: int) -> None:
         if block_id in self._blocks:
-            raise RuntimeError(f"block {block_id} is already in the evictor")
+            raise InternalError(f"block {block_id} is already in the evictor")
         self._blocks[block_id] = None
 
     def remove(self, block_id: int) -> None:

@@ -153,7 +153,7 @@ class Scheduler:
             raise ValueError("prompt_token_ids must hold non-negative ints")
         if isinstance(cache_salt, str):
             cache_salt = cache_salt.encode()
-        seq = Sequence(next_seq_id(), prompt_token_ids, self.cache_config.block_size, cache_salt)
+        seq = Sequence(next_seq_id(), prompt_token_ids, cache_salt)
         group = SequenceGroup(
             request_id,
             [seq],
@@ -175,11 +175,6 @@ class Scheduler:
         for seq in seq_group.get_seqs():
             if seq.status != SequenceStatus.WAITING or self.block_manager.has_blocks(seq):
                 raise ValueError(f"seq {seq.seq_id} of a new request must be WAITING without blocks")
-            if seq.block_size != self.cache_config.block_size:
-                raise ValueError(
-                    f"seq {seq.seq_id} has block_size {seq.block_size}, the cache "
-                    f"{self.cache_config.block_size}"
-                )
         seq_group.sampling_params.verify_max_n(self.config.max_num_seqs)
         if seq_group.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position's logits: no prefix-cache reads

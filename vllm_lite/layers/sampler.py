@@ -35,6 +35,7 @@ import torch
 from vllm_lite.core.beam_search import BeamCandidate
 from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from vllm_lite.sampling_params import _SAMPLING_EPS, SamplingParams, SamplingType
+from vllm_lite.errors import InternalError
 
 # What a reported logprob of -inf (a token the processors cut) becomes: a finite number
 # every JSON encoder accepts, vLLM's value. Only reported Logprob entries are clamped; the
@@ -231,7 +232,7 @@ def _apply_sampling_processors(
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Steps 1-4 on a float32 copy of logits [rows, vocab]; the input is left untouched."""
     if logits.dim() != 2 or logits.shape[0] != len(metadata.rows):
-        raise ValueError(
+        raise InternalError(
             f"logits must be [num_rows={len(metadata.rows)}, vocab], got {tuple(logits.shape)}"
         )
     rows = metadata.rows

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, List, Optional, Sequence as Seq
 
 from vllm_lite.sampling_params import SamplingParams, SamplingType
+from vllm_lite.errors import InternalError
 
 
 @dataclass
@@ -60,14 +61,14 @@ class SamplingRow:
 
     def __post_init__(self) -> None:
         if isinstance(self.num_samples, bool) or not isinstance(self.num_samples, int):
-            raise ValueError(f"num_samples must be an int, got {self.num_samples!r}")
+            raise InternalError(f"num_samples must be an int, got {self.num_samples!r}")
         if self.num_samples < 1:
-            raise ValueError(f"num_samples must be at least 1, got {self.num_samples}")
+            raise InternalError(f"num_samples must be at least 1, got {self.num_samples}")
         if self.num_samples > 1 and self.params.sampling_type in (
             SamplingType.GREEDY,
             SamplingType.BEAM,
         ):
-            raise ValueError(
+            raise InternalError(
                 f"num_samples > 1 needs random sampling, got {self.params.sampling_type.name} "
                 f"for seq {self.seq_id}"
             )

@@ -15,6 +15,7 @@ from torch import nn
 
 from vllm_lite import ops
 from vllm_lite.config import GiB, kv_cache_block_bytes
+from vllm_lite.errors import InternalError
 
 logger = logging.getLogger(__name__)
 
@@ -169,4 +170,4 @@ class CacheEngine:
 
     def _require_cpu_pool(self) -> None:
         if not self.cpu_cache:
-            raise RuntimeError("the scheduler asked for a swap but there is no CPU swap pool")
+            raise InternalError("the scheduler asked for a swap but there is no CPU swap pool")

@@ -24,6 +24,7 @@ from vllm_lite.core.scheduler import SchedulerOutput
 from vllm_lite.layers.attention import AttentionMetadata, attention_metadata
 from vllm_lite.layers.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
+from vllm_lite.errors import InternalError
 
 
 @dataclass
@@ -76,7 +77,7 @@ class ModelRunner:
             for s in sched.seqs:
                 seq = group.get_seq(s.seq_id)
                 if seq is None:
-                    raise RuntimeError(f"scheduled seq {s.seq_id} is not in {group.request_id}")
+                    raise InternalError(f"scheduled seq {s.seq_id} is not in {group.request_id}")
                 start, n = s.num_computed_tokens, s.num_new_tokens
                 if n < 1:
                     continue
