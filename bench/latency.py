@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Runs vllm_lite's latency benchmark (vllm_lite/benchmarks/latency.py) from the checkout;
-`vllm-lite bench latency` is the same from an installed package. `--help` for the options."""
+"""Runs vllm_lite's latency benchmark (vllm_lite/benchmarks/latency.py); the same as
+`vllm-lite bench latency`. `--help` for the options."""
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, not installed
+from _checkout import use_checkout_if_built
+
+use_checkout_if_built()
 
 from vllm_lite.benchmarks.latency import main  # noqa: E402
 

@@ -49,7 +49,6 @@ log = logging.getLogger("bench.serving")
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-DEFAULT_MODEL = "smollm2-135m"
 QUICK = dict(rates=["0.5", "2", "inf"], num_prompts=8, input_len=32, output_len=16)
 FULL = dict(rates=["0.5", "1", "2", "4", "8", "inf"], num_prompts=32, input_len=128,
             output_len=64)
@@ -111,9 +110,13 @@ def _free_port() -> int:
 
 def start_server(args: argparse.Namespace) -> "tuple[subprocess.Popen[bytes], str]":
     port = _free_port()
-    cmd = [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", "--model", args.model,
+    cmd = [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve",
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
            "--max-num-seqs", str(args.max_num_seqs)]
+    if args.model is not None:  # else the server's default model
+        cmd += ["--model", args.model]
+    if args.threads is not None:
+        cmd += ["--threads", str(args.threads)]
     if args.kv_cache_space is not None:
         cmd += ["--kv-cache-space", str(args.kv_cache_space)]
     log.info("starting: %s", " ".join(cmd))
@@ -333,7 +336,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default=None,
                    help="a running server (default: start one with --model)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model for the server started here")
+    p.add_argument("--model", default=None,
+                   help="model for the server started here (default: vllm-lite serve's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the server started here (default: torch's)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_LITE_API_KEY"))
     p.add_argument("--quick", action="store_true",
                    help=f"few rates and short requests (about a minute): {QUICK}")

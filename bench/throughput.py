@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Runs vllm_lite's throughput benchmark (vllm_lite/benchmarks/throughput.py) from the checkout;
-`vllm-lite bench throughput` is the same from an installed package. `--help` for the options."""
+"""Runs vllm_lite's throughput benchmark (vllm_lite/benchmarks/throughput.py); the same as
+`vllm-lite bench throughput`. `--help` for the options."""
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, not installed
+from _checkout import use_checkout_if_built
+
+use_checkout_if_built()
 
 from vllm_lite.benchmarks.throughput import main  # noqa: E402
 

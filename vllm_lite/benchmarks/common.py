@@ -8,7 +8,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -60,24 +60,38 @@ def apply_sizes(args: argparse.Namespace, sizes: Dict[str, Tuple[Any, Any]]) -> 
             setattr(args, key, quick if args.quick else default)
 
 
-def add_common_arguments(p: argparse.ArgumentParser, kv_default: str = "4") -> None:
-    from vllm_lite.models import DEFAULT_MODEL
+# The engine options the benchmarks take (flags generated from EngineArgs, its defaults and
+# help); each is passed to every vllm_lite engine they build. Others are not offered: the
+# benchmarks set them per run (max_model_len from the workload, no swap space, prefix
+# caching off except in its own comparison).
+BENCH_ENGINE_OPTIONS = ("model", "dtype", "device", "seed", "kv_cache_space", "block_size",
+                        "max_num_seqs")
 
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"an alias ({DEFAULT_MODEL}), a .gguf file or an HF model folder")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                   help="weights and KV cache of every engine")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for every engine (default: torch's default, the cores)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
+
+def add_common_arguments(p: argparse.ArgumentParser, kv_default: Optional[str] = None) -> None:
+    """The flags every engine benchmark shares. ``kv_default``: the default of
+    --kv-cache-space when a benchmark sizes it itself (then the flag defaults to None)."""
+    from vllm_lite.config import THREADS_HELP, EngineArgs
+
+    helps = {
+        "dtype": "weights and KV cache of every engine (auto resolved as vllm_lite does)",
+        "seed": "workload seed, also vllm_lite's engine seed",
+        "kv_cache_space": "GiB of vllm_lite's KV pool on the CPU (on a GPU it takes "
+                          "--gpu-memory-utilization of the memory); the HF peers get the "
+                          "same KV memory",
+        "max_num_seqs": "vllm_lite's batch limit (and generate_batch's "
+                        "max_requests_per_batch)",
+    }
+    defaults = {}
+    if kv_default is not None:
+        defaults["kv_cache_space"] = None
+        helps["kv_cache_space"] += f" ({kv_default})"
+    EngineArgs.add_cli_args(p, include=BENCH_ENGINE_OPTIONS, defaults=defaults, helps=helps)
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--quick", action="store_true",
                    help="a small workload that runs in a few minutes on 2 CPU cores")
     p.add_argument("--engines", default="vllm_lite,hf_generate,hf_generate_batch",
                    help="comma-separated subset of vllm_lite,hf_generate,hf_generate_batch")
-    p.add_argument("--kv-cache-space", type=float, default=4.0,
-                   help="GiB of vllm_lite's KV pool on the CPU (on a GPU it takes 90%% of the "
-                        f"free memory); the HF peers get the same KV memory ({kv_default})")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"results folder (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -108,7 +122,7 @@ def setup(args: argparse.Namespace) -> BenchSetup:
     from transformers import AutoConfig
 
     from vllm_lite.benchmarks.engines import ENGINES
-    from vllm_lite.engine.config import resolve_device
+    from vllm_lite.config import resolve_device, resolve_dtype_name, set_threads
     from vllm_lite.models import resolve_model
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -119,16 +133,15 @@ def setup(args: argparse.Namespace) -> BenchSetup:
     if "vllm_lite" not in engines:
         raise ValueError("--engines must include vllm_lite (the peers are compared with it)")
     device = resolve_device(args.device)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if args.kv_cache_space <= 0:
         raise ValueError(f"--kv-cache-space must be > 0, got {args.kv_cache_space}")
     folder = resolve_model(args.model)
     hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    # One concrete dtype for every engine: HF's peers get what vllm_lite's "auto" picks.
+    dtype_name = resolve_dtype_name(args.dtype, device.type, hf_config)
     return BenchSetup(model=args.model, model_folder=Path(folder), hf_config=hf_config,
-                      dtype_name=args.dtype, dtype=DTYPES[args.dtype], device=device,
+                      dtype_name=dtype_name, dtype=DTYPES[dtype_name], device=device,
                       threads=torch.get_num_threads(), engines=engines,
                       progress=not args.no_progress)
 

@@ -236,16 +236,12 @@ def _sync(device: torch.device) -> None:
 _run_ids = itertools.count()
 
 
-def build_llm(model: str, dtype: str, device: str, block_size: int = 16,
-              max_num_seqs: int = 256, kv_cache_space: float = 4.0,
-              enable_prefix_caching: bool = False, max_model_len: Optional[int] = None,
-              seed: int = 0) -> Any:
+def build_llm(model: str, dtype: str, device: str, **options: Any) -> Any:
+    """A vllm_lite LLM for a benchmark: ``options`` are LLM's (EngineArgs') keywords, the
+    rest keep their defaults; no swap space (the benchmarks measure the KV pool alone)."""
     from vllm_lite import LLM
 
-    return LLM(model=model, dtype=dtype, device=device, block_size=block_size,
-               max_num_seqs=max_num_seqs, kv_cache_space=kv_cache_space, swap_space=0,
-               enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-               seed=seed)
+    return LLM(model=model, dtype=dtype, device=device, swap_space=0, **options)
 
 
 def greedy_params(output_len: int) -> Any:

@@ -76,8 +76,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"output lengths of the rate run {both('rate_output_len')}")
     p.add_argument("--hf-batch-size", type=int,
                    help=f"largest static batch HF serves under the rate {both('hf_batch_size')}")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="vllm_lite's batch limit")
-    p.add_argument("--block-size", type=int, default=16, help="vllm_lite's KV block size")
 
 
 def resolve_sizes(args: argparse.Namespace) -> None:

@@ -14,9 +14,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from vllm_lite.benchmarks import RESULTS_DIR
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_OUT = Path("bench") / "results"
+DEFAULT_OUT = RESULTS_DIR
 
 
 def fmt(value: Any, digits: int = 3) -> str:

@@ -34,6 +34,7 @@ from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply
 from vllm_lite.benchmarks.report import (Report, describe_machine, fmt, machine_info,
                                          make_report, markdown_table, pct)
 from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
+from vllm_lite.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ SIZES: Dict[str, tuple[Any, Any]] = {
     # The quick workload is the default scaled down, its KV budget with it: about the
     # same share of the workload's tokens fits at once (memory pressure), so the static
     # batches and the paged pool face the same trade-off as in the default run.
-    "kv_cache_space": (4.0, 0.125),
+    "kv_cache_space": (EngineArgs.kv_cache_space, 0.125),
     "sweep_requests": (64, 16),
     "block_size_sweep": ([8, 16, 32], [8, 16, 32]),
     "max_num_seqs_sweep": ([16, 64, 256], [4, 16]),
@@ -71,10 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int_range, help=f"prompt lengths MIN-MAX {both('input_len')}")
     p.add_argument("--output-len", type=int_range,
                    help=f"output lengths MIN-MAX {both('output_len')}")
-    p.add_argument("--block-size", type=int, default=16, help="vllm_lite's KV block size")
-    p.add_argument("--max-num-seqs", type=int, default=256,
-                   help="vllm_lite's batch limit (and generate_batch's max_requests_per_batch)")
-    p.set_defaults(kv_cache_space=None)
     p.add_argument("--hf-batch-size", type=int,
                    help="hf_generate's static batch (default: the most rows whose padded "
                         "cache fits in vllm_lite's KV pool, at most --max-num-seqs)")
@@ -132,7 +129,7 @@ def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: 
     """A fresh LLM with ``overrides``, warmed up, then ``primer`` run untimed, then the
     timed run over ``requests``."""
     kw = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-              kv_cache_space=args.kv_cache_space, enable_prefix_caching=False)
+              kv_cache_space=args.kv_cache_space, enable_prefix_caching=False, seed=args.seed)
     kw.update(overrides)
     llm = E.build_llm(str(s.model_folder), s.dtype_name, str(s.device), max_model_len=max_model_len,
                       **kw)

@@ -3,7 +3,8 @@
     vllm-lite generate --model smollm2-135m "Hello, my name is" "The capital of France is"
     vllm-lite generate --model smollm2-135m --chat "What is the capital of France?"
     vllm-lite serve --model smollm2-135m --host 127.0.0.1 --port 8000 [--api-key KEY]
-    vllm-lite bench throughput|latency [--quick] [--dtype bfloat16] [--threads 2]
+    vllm-lite bench throughput|latency|kernels [--quick] [--threads 1]
+    vllm-lite --version
 
 `generate` prints each prompt's completion, then the throughput of the run; `serve` runs
 the OpenAI-compatible server (vllm_lite.entrypoints.openai.api_server).
@@ -17,9 +18,9 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from vllm_lite.models import DEFAULT_MODEL
+from vllm_lite.config import THREADS_HELP, EngineArgs, set_threads
 
 if TYPE_CHECKING:
     from vllm_lite import LLM
@@ -27,49 +28,57 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+_FMT = argparse.RawDescriptionHelpFormatter
+
+
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate completions for prompts and print them")
+    p = sub.add_parser("generate", help="generate completions for prompts and print them",
+                       description="Generate completions for prompts and print them. Greedy "
+                                   "by default (--temperature 0); set --temperature (and "
+                                   "--top-p / --top-k) to sample.", formatter_class=_FMT)
     p.add_argument("prompts", nargs="+", help="prompt texts (chat messages with --chat)")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"an alias ({DEFAULT_MODEL}), a .gguf file or an HF model folder")
     p.add_argument("--chat", action="store_true",
                    help="treat each prompt as a user message under the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    _add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens to generate per completion (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy decoding (default: %(default)s, "
+                        "greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass "
+                                                             "(default: %(default)s, off)")
+    p.add_argument("--top-k", type=int, default=-1,
+                   help="sample among the k likeliest tokens (default: %(default)s, off)")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt "
+                                                    "(default: %(default)s)")
+    _add_engine_args(p, defaults={"seed": None}, helps={"seed": (
+        "sampling seed: each prompt's samples come from a generator seeded with it, and the "
+        "engine's seed is set to it (default: unseeded requests, engine seed "
+        f"{EngineArgs.seed})")})
+    _add_threads_arg(p)
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The LLM's (engine's) options, shared by the subcommands that build one."""
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's)")
-    p.add_argument("--kv-cache-space", type=float, default=4.0, help="GiB of KV cache (CPU)")
-    p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--enable-chunked-prefill", action="store_true")
+def _add_engine_args(p: argparse.ArgumentParser, **kw: Any) -> None:
+    """The LLM's (engine's) options, shared by the subcommands that build one: a flag per
+    EngineArgs field, its default and help from there."""
+    EngineArgs.add_cli_args(p, **kw)
+
+
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 
 def _make_llm(args: argparse.Namespace) -> LLM:
     import torch
 
     from vllm_lite import LLM
-    from vllm_lite.config import DEFAULT_MAX_LOGPROBS
 
+    # Before the model loads: torch sizes its thread pool once, at the first parallel op.
+    set_threads(getattr(args, "threads", None))
+    engine_args = EngineArgs.from_cli_args(args)
+    options = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)
+               if f.name != "model"}
     try:
-        return LLM(model=args.model, dtype=args.dtype, device=args.device,
-                   block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                   max_model_len=args.max_model_len, kv_cache_space=args.kv_cache_space,
-                   enable_prefix_caching=args.enable_prefix_caching,
-                   enable_chunked_prefill=args.enable_chunked_prefill,
-                   # serve: the engine's cap is the server's --max-logprobs
-                   max_logprobs=getattr(args, "max_logprobs", DEFAULT_MAX_LOGPROBS))
+        return LLM(engine_args.model, **options)
     except (OSError, MemoryError, torch.OutOfMemoryError) as e:
         # Loading failed past the loader's checks (a file unreadable midway, memory the
         # size estimate did not foresee): a one-line error like any bad argument.
@@ -104,12 +113,12 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"an alias ({DEFAULT_MODEL}), a .gguf file or an HF model folder")
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                       description="Run the OpenAI-compatible HTTP server.",
+                       formatter_class=_FMT)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback only; 0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_LITE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $VLLM_LITE_API_KEY)")
@@ -127,15 +136,20 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="accept only these Host header values (DNS rebinding protection for a "
                         "server without an API key; default: any)")
     p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
-    _add_engine_args(p)
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="(default: %(default)s)")
+    # Every engine option; --max-logprobs is also the server's limit on logprobs /
+    # top_logprobs (ServerConfig.max_logprobs), so the two cannot disagree.
+    _add_engine_args(p, helps={"max_logprobs": (
+        "the most logprobs / top_logprobs / prompt_logprobs one request may ask for: the "
+        "engine's and the server's limit")})
+    _add_threads_arg(p)
 
 
 # ServerConfig fields with a flag of their own (README: "Limits and security"); the
 # defaults are read from ServerConfig.
 _SERVER_LIMITS = {
     "max_n": "the largest n / best_of accepted",
-    "max_logprobs": "the most logprobs / top_logprobs accepted",
     "max_request_bytes": "request bodies past this many bytes are refused with 413",
     "max_prompts_per_request": "the most prompts in one /v1/completions request",
     "max_chat_messages": "the most messages in one chat request",
@@ -156,6 +170,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                               served_model_name=(args.served_model_name
                                                  or default_served_name(args.model)),
                               log_level=args.log_level, allowed_hosts=args.allowed_hosts,
+                              max_logprobs=args.max_logprobs,
                               **{name: getattr(args, name) for name in _SERVER_LIMITS})
     except ValueError as e:
         sys.exit(f"vllm-lite serve: error: {e}")
@@ -165,25 +180,36 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark vllm_lite against HF transformers")
+    p = sub.add_parser("bench", help="benchmark vllm_lite's engine against HF transformers, "
+                                     "or its kernels")
     kinds = p.add_subparsers(dest="bench", required=True)
-    from vllm_lite.benchmarks import latency, throughput
+    from vllm_lite.benchmarks import kernels, latency, throughput
 
     for name, module in (("throughput", throughput), ("latency", latency)):
         module.add_arguments(kinds.add_parser(name, help=module.__doc__.splitlines()[0],
                                               description=module.__doc__.splitlines()[0]))
+    kernels.add_arguments(kinds.add_parser(
+        "kernels", help="paged-attention kernel benchmark (bench/kernels.py)",
+        description=kernels.__doc__.split("\n\n")[0], epilog=kernels.EPILOG,
+        formatter_class=_FMT))
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from vllm_lite.benchmarks import latency, throughput
+    from vllm_lite.benchmarks import kernels, latency, throughput
     from vllm_lite.benchmarks.common import run_cli
 
+    if args.bench == "kernels":
+        return kernels.run_args(kernels.finish_args(args))
     module = {"throughput": throughput, "latency": latency}[args.bench]
     return run_cli(f"vllm-lite bench {args.bench}", module.run, args)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import vllm_lite
+
     parser = argparse.ArgumentParser(prog="vllm-lite", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {vllm_lite.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)

@@ -6,15 +6,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 import logging
 import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from vllm_lite.config import DEFAULT_MAX_LOGPROBS, CacheConfig, SchedulerConfig
-from vllm_lite.engine.config import EngineConfig, ModelConfig, resolve_device
+from vllm_lite.config import EngineArgs
 from vllm_lite.engine.llm_engine import EngineStepError, LLMEngine
+from vllm_lite.inputs import truncate_prompt
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 
@@ -41,48 +43,18 @@ def _load_tokenizer(folder: str) -> Any:
 class LLM:
     """Offline generation over one engine. Thread-safe: generate / chat calls from several
     threads run one after another (a lock around each call), since they share the engine's
-    steps; each call gets exactly what it would get alone. max_logprobs: the most
-    logprobs / prompt_logprobs a request may ask for (vLLM's default 20)."""
+    steps; each call gets exactly what it would get alone.
 
-    def __init__(
-        self,
-        model: str,
-        tokenizer: Optional[str] = None,
-        dtype: Any = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: Optional[int] = None,
-        max_model_len: Optional[int] = None,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_space: float = 4,
-        swap_space: float = 4,
-        enable_prefix_caching: bool = False,
-        enable_chunked_prefill: bool = False,
-        preemption_mode: Optional[str] = None,
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        num_gpu_blocks_override: Optional[int] = None,
-        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-    ) -> None:
-        model_config = ModelConfig(model=str(model), tokenizer=tokenizer, dtype=dtype,
-                                   max_model_len=max_model_len, seed=seed,
-                                   max_logprobs=max_logprobs)
-        self.config = EngineConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(
-                block_size=block_size, swap_space_gib=swap_space,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,
-                preemption_mode=preemption_mode),
-            device=resolve_device(device),
-            kv_cache_space=kv_cache_space,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-        )
+    ``LLM(model, **options)``: the options are ``EngineArgs``' fields, with its defaults
+    (block_size, max_num_seqs, dtype, swap_space, scheduling_policy, max_logprobs, ...);
+    an unknown one is a TypeError, a bad value a ValueError naming it."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        # The options and their defaults are EngineArgs' fields (vllm_lite/config.py), the
+        # one place they are written; __signature__ below shows them to help() and IDEs.
+        self.engine_args = EngineArgs.from_kwargs(model=str(model), **kwargs)
+        self.config = self.engine_args.create_engine_config()
+        model_config = self.config.model_config
         self.tokenizer = _load_tokenizer(model_config.tokenizer)
         self.llm_engine = LLMEngine(self.config, tokenizer=self.tokenizer)
         self._counter = itertools.count()
@@ -125,9 +97,18 @@ class LLM:
                 parsed.append((None, list(p)))
             else:
                 raise ValueError(f"a prompt must be a str or a list of token ids, got {p!r}")
-        for _, ids in parsed:
+        return parsed  # checked by _admit_prompts, once truncated
+
+    def _admit_prompts(self, parsed: List[Tuple[Optional[str], List[int]]],
+                       params: List[SamplingParams]) -> List[Tuple[Optional[str], List[int]]]:
+        # truncate_prompt_tokens (issue 12): the last k tokens, before the length check, as
+        # vLLM does; the server calls the same helper (vllm_lite.inputs.truncate_prompt).
+        admitted = [truncate_prompt(text, ids, p.truncate_prompt_tokens, self.tokenizer,
+                                    p.spaces_between_special_tokens)
+                    for (text, ids), p in zip(parsed, params)]
+        for _, ids in admitted:
             self.llm_engine.validate_prompt(ids)
-        return parsed
+        return admitted
 
     def _params_list(self, sampling_params: Any, n: int) -> List[SamplingParams]:
         if sampling_params is None:
@@ -149,6 +130,7 @@ class LLM:
         with self._lock:
             parsed = self._parse_prompts(prompts)
             params = self._params_list(sampling_params, len(parsed))
+            parsed = self._admit_prompts(parsed, params)
             return self._run(parsed, params, use_tqdm)
 
     def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = True,
@@ -166,9 +148,8 @@ class LLM:
                 text = self.tokenizer.apply_chat_template(
                     conv, tokenize=False, add_generation_prompt=add_generation_prompt)
                 prompts.append((text, list(self.tokenizer.encode(text, add_special_tokens=False))))
-            for _, ids in prompts:
-                self.llm_engine.validate_prompt(ids)
             params = self._params_list(sampling_params, len(prompts))
+            prompts = self._admit_prompts(prompts, params)
             return self._run(prompts, params, use_tqdm)
 
     def _run(self, parsed: List[Tuple[Optional[str], List[int]]], params: List[SamplingParams],
@@ -217,3 +198,19 @@ class LLM:
             engine.abort_request([r for r in ids if r not in results])
             raise
         return [results[r] for r in ids]
+
+
+def _llm_signature() -> inspect.Signature:
+    """LLM.__init__'s signature as the engine options make it: model, then each option as a
+    keyword with its EngineArgs default."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                annotation=str)]
+    for f in dataclasses.fields(EngineArgs):
+        if f.name != "model":
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                            default=f.default, annotation=f.type))
+    return inspect.Signature(params, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _llm_signature()  # type: ignore[attr-defined]

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 CONVERTER_VERSION = 1
 
 #: The default model of vllm_lite.
-DEFAULT_MODEL = "smollm2-135m"
+from vllm_lite.config import DEFAULT_MODEL  # noqa: E402  (defined once, with the engine options)
 
 #: alias -> (Python package shipping the GGUF file, pip install command, file name glob)
 ALIASES: dict[str, tuple[str, str, str]] = {

@@ -1,0 +1,329 @@
+"""EngineArgs is the one source of engine options: every field is a flag of generate, serve
+(and, for the options they take, the benchmarks) with its default; LLM's keywords default
+to it; serve passes every option to the engine. Also --version, --threads and what
+dtype="auto" picks."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from models.helpers import make_config, save_hf_model  # noqa: E402  (tests/ is on sys.path)
+from vllm_lite import config as C  # noqa: E402
+from vllm_lite.config import EngineArgs  # noqa: E402
+from vllm_lite.entrypoints import cli  # noqa: E402
+
+FIELDS = [f.name for f in dataclasses.fields(EngineArgs)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("engine_args_llama")
+    save_hf_model(make_config("llama"), folder)  # max_position_embeddings 256
+    return folder
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    cli._generate_parser(sub)
+    cli._serve_parser(sub)
+    cli._bench_parser(sub)
+    return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:
+    for name in path:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
+
+
+# -- flags from fields ----------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_field_is_a_flag_with_its_default(command: str) -> None:
+    parser = _parser()
+    argv = [command] + (["hi"] if command == "generate" else [])
+    args = parser.parse_args(argv)
+    sub = _subparser(parser, command)
+    flags = {a.dest: a for a in sub._actions}
+    for name in FIELDS:
+        assert name in flags, f"{command} has no flag for {name}"
+        assert flags[name].option_strings == [EngineArgs.flag(name)]
+        assert flags[name].help, name
+        if command == "generate" and name == "seed":
+            # generate's --seed seeds the requests too; unset, the engine keeps its default.
+            assert args.seed is None
+            continue
+        assert getattr(args, name) == EngineArgs.defaults()[name], name
+    # Unset flags give exactly EngineArgs' defaults.
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_help_shows_the_defaults(command: str) -> None:
+    text = _subparser(_parser(), command).format_help()
+    for name in ("block_size", "max_num_seqs", "kv_cache_space", "swap_space",
+                 "gpu_memory_utilization", "scheduling_policy", "max_logprobs"):
+        default = EngineArgs.defaults()[name]
+        assert EngineArgs.flag(name) in text
+        assert f"(default: {default})" in " ".join(text.split()), (name, text)
+    assert "--threads" in text
+    if command == "generate":
+        assert "greedy" in text
+
+
+def test_bench_flags_come_from_engine_args() -> None:
+    from vllm_lite.benchmarks.common import BENCH_ENGINE_OPTIONS
+
+    parser = _parser()
+    for kind in ("throughput", "latency"):
+        args = parser.parse_args(["bench", kind])
+        for name in BENCH_ENGINE_OPTIONS:
+            if kind == "throughput" and name == "kv_cache_space":
+                assert args.kv_cache_space is None  # sized by --quick, else EngineArgs'
+                continue
+            assert getattr(args, name) == EngineArgs.defaults()[name], (kind, name)
+        assert args.threads is None
+    from vllm_lite.benchmarks import throughput
+
+    assert throughput.SIZES["kv_cache_space"][0] == EngineArgs.kv_cache_space
+    args = parser.parse_args(["bench", "kernels", "--quick"])
+    assert args.quick and args.threads is None
+
+
+def test_no_engine_default_is_written_twice() -> None:
+    """No other source file of the package repeats an EngineArgs default as a keyword or
+    field default of the same name (``block_size: int = 16``, ``max_num_seqs=256``)."""
+    import re
+
+    import vllm_lite
+
+    root = Path(vllm_lite.__file__).resolve().parent
+    offenders = []
+    for name, default in EngineArgs.defaults().items():
+        if default is None or isinstance(default, bool) or name in ("model", "dtype", "device",
+                                                                    "seed"):
+            continue  # None/False are everyone's "unset"; "auto" / 0 are too generic
+        literal = re.escape(repr(default)).replace(r"\.0", r"(\.0)?")
+        pattern = re.compile(rf"\b{name}\s*(:[^=\n]*)?=\s*{literal}(?![\w.])")
+        for path in root.rglob("*.py"):
+            if path.name == "config.py" and path.parent == root:
+                continue
+            for no, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line) and "==" not in line:
+                    offenders.append(f"{path.relative_to(root)}:{no}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+# -- LLM's keywords -------------------------------------------------------------------------
+def test_llm_signature_defaults_are_engine_args() -> None:
+    from vllm_lite import LLM
+
+    params = inspect.signature(LLM).parameters
+    assert list(params)[0] == "model" and params["model"].default is inspect.Parameter.empty
+    for name, default in EngineArgs.defaults().items():
+        if name != "model":
+            assert params[name].default == default, name
+    assert set(params) == set(FIELDS)
+
+
+def test_llm_builds_its_config_from_engine_args(model_dir: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lite.entrypoints import llm as llm_mod
+
+    seen = {}
+
+    class FakeEngine:
+        def __init__(self, config: Any, tokenizer: Any = None) -> None:
+            seen["config"] = config
+
+    monkeypatch.setattr(llm_mod, "LLMEngine", FakeEngine)
+    llm = llm_mod.LLM(str(model_dir))
+    assert llm.engine_args == EngineArgs(model=str(model_dir))
+    expected = EngineArgs(model=str(model_dir)).create_engine_config()
+    got = seen["config"]
+    assert got.cache_config == expected.cache_config
+    assert got.scheduler_config == expected.scheduler_config
+    assert got.kv_cache_space == expected.kv_cache_space == EngineArgs.kv_cache_space
+    assert got.cache_config.block_size == EngineArgs.block_size
+    assert got.cache_config.swap_space_gib == EngineArgs.swap_space
+    assert got.scheduler_config.policy == EngineArgs.scheduling_policy
+    assert got.model_config.max_logprobs == EngineArgs.max_logprobs
+    with pytest.raises(TypeError, match="swap_space_gib"):
+        llm_mod.LLM(str(model_dir), swap_space_gib=1)
+
+
+@pytest.mark.parametrize("name, bad", [("scheduling_policy", "lifo"), ("swap_space", -1),
+                                       ("preemption_mode", "drop"), ("dtype", "int8"),
+                                       ("device", "tpu")])
+def test_bad_options_name_the_users_field(model_dir: Path, name: str, bad: Any) -> None:
+    with pytest.raises(ValueError, match=name):
+        EngineArgs(model=str(model_dir), **{name: bad}).create_engine_config()
+
+
+# -- serve takes every engine option ----------------------------------------------------------
+def _non_defaults(model_dir: Path) -> dict[str, Any]:
+    return {
+        "model": str(model_dir), "tokenizer": str(model_dir), "dtype": "bfloat16",
+        "device": "cpu", "block_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 4096,
+        "max_model_len": 128, "gpu_memory_utilization": 0.5, "kv_cache_space": 0.01,
+        "swap_space": 0.02, "enable_prefix_caching": True, "enable_chunked_prefill": True,
+        "preemption_mode": "swap", "scheduling_policy": "priority", "seed": 7,
+        "num_gpu_blocks_override": 12, "max_logprobs": 5,
+    }
+
+
+def test_serve_accepts_every_engine_option(model_dir: Path) -> None:
+    values = _non_defaults(model_dir)
+    assert set(values) == set(FIELDS), "a new EngineArgs field needs a value here"
+    argv = ["serve"]
+    for name, value in values.items():
+        if value is True:
+            argv.append(EngineArgs.flag(name))
+        else:
+            assert value != EngineArgs.defaults()[name], name
+            argv += [EngineArgs.flag(name), str(value)]
+    args = _parser().parse_args(argv)
+    engine_args = EngineArgs.from_cli_args(args)
+    assert dataclasses.asdict(engine_args) == values
+    config = engine_args.create_engine_config()
+    mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+    assert Path(mc.model) == model_dir and Path(mc.tokenizer) == model_dir
+    assert mc.dtype == torch.bfloat16 and config.device == torch.device("cpu")
+    assert (cc.block_size, cc.gpu_memory_utilization, cc.swap_space_gib,
+            cc.enable_prefix_caching) == (8, 0.5, 0.02, True)
+    assert (sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len,
+            sc.enable_chunked_prefill, sc.preemption_mode, sc.policy) == (
+        4, 4096, 128, True, "swap", "priority")
+    assert (mc.seed, mc.max_logprobs, mc.max_model_len) == (7, 5, 128)
+    assert (config.kv_cache_space, config.num_gpu_blocks_override) == (0.01, 12)
+
+
+def test_serve_max_logprobs_is_the_engines_and_the_servers() -> None:
+    args = _parser().parse_args(["serve", "--max-logprobs", "3"])
+    assert args.max_logprobs == 3  # _run_serve gives it to ServerConfig and to the engine
+    from vllm_lite.entrypoints.openai.api_server import ServerConfig
+
+    assert ServerConfig().max_logprobs == EngineArgs.max_logprobs
+    assert "max_logprobs" not in cli._SERVER_LIMITS
+
+
+def test_generate_seed_seeds_engine_and_requests(model_dir: Path) -> None:
+    args = _parser().parse_args(["generate", "--seed", "5", "hi"])
+    assert EngineArgs.from_cli_args(args).seed == 5 and args.seed == 5
+
+
+# -- --version, --threads -------------------------------------------------------------------
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    import vllm_lite
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vllm-lite {vllm_lite.__version__}"
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_threads_are_set_before_the_model_loads(command: str, model_dir: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_lite
+
+    seen = []
+
+    def fake_llm(*args: Any, **kwargs: Any) -> None:
+        seen.append(torch.get_num_threads())
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(vllm_lite, "LLM", fake_llm)
+    before = torch.get_num_threads()
+    try:
+        argv = [command, "--model", str(model_dir), "--threads", "1"] + (
+            ["hi"] if command == "generate" else ["--port", "0"])
+        assert cli.main(argv) == 2
+        assert seen == [1]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_default_leaves_torch_alone(model_dir: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    called = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: called.append(n))
+    C.set_threads(None)
+    assert called == []
+    C.set_threads(2)
+    assert called == [2]
+
+
+@pytest.mark.parametrize("bad", ["0", "-1"])
+def test_bad_threads_is_a_one_line_error(bad: str, model_dir: Path,
+                                         capsys: pytest.CaptureFixture) -> None:
+    rc = cli.main(["generate", "--model", str(model_dir), "--threads", bad, "hi"])
+    err = [ln for ln in capsys.readouterr().err.splitlines()
+           if ln.strip() and not ln.startswith(("INFO ", "WARNING ", "DEBUG "))]
+    assert rc == 2 and len(err) == 1 and "threads" in err[0], err
+
+
+# -- dtype="auto" -----------------------------------------------------------------------------
+@pytest.mark.parametrize("machine, flags, native", [
+    ("x86_64", {"avx2", "fma"}, False),
+    ("x86_64", {"avx512f", "avx512_bf16"}, True),
+    ("x86_64", {"avx512f", "amx_bf16", "amx_tile"}, True),
+    ("x86_64", {"avx512f", "avx512bw"}, False),
+    ("aarch64", {"fp", "asimd", "bf16"}, True),
+    ("aarch64", {"fp", "asimd"}, False),
+    ("riscv64", {"bf16"}, False),
+])
+def test_cpu_native_bf16_detection(machine: str, flags: set, native: bool) -> None:
+    assert C.cpu_has_native_bf16(flags, machine) is native
+
+
+def test_this_cpu_is_read_from_cpuinfo() -> None:
+    flags = C.cpu_flags()
+    assert C.cpu_has_native_bf16() == C.cpu_has_native_bf16(flags)
+
+
+@pytest.mark.parametrize("device, ckpt, native, want", [
+    ("cpu", "float32", False, "float32"), ("cpu", "bfloat16", False, "float32"),
+    ("cpu", "float16", False, "float32"), ("cpu", None, False, "float32"),
+    ("cpu", "float32", True, "bfloat16"), ("cpu", "float16", True, "bfloat16"),
+    ("cuda", "bfloat16", False, "bfloat16"), ("cuda", "float16", True, "float16"),
+    ("cuda", "float32", True, "float32"), ("cuda", None, True, "float32"),
+])
+def test_auto_dtype_decision(device: str, ckpt: Any, native: bool, want: str) -> None:
+    assert C.auto_dtype(device, ckpt, native_bf16=native) == want
+
+
+def test_checkpoint_dtype_and_explicit_names() -> None:
+    from types import SimpleNamespace
+
+    assert C.checkpoint_dtype(SimpleNamespace(torch_dtype="bfloat16")) == "bfloat16"
+    assert C.checkpoint_dtype(SimpleNamespace(dtype=torch.float16)) == "float16"
+    assert C.checkpoint_dtype(SimpleNamespace()) is None
+    cfg = SimpleNamespace(torch_dtype="float16")
+    assert C.resolve_dtype_name("bf16", "cpu", cfg) == "bfloat16"
+    assert C.resolve_dtype_name(torch.float16, "cpu", cfg) == "float16"
+    assert C.resolve_dtype_name("auto", "cuda", cfg) == "float16"
+    with pytest.raises(ValueError, match="dtype"):
+        C.resolve_dtype_name("int4", "cpu", cfg)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_engine_config_resolves_auto(model_dir: Path, native: bool,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(C, "cpu_has_native_bf16", lambda *a, **k: native)
+    config = EngineArgs(model=str(model_dir), device="cpu").create_engine_config()
+    assert config.model_config.dtype == (torch.bfloat16 if native else torch.float32)
+    # An explicit dtype is kept whatever the CPU.
+    config = EngineArgs(model=str(model_dir), device="cpu",
+                        dtype="float32").create_engine_config()
+    assert config.model_config.dtype == torch.float32
