@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vllm_lite.benchmarks import RESULTS_DIR
+from vllm_lite.config import EngineArgs
 
 log = logging.getLogger("bench.kernels")
 
@@ -93,7 +94,8 @@ KERNEL_TITLES = {
 
 
 # --------------------------------------------------------------------------------------
-# Command line (parsed before torch is imported so OMP_NUM_THREADS takes effect)
+# Command line. (Importing vllm_lite imports torch, so the thread count takes effect
+# through torch.set_num_threads in run_args, not through OMP_NUM_THREADS.)
 
 
 EPILOG = ("Heads are written q_heads/kv_heads x head_size, e.g. 32/8x128; aliases: "
@@ -122,7 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", nargs="+", type=int, help=f"default: {DEFAULT_CONTEXTS}")
     p.add_argument("--heads", nargs="+",
                    help="q/kv x head, comma or space separated; default: " + " ".join(DEFAULT_HEADS))
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=EngineArgs.block_size,
+                   help="tokens per KV block of the paged pools (default: %(default)s, the "
+                        "engine's)")
     p.add_argument("--pool-gib", type=float, default=2.0,
                    help="minimum size of each KV pool (K + V), GiB; grows to the largest shape")
     p.add_argument("--mem-gib", type=float, default=None,
