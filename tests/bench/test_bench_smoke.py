@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -87,20 +86,6 @@ def test_equal_memory_batch_size() -> None:
     assert E.equal_memory_batch_size(reqs, 16 * 100 * 5 - 1, bytes_per_token=100, cap=64) == 4
     assert E.equal_memory_batch_size(reqs, 16 * 100 * 5, bytes_per_token=100, cap=3) == 3
     assert E.equal_memory_batch_size(reqs, 1, bytes_per_token=100, cap=64) == 1
-
-
-def test_paged_kv_usage_counts_shared_blocks_once() -> None:
-    seqs = {1: SimpleNamespace(seq_id=1, num_computed_tokens=6),
-            2: SimpleNamespace(seq_id=2, num_computed_tokens=9),
-            3: SimpleNamespace(seq_id=3, num_computed_tokens=5)}
-    tables = {1: [0, 1], 2: [2, 3, 4], 3: [0, 5]}  # seq 3 shares block 0 with seq 1
-    bm = SimpleNamespace(block_size=4, num_total_gpu_blocks=10, gpu_block_tables=tables,
-                         get_num_free_gpu_blocks=lambda: 4)
-    groups = [SimpleNamespace(get_unfinished_seqs=lambda s=s: [s]) for s in seqs.values()]
-    allocated, live = E.paged_kv_usage(SimpleNamespace(block_manager=bm, running=groups))
-    assert allocated == 6 * 4
-    # block 0: 4, 1: 2, 2: 4, 3: 4, 4: 1, 5: 1
-    assert live == 16
 
 
 # -- throughput -----------------------------------------------------------------------------------

@@ -97,33 +97,6 @@ def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
     return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * elem
 
 
-def paged_kv_usage(scheduler: Any) -> tuple[int, int]:
-    """(allocated, live) KV slots of the device pool right now.
-
-    Allocated: blocks held by some sequence (free and evictable prefix-cache blocks
-    excluded) times the block size. Live: the slots of those blocks that hold a computed
-    token of a running sequence; a block shared by several sequences (prefix caching,
-    forks) counts once, with its fullest use.
-    """
-    bm = scheduler.block_manager
-    block_size = bm.block_size
-    allocated = (bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()) * block_size
-    fill: Dict[int, int] = {}
-    for group in scheduler.running:
-        for seq in group.get_unfinished_seqs():
-            table = bm.gpu_block_tables.get(seq.seq_id)
-            if not table:
-                continue
-            n = seq.num_computed_tokens
-            full = min(n // block_size, len(table))
-            for block in table[:full]:
-                fill[block] = block_size
-            if full < len(table) and n % block_size:
-                block = table[full]
-                fill[block] = max(fill.get(block, 0), n % block_size)
-    return allocated, sum(fill.values())
-
-
 def static_batch_kv(batch: Sequence[BenchRequest], stats: KVStats) -> None:
     """Adds a static batch's steps to ``stats``: a cache preallocated for the padded batch,
     rows x (longest prompt + most new tokens) slots, against the live tokens: each row's
@@ -258,13 +231,10 @@ def run_vllm_lite(llm: Any, requests: Sequence[BenchRequest], track_kv: bool = T
     The KV accounting after each step is timed apart and left out of ``elapsed_s``.
     """
     engine = llm.llm_engine
-    scheduler = engine.scheduler
     device = engine.config.device
     bytes_per_slot = kv_bytes_per_token(engine.config.model_config.hf_config, engine.dtype)
     kv = KVStats(bytes_per_slot) if track_kv else None
-    stats = scheduler.prefix_cache_stats
-    queries0, hits0 = stats.queries, stats.hits
-    preempt0 = sum(scheduler.num_preemptions.values())
+    before = engine.stats()  # counters are cumulative over the engine's life
     run = next(_run_ids)
     ids = [f"bench{run}-{i}" for i in range(len(requests))]
     done: Dict[str, Any] = {}
@@ -286,7 +256,7 @@ def run_vllm_lite(llm: Any, requests: Sequence[BenchRequest], track_kv: bool = T
                     bar.update(1)
             if kv is not None:
                 t0 = time.perf_counter()
-                kv.add(*paged_kv_usage(scheduler))
+                kv.add(*engine.kv_usage())
                 accounting += time.perf_counter() - t0
         _sync(device)
         elapsed = time.perf_counter() - start - accounting
@@ -297,14 +267,16 @@ def run_vllm_lite(llm: Any, requests: Sequence[BenchRequest], track_kv: bool = T
         bar.close()
     errors = [o.error for o in done.values() if getattr(o, "error", None)]
     lens = [min(len(done[r].outputs[0].token_ids), req.output_len) for r, req in zip(ids, requests)]
-    queries = stats.queries - queries0
+    after = engine.stats()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
     result = RunResult(
         engine=label, num_requests=len(requests), elapsed_s=elapsed,
         prompt_tokens=sum(r.prompt_len for r in requests), output_tokens=sum(lens),
         generated_tokens=sum(len(o.outputs[0].token_ids) for o in done.values()),
         kv=kv, output_lens=lens,
-        prefix_hit_rate=(stats.hits - hits0) / queries if queries else None,
-        num_preemptions=sum(scheduler.num_preemptions.values()) - preempt0,
+        prefix_hit_rate=((after.prefix_cache_hits - before.prefix_cache_hits) / queries
+                         if queries else None),
+        num_preemptions=after.num_preemptions - before.num_preemptions,
         cpu_share=share(device),
         settings={"block_size": engine.cache_config.block_size,
                   "kv_pool_bytes": engine.cache_config.num_gpu_blocks

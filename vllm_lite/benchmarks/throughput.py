@@ -137,7 +137,7 @@ def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: 
         E.run_vllm_lite(llm, _warmup_requests(s.vocab_size), track_kv=False)
         if kw["enable_prefix_caching"]:
             # The warm-up's blocks must not count as hits of the timed run.
-            llm.llm_engine.scheduler.block_manager.reset_prefix_cache()
+            llm.llm_engine.reset_prefix_cache()
         if primer:
             E.run_vllm_lite(llm, primer, track_kv=False)
         return E.run_vllm_lite(llm, requests, progress=s.progress, label=label)
