@@ -327,3 +327,20 @@ def test_engine_config_resolves_auto(model_dir: Path, native: bool,
     config = EngineArgs(model=str(model_dir), device="cpu",
                         dtype="float32").create_engine_config()
     assert config.model_config.dtype == torch.float32
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["serve", "--max-n", "0"], "max_n"), (["serve", "--port", "70000"], "port"),
+    (["serve", "--block-size", "0"], "block_size"),
+    (["serve", "--scheduling-policy", "lifo"], "scheduling-policy"),
+])
+def test_serve_bad_option_is_a_one_line_error(argv: list[str], field: str, model_dir: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    try:
+        rc = cli.main(argv + ["--model", str(model_dir), "--device", "cpu",
+                              "--kv-cache-space", "0.01"])
+    except SystemExit as e:  # argparse's own refusal (choices): also status 2
+        rc = e.code
+    err = [ln for ln in capsys.readouterr().err.splitlines()
+           if ln.strip() and not ln.startswith(("INFO ", "WARNING ", "DEBUG ", "usage:", "  "))]
+    assert rc == 2 and len(err) == 1 and field in err[0], err

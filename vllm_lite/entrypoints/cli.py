@@ -172,8 +172,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                               log_level=args.log_level, allowed_hosts=args.allowed_hosts,
                               max_logprobs=args.max_logprobs,
                               **{name: getattr(args, name) for name in _SERVER_LIMITS})
-    except ValueError as e:
-        sys.exit(f"vllm-lite serve: error: {e}")
+    except ValueError as e:  # a bad server option: one line, exit status 2 as any bad input
+        raise ValueError(f"serve: {e}") from None
     logging.getLogger().setLevel(args.log_level.upper())
     serve(_make_llm(args).llm_engine, config)
     return 0
