@@ -236,7 +236,7 @@ class EngineArgs:
                     kw["metavar"] = meta["metavar"]
             if default is None and meta["none_means"]:
                 help_text += f" (default: {meta['none_means']})"
-            elif "default:" not in help_text:
+            elif "(default" not in help_text:  # a command's own help may state it
                 help_text += " (default: %(default)s)"
             kw["help"] = help_text
             parser.add_argument(cls.flag(f.name), **kw)

@@ -76,9 +76,9 @@ def add_common_arguments(p: argparse.ArgumentParser, kv_default: Optional[str] =
     helps = {
         "dtype": "weights and KV cache of every engine (auto resolved as vllm_lite does)",
         "seed": "workload seed, also vllm_lite's engine seed",
-        "kv_cache_space": "GiB of vllm_lite's KV pool on the CPU (on a GPU it takes "
-                          "--gpu-memory-utilization of the memory); the HF peers get the "
-                          "same KV memory",
+        "kv_cache_space": "GiB of vllm_lite's KV pool on the CPU (on a GPU the engine sizes "
+                          "it from its gpu_memory_utilization); the HF peers get the same KV "
+                          "memory",
         "max_num_seqs": "vllm_lite's batch limit (and generate_batch's "
                         "max_requests_per_batch)",
     }
