@@ -344,3 +344,37 @@ def test_serve_bad_option_is_a_one_line_error(argv: list[str], field: str, model
     err = [ln for ln in capsys.readouterr().err.splitlines()
            if ln.strip() and not ln.startswith(("INFO ", "WARNING ", "DEBUG ", "usage:", "  "))]
     assert rc == 2 and len(err) == 1 and field in err[0], err
+
+
+@pytest.mark.parametrize("kind", ["throughput", "latency"])
+def test_bench_passes_its_engine_options_to_the_engine(kind: str, model_dir: Path,
+                                                       tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine flag a benchmark offers reaches the LLM it builds (none is ignored)."""
+    from vllm_lite.benchmarks import engines as E
+    from vllm_lite.benchmarks.common import BENCH_ENGINE_OPTIONS
+
+    values = {k: v for k, v in _non_defaults(model_dir).items() if k in BENCH_ENGINE_OPTIONS}
+    values["dtype"] = "float32"
+    argv = ["bench", kind]
+    for name, value in values.items():
+        argv += [EngineArgs.flag(name)] + ([] if value is True else [str(value)])
+    args = _parser().parse_args(argv + ["--out", str(tmp_path), "--engines", "vllm_lite"])
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_build_llm(model: str, dtype: str, device: str, **options: Any) -> None:
+        seen.update(options, model=model, dtype=dtype, device=device)
+        raise Stop
+
+    monkeypatch.setattr(E, "build_llm", fake_build_llm)
+    module = __import__(f"vllm_lite.benchmarks.{kind}", fromlist=["run"])
+    with pytest.raises(Stop):
+        module.run(args)
+    for name, value in values.items():
+        if name in ("model", "dtype", "device"):
+            continue
+        assert seen[name] == value, name
+    assert Path(seen["model"]) == model_dir and seen["dtype"] == "float32"

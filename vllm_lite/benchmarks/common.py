@@ -61,11 +61,21 @@ def apply_sizes(args: argparse.Namespace, sizes: Dict[str, Tuple[Any, Any]]) -> 
 
 
 # The engine options the benchmarks take (flags generated from EngineArgs, its defaults and
-# help); each is passed to every vllm_lite engine they build. Others are not offered: the
-# benchmarks set them per run (max_model_len from the workload, no swap space, prefix
-# caching off except in its own comparison).
+# help); each is passed to every vllm_lite engine they build. The others are not offered
+# (an unknown flag is refused): the benchmarks set them per run (max_model_len from the
+# workload, no swap space, prefix caching off except in its own comparison), or they do not
+# apply (token-id prompts need no tokenizer; no logprobs are asked for).
 BENCH_ENGINE_OPTIONS = ("model", "dtype", "device", "seed", "kv_cache_space", "block_size",
-                        "max_num_seqs")
+                        "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+                        "enable_chunked_prefill", "preemption_mode", "scheduling_policy",
+                        "num_gpu_blocks_override")
+# Those of them handed to LLM as they are (model, dtype, device are resolved in setup()).
+_PASSED_THROUGH = BENCH_ENGINE_OPTIONS[3:]
+
+
+def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The engine options of a benchmark's command line, as LLM keywords."""
+    return {name: getattr(args, name) for name in _PASSED_THROUGH}
 
 
 def add_common_arguments(p: argparse.ArgumentParser, kv_default: Optional[str] = None) -> None:

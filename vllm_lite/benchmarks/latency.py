@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from vllm_lite.benchmarks import engines as E
 from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply_sizes,
-                                         int_range, run_cli, setup, size_help)
+                                         engine_options, int_range, run_cli, setup, size_help)
 from vllm_lite.benchmarks.report import (Report, describe_machine, fmt, machine_info,
                                          make_report, markdown_table, percentile)
 from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
@@ -285,9 +285,8 @@ def run(args: argparse.Namespace) -> Report:
     max_len = min(max(longest, 2048), limit) if limit else None
 
     results: Dict[str, Dict[str, LatencyResult]] = {"batch1": {}, "rate": {}}
-    llm = E.build_llm(str(s.model_folder), s.dtype_name, str(s.device),
-                      block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                      kv_cache_space=args.kv_cache_space, max_model_len=max_len, seed=args.seed)
+    llm = E.build_llm(str(s.model_folder), s.dtype_name, str(s.device), max_model_len=max_len,
+                      **engine_options(args))
     try:
         serve = functools.partial(vllm_lite_serve, llm)
         results["batch1"][E.VLLM_LITE] = batch1(serve, one, args.iters)

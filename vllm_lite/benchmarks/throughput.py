@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from vllm_lite.benchmarks import engines as E
 from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply_sizes,
-                                         int_list, int_range, run_cli, setup, size_help)
+                                         engine_options, int_list, int_range, run_cli, setup,
+                                         size_help)
 from vllm_lite.benchmarks.report import (Report, describe_machine, fmt, machine_info,
                                          make_report, markdown_table, pct)
 from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
@@ -128,8 +129,7 @@ def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: 
                          primer: Sequence[BenchRequest] = (), **overrides: Any) -> E.RunResult:
     """A fresh LLM with ``overrides``, warmed up, then ``primer`` run untimed, then the
     timed run over ``requests``."""
-    kw = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-              kv_cache_space=args.kv_cache_space, enable_prefix_caching=False, seed=args.seed)
+    kw = dict(engine_options(args), enable_prefix_caching=False)
     kw.update(overrides)
     llm = E.build_llm(str(s.model_folder), s.dtype_name, str(s.device), max_model_len=max_model_len,
                       **kw)
