@@ -291,7 +291,7 @@ class CacheConfig:
     swap_space_gib: float = EngineArgs.swap_space
     gpu_memory_utilization: float = EngineArgs.gpu_memory_utilization
     enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
-    # Fraction of GPU blocks new prompts may not take, so running sequences can grow.
+    # Fraction of device blocks new prompts may not take, so running sequences can grow.
     watermark: float = 0.01
 
     def __post_init__(self) -> None:

@@ -1,5 +1,9 @@
 """Prometheus metrics of a serving engine, named like vLLM's with a ``vllm_lite:`` prefix.
 
+The KV-pool metrics keep vLLM's ``gpu_*`` names (``gpu_cache_usage_perc``,
+``gpu_cache_blocks_total/free``, ``gpu_prefix_cache_hit_rate``) so vLLM dashboards work
+unchanged; on a CPU they describe the device pool in CPU memory ("cpu_*" is the swap pool).
+
 Each server owns its ``CollectorRegistry`` (not prometheus-client's global one), so several
 servers can live in one process (tests). Everything here is fed by the engine thread:
 
@@ -75,12 +79,12 @@ class Metrics:
         self.num_running = gauge("num_requests_running", "Requests running on the engine.")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_swapped = gauge("num_requests_swapped", "Requests swapped out to the CPU pool.")
-        self.gpu_cache_usage = gauge("gpu_cache_usage_perc",
+        self.device_cache_usage = gauge("gpu_cache_usage_perc",
                                      "Fraction of KV cache blocks in use (1 = full).")
         self.cpu_cache_usage = gauge("cpu_cache_usage_perc",
                                      "Fraction of CPU swap blocks in use (1 = full).")
-        self.gpu_blocks_total = gauge("gpu_cache_blocks_total", "KV cache blocks in the pool.")
-        self.gpu_blocks_free = gauge("gpu_cache_blocks_free", "KV cache blocks free.")
+        self.device_blocks_total = gauge("gpu_cache_blocks_total", "KV cache blocks in the pool.")
+        self.device_blocks_free = gauge("gpu_cache_blocks_free", "KV cache blocks free.")
         self.cpu_blocks_total = gauge("cpu_cache_blocks_total", "CPU swap blocks in the pool.")
         self.cpu_blocks_free = gauge("cpu_cache_blocks_free", "CPU swap blocks free.")
         self.prefix_hit_rate = gauge("gpu_prefix_cache_hit_rate",
@@ -142,10 +146,10 @@ class Metrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.num_swapped.set(stats.num_swapped)
-        self.gpu_cache_usage.set(_usage(stats.gpu_blocks_total, stats.gpu_blocks_free))
+        self.device_cache_usage.set(_usage(stats.device_blocks_total, stats.device_blocks_free))
         self.cpu_cache_usage.set(_usage(stats.cpu_blocks_total, stats.cpu_blocks_free))
-        self.gpu_blocks_total.set(stats.gpu_blocks_total)
-        self.gpu_blocks_free.set(stats.gpu_blocks_free)
+        self.device_blocks_total.set(stats.device_blocks_total)
+        self.device_blocks_free.set(stats.device_blocks_free)
         self.cpu_blocks_total.set(stats.cpu_blocks_total)
         self.cpu_blocks_free.set(stats.cpu_blocks_free)
         q = stats.prefix_cache_queries

@@ -124,8 +124,8 @@ class FakeModel:
         bm = sched.block_manager
         assert not sched.waiting and not sched.running and not sched.swapped
         assert not sched.has_unfinished_seqs()
-        assert not bm.gpu_block_tables and not bm.cpu_block_tables
-        for allocator in (bm.gpu_allocator, bm.cpu_allocator):
+        assert not bm.device_block_tables and not bm.cpu_block_tables
+        for allocator in (bm.device_allocator, bm.cpu_allocator):
             n = allocator.get_num_total_blocks()
             assert allocator.get_num_free_blocks() == n
             assert all(allocator.ref_count(b) == 0 for b in range(n))

@@ -335,6 +335,6 @@ def test_bad_beam_updates_raise() -> None:
     assert sorted(s.output_token_ids for s in group.get_seqs()) == [[1], [2]]
     bm = sched.block_manager
     t0, t1 = (bm.get_block_table(s) for s in group.get_seqs())
-    assert t0 == t1 and all(bm.gpu_allocator.ref_count(b) == 2 for b in t0)
+    assert t0 == t1 and all(bm.device_allocator.ref_count(b) == 2 for b in t0)
     sched.abort_seq_group("b")
-    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
+    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks

@@ -57,7 +57,7 @@ def test_fork_then_append_copies_only_the_shared_last_block() -> None:
     parent = allocate_and_compute(bm, group)
     children = [fork(bm, group, parent) for _ in range(2)]
     shared_full, shared_last = bm.get_block_table(parent)
-    assert bm.gpu_allocator.ref_count(shared_last) == 3
+    assert bm.device_allocator.ref_count(shared_last) == 3
     for i, seq in enumerate([parent, *children]):
         seq.append_token_id(10 + i)
     copies = bm.append_slots(group)
@@ -66,8 +66,8 @@ def test_fork_then_append_copies_only_the_shared_last_block() -> None:
     tables = [bm.get_block_table(s) for s in (parent, *children)]
     assert all(t[0] == shared_full for t in tables)
     assert len({t[1] for t in tables}) == 3
-    assert bm.gpu_allocator.ref_count(shared_full) == 3
-    assert bm.gpu_allocator.ref_count(shared_last) == 1
+    assert bm.device_allocator.ref_count(shared_full) == 3
+    assert bm.device_allocator.ref_count(shared_last) == 1
 
 
 def test_append_allocates_a_block_when_the_last_is_full() -> None:
@@ -90,7 +90,7 @@ def test_swap_moves_a_shared_block_once_and_back() -> None:
     assert len(out) == 3  # three distinct blocks, though two tables hold them
     for seq in (parent, child):
         seq.status = SequenceStatus.SWAPPED
-    assert bm.get_num_free_gpu_blocks() == 8 and bm.get_num_free_cpu_blocks() == 0
+    assert bm.get_num_free_device_blocks() == 8 and bm.get_num_free_cpu_blocks() == 0
     assert bm.cpu_block_tables[parent.seq_id] == bm.cpu_block_tables[child.seq_id]
     assert bm.can_swap_in(group) == AllocStatus.OK  # 3 blocks + 1 per sequence of headroom
     back = bm.swap_in(group)
@@ -99,7 +99,7 @@ def test_swap_moves_a_shared_block_once_and_back() -> None:
     assert bm.get_num_free_cpu_blocks() == 3
 
 
-def test_swap_in_never_when_the_group_cannot_grow_on_gpu() -> None:
+def test_swap_in_never_when_the_group_cannot_grow_on_the_device() -> None:
     bm = make_bm(num_gpu_blocks=4, num_cpu_blocks=8)
     group = make_group([1] * 8)  # the whole GPU pool
     seq = allocate_and_compute(bm, group)
@@ -154,13 +154,13 @@ def test_evictor_reuses_lru_tail_first_and_drops_the_old_hash() -> None:
     seq = allocate_and_compute(bm, make_group([1, 2, 3, 4, 5]))
     head, tail, partial = bm.get_block_table(seq)
     bm.free(seq)
-    assert bm.get_num_free_gpu_blocks() == 4
-    assert set(bm.gpu_allocator.cached_blocks().values()) == {head, tail}
+    assert bm.get_num_free_device_blocks() == 4
+    assert set(bm.device_allocator.cached_blocks().values()) == {head, tail}
     # Needs 3 blocks: the two never-cached ones, then the LRU cached one, the tail.
     other = allocate_and_compute(bm, make_group([7, 7, 7, 7, 7, 7]))
     assert tail in bm.get_block_table(other) and head not in bm.get_block_table(other)
-    assert set(bm.gpu_allocator.cached_blocks().values()) >= {head}
-    assert bm.gpu_allocator.block_hash(tail) != hash_block(hash_block(None, [1, 2], None), [3, 4], None)
+    assert set(bm.device_allocator.cached_blocks().values()) >= {head}
+    assert bm.device_allocator.block_hash(tail) != hash_block(hash_block(None, [1, 2], None), [3, 4], None)
     bm.free(other)
     again = make_group([1, 2, 3, 4, 5])
     bm.allocate(again)
@@ -179,20 +179,20 @@ def test_broken_invariants_change_nothing() -> None:
     # Misuse from inside the engine is a bug: InternalError (a 500), never a ValueError.
     bm = make_bm(num_gpu_blocks=2)
     group = make_group([1] * 6)
-    with pytest.raises(InternalError, match="needs 3 GPU blocks, 2 free"):
+    with pytest.raises(InternalError, match="needs 3 device blocks, 2 free"):
         bm.allocate(group)
-    assert bm.get_num_free_gpu_blocks() == 2 and not bm.gpu_block_tables
+    assert bm.get_num_free_device_blocks() == 2 and not bm.device_block_tables
     small = make_group([1, 2])
     seq = allocate_and_compute(bm, small)
     with pytest.raises(InternalError, match="already holds blocks"):
         bm.fork(seq, seq)
-    free_block = bm.gpu_allocator.free_block_ids()[0]
+    free_block = bm.device_allocator.free_block_ids()[0]
     with pytest.raises(InternalError, match="double free"):
-        bm.gpu_allocator.free(free_block)
-    assert bm.get_num_free_gpu_blocks() == 1
+        bm.device_allocator.free(free_block)
+    assert bm.get_num_free_device_blocks() == 1
     bm.free(seq)
     bm.free(seq)  # freeing a sequence without blocks is a no-op
-    assert bm.get_num_free_gpu_blocks() == 2
+    assert bm.get_num_free_device_blocks() == 2
 
 
 def test_requires_num_gpu_blocks() -> None:

@@ -90,7 +90,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         status = self.bm.can_allocate(group)
         needed = -(-group.get_seqs()[0].get_len() // BLOCK_SIZE)
         if status != AllocStatus.OK:
-            assert needed > self.bm.get_num_free_gpu_blocks() - self.bm.watermark_blocks
+            assert needed > self.bm.get_num_free_device_blocks() - self.bm.watermark_blocks
             assert (status == AllocStatus.NEVER) == (needed > NUM_GPU_BLOCKS)
             return
         self.bm.allocate(group)
@@ -109,7 +109,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group = data.draw(st.sampled_from(self._groups_with(SequenceStatus.RUNNING)))
         if not self.bm.can_append_slots(group):
             return
-        before = {b: self.bm.gpu_allocator.ref_count(b) for b in range(NUM_GPU_BLOCKS)}
+        before = {b: self.bm.device_allocator.ref_count(b) for b in range(NUM_GPU_BLOCKS)}
         copies = self.bm.append_slots(group)
         for src, dst in copies:
             assert before[src] > 1, "only a shared block is copied"
@@ -124,8 +124,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for pos in range(seq.num_computed_tokens, seq.get_len()):
                 block = table[pos // BLOCK_SIZE]
                 # Writing into a shared or published block would corrupt someone else's KV.
-                assert self.bm.gpu_allocator.ref_count(block) == 1
-                assert self.bm.gpu_allocator.block_hash(block) is None
+                assert self.bm.device_allocator.ref_count(block) == 1
+                assert self.bm.device_allocator.block_hash(block) is None
                 self.gpu[block][pos % BLOCK_SIZE] = tokens[pos]
             seq.num_computed_tokens = seq.get_len()
             self.bm.mark_computed(seq)
@@ -188,10 +188,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def double_free_is_refused(self, data) -> None:
-        free_blocks = self.bm.gpu_allocator.free_block_ids()
+        free_blocks = self.bm.device_allocator.free_block_ids()
         if free_blocks:
             with pytest.raises(InternalError, match="double free"):
-                self.bm.gpu_allocator.free(data.draw(st.sampled_from(free_blocks)))
+                self.bm.device_allocator.free(data.draw(st.sampled_from(free_blocks)))
 
     # -- invariants -------------------------------------------------------------------------
     def _check_pool(self, allocator, tables: Dict[int, List[int]], num_blocks: int) -> None:
@@ -206,19 +206,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def pools_are_consistent(self) -> None:
-        self._check_pool(self.bm.gpu_allocator, self.bm.gpu_block_tables, NUM_GPU_BLOCKS)
+        self._check_pool(self.bm.device_allocator, self.bm.device_block_tables, NUM_GPU_BLOCKS)
         self._check_pool(self.bm.cpu_allocator, self.bm.cpu_block_tables, NUM_CPU_BLOCKS)
-        for block_hash, block in self.bm.gpu_allocator.cached_blocks().items():
-            assert self.bm.gpu_allocator.block_hash(block) == block_hash
+        for block_hash, block in self.bm.device_allocator.cached_blocks().items():
+            assert self.bm.device_allocator.block_hash(block) == block_hash
         live = {s.seq_id for g in self.groups for s in g.get_unfinished_seqs()}
-        assert set(self.bm.gpu_block_tables) | set(self.bm.cpu_block_tables) == live
+        assert set(self.bm.device_block_tables) | set(self.bm.cpu_block_tables) == live
 
     @invariant()
     def computed_tokens_read_back(self) -> None:
         for group in self.groups:
             for seq in group.get_unfinished_seqs():
                 on_gpu = seq.status == SequenceStatus.RUNNING
-                table = (self.bm.gpu_block_tables if on_gpu else self.bm.cpu_block_tables)[seq.seq_id]
+                table = (self.bm.device_block_tables if on_gpu else self.bm.cpu_block_tables)[seq.seq_id]
                 content = self.gpu if on_gpu else self.cpu
                 assert len(table) * BLOCK_SIZE >= seq.num_computed_tokens
                 tokens = seq.get_token_ids()
@@ -230,7 +230,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for group in self.groups:
             for seq in group.get_unfinished_seqs():
                 self.bm.free(seq)
-        for allocator, n in ((self.bm.gpu_allocator, NUM_GPU_BLOCKS), (self.bm.cpu_allocator, NUM_CPU_BLOCKS)):
+        for allocator, n in ((self.bm.device_allocator, NUM_GPU_BLOCKS), (self.bm.cpu_allocator, NUM_CPU_BLOCKS)):
             assert allocator.get_num_free_blocks() == n
             assert all(allocator.ref_count(b) == 0 for b in range(n))
 

@@ -52,7 +52,7 @@ def test_finished_blocks_free_at_once_and_a_waiting_request_joins_next_step() ->
     assert [g.request_id for g in m.step().scheduled_seq_groups] == ["a"]
     assert [g.request_id for g in m.step().scheduled_seq_groups] == ["a"]
     assert a.is_finished()
-    assert sched.block_manager.get_num_free_gpu_blocks() == 64  # freed inside update
+    assert sched.block_manager.get_num_free_device_blocks() == 64  # freed inside update
     assert [g.request_id for g in m.step().scheduled_seq_groups] == ["b"]
     run_to_completion(m)
     m.check_drained()
@@ -150,7 +150,7 @@ def test_swapped_groups_return_before_new_prompts() -> None:
         admitted = any(g.request_id == "new" for g in out.scheduled_seq_groups)
         if sched.swapped:
             assert not admitted, "a new prompt overtook a swapped group"
-            if newcomer in sched.waiting and sched.block_manager.get_num_free_gpu_blocks() >= 1:
+            if newcomer in sched.waiting and sched.block_manager.get_num_free_device_blocks() >= 1:
                 held_back += 1  # it would have fit: only the rule kept it waiting
     assert held_back > 0
     assert newcomer.is_finished()

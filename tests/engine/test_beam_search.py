@@ -188,13 +188,13 @@ def test_beams_share_blocks_and_free_dropped_ones(beam_ckpt) -> None:
         # Every live beam shares the prompt's full blocks, one reference each.
         for block in tables[0][:7]:
             assert all(t[:7] == tables[0][:7] for t in tables)
-            assert bm.gpu_allocator.ref_count(block) == len(live)
+            assert bm.device_allocator.ref_count(block) == len(live)
         # Finished hypotheses hold no blocks, and nothing else is held: dropped beams
         # gave theirs back at once.
         assert all(not bm.has_blocks(s) for s in group.get_seqs() if s.is_finished())
         in_use = {b for t in tables for b in t}
-        assert bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks() == len(in_use)
-        assert sum(bm.gpu_allocator.ref_count(b) for b in in_use) == sum(len(t) for t in tables)
+        assert bm.num_total_device_blocks - bm.get_num_free_device_blocks() == len(in_use)
+        assert sum(bm.device_allocator.ref_count(b) for b in in_use) == sum(len(t) for t in tables)
     assert steps > 2
     _assert_all_free(llm)
 

@@ -53,5 +53,5 @@ def test_bfloat16_greedy_matches_hf_bfloat16(tmp_path) -> None:
         assert o.finished and all(torch.isfinite(torch.tensor(d[t].logprob))
                                   for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs))
     bm = engine.scheduler.block_manager
-    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
+    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
     assert not engine.scheduler.has_unfinished_seqs()

@@ -72,7 +72,7 @@ def _assert_all_free(llm: LLM) -> None:
     sched = llm.llm_engine.scheduler
     bm = sched.block_manager
     assert not sched.has_unfinished_seqs()
-    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
+    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
     assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
     assert not llm.llm_engine._requests
 
@@ -311,7 +311,7 @@ def test_failed_step_aborts_only_its_requests(ckpt) -> None:
     assert info.value.request_ids == ["bad"]
     assert engine.scheduler.get_seq_group("bad") is None
     bm = engine.scheduler.block_manager
-    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks  # "good" still waits
+    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks  # "good" still waits
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

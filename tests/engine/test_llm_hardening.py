@@ -50,7 +50,7 @@ def _assert_idle(llm: LLM) -> None:
     sched = llm.llm_engine.scheduler
     bm = sched.block_manager
     assert not sched.has_unfinished_seqs()
-    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
+    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
     assert not llm.llm_engine._requests
 
 

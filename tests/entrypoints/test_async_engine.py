@@ -34,7 +34,7 @@ def engine(llm: Any) -> Iterator[AsyncLLMEngine]:
 def _assert_all_free(llm_engine: Any) -> None:
     bm = llm_engine.scheduler.block_manager
     assert not llm_engine.has_unfinished_requests()
-    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
+    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
 
 
 def _prompts(seed: int, lens: List[int]) -> List[List[int]]:
@@ -101,7 +101,7 @@ def test_abort_frees_blocks_by_the_next_step(engine: AsyncLLMEngine, offline: An
         state["after"].append((
             any(o.request_id == "a" for o in outputs),
             sched.get_seq_group("a") is None,
-            bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks() == in_use_b,
+            bm.num_total_device_blocks - bm.get_num_free_device_blocks() == in_use_b,
         ))
 
     engine.step_callbacks.append(on_step)

@@ -210,7 +210,7 @@ def test_offline_generate_keeps_the_valid_prompts(model_dir: Path) -> None:
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
     bm = engine.scheduler.block_manager
-    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
+    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
 
 
 # -- big bodies, long prompts, the event loop -----------------------------------------------------
@@ -321,7 +321,7 @@ def test_caps_per_request(small_limits: ServerThread, offline: Any) -> None:
     # n x (prompt + max_tokens) that can never be in the cache at once: 400, not a 200
     # with truncated choices.
     engine = small_limits.engine.engine
-    usable = engine.scheduler.usable_gpu_blocks() * engine.cache_config.block_size
+    usable = engine.scheduler.usable_device_blocks() * engine.cache_config.block_size
     n = 16
     max_tokens = min(200, usable // n + 40)
     assert n * max_tokens > usable
@@ -546,7 +546,7 @@ def test_stream_that_is_never_read_is_aborted(model_dir: Path) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         bm = llm.llm_engine.scheduler.block_manager
-        assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
+        assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
     finally:
         engine.shutdown()
 

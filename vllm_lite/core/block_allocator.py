@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, enable_caching: bool = False, name: str = "gpu") -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False, name: str = "device") -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks

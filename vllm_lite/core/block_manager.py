@@ -42,12 +42,12 @@ class BlockSpaceManager:
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
         self.watermark_blocks = cache_config.watermark_blocks
-        self.gpu_allocator = BlockAllocator(
-            cache_config.num_gpu_blocks, enable_caching=self.enable_caching, name="gpu"
+        self.device_allocator = BlockAllocator(
+            cache_config.num_gpu_blocks, enable_caching=self.enable_caching, name="device"
         )
-        # Swap-in lands in fresh GPU blocks, so the CPU pool needs no prefix index.
+        # Swap-in lands in fresh device blocks, so the CPU pool needs no prefix index.
         self.cpu_allocator = BlockAllocator(cache_config.num_cpu_blocks or 0, name="cpu")
-        self.gpu_block_tables: Dict[int, BlockTable] = {}
+        self.device_block_tables: Dict[int, BlockTable] = {}
         self.cpu_block_tables: Dict[int, BlockTable] = {}
         # Per sequence, how many leading full blocks are already published in the cache.
         self._num_registered: Dict[int, int] = {}
@@ -55,15 +55,15 @@ class BlockSpaceManager:
 
     # -- sizes ---------------------------------------------------------------------------
     @property
-    def num_total_gpu_blocks(self) -> int:
-        return self.gpu_allocator.get_num_total_blocks()
+    def num_total_device_blocks(self) -> int:
+        return self.device_allocator.get_num_total_blocks()
 
     @property
     def num_total_cpu_blocks(self) -> int:
         return self.cpu_allocator.get_num_total_blocks()
 
-    def get_num_free_gpu_blocks(self) -> int:
-        return self.gpu_allocator.get_num_free_blocks()
+    def get_num_free_device_blocks(self) -> int:
+        return self.device_allocator.get_num_free_blocks()
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.get_num_free_blocks()
@@ -72,13 +72,13 @@ class BlockSpaceManager:
         return -(-num_tokens // self.block_size)
 
     def get_block_table(self, seq: Sequence) -> BlockTable:
-        table = self.gpu_block_tables.get(seq.seq_id)
+        table = self.device_block_tables.get(seq.seq_id)
         if table is None:
-            raise InternalError(f"seq {seq.seq_id} has no GPU blocks")
+            raise InternalError(f"seq {seq.seq_id} has no device blocks")
         return list(table)
 
     def has_blocks(self, seq: Sequence) -> bool:
-        return seq.seq_id in self.gpu_block_tables or seq.seq_id in self.cpu_block_tables
+        return seq.seq_id in self.device_block_tables or seq.seq_id in self.cpu_block_tables
 
     # -- prompt allocation -----------------------------------------------------------------
     def _blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
@@ -93,17 +93,17 @@ class BlockSpaceManager:
         for seq in seq_group.get_seqs(SequenceStatus.WAITING):
             in_use = 0
             for block_hash in self._prefix_hashes(seq):
-                block_id = self.gpu_allocator.peek(block_hash)
+                block_id = self.device_allocator.peek(block_hash)
                 if block_id is None:
                     break
-                in_use += self.gpu_allocator.ref_count(block_id) > 0
+                in_use += self.device_allocator.ref_count(block_id) > 0
             total += self._blocks_for(seq.get_len()) - in_use
         return total
 
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        if self._blocks_to_allocate(seq_group) > self.num_total_gpu_blocks - self.watermark_blocks:
+        if self._blocks_to_allocate(seq_group) > self.num_total_device_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        if self.get_num_free_gpu_blocks() - self._free_blocks_consumed(seq_group) < self.watermark_blocks:
+        if self.get_num_free_device_blocks() - self._free_blocks_consumed(seq_group) < self.watermark_blocks:
             return AllocStatus.LATER
         return AllocStatus.OK
 
@@ -117,18 +117,18 @@ class BlockSpaceManager:
             if self.has_blocks(seq):
                 raise InternalError(f"seq {seq.seq_id} already holds blocks")
         required = self._free_blocks_consumed(seq_group)
-        if required > self.get_num_free_gpu_blocks():
+        if required > self.get_num_free_device_blocks():
             raise InternalError(
-                f"request {seq_group.request_id} needs {required} GPU blocks, "
-                f"{self.get_num_free_gpu_blocks()} free"
+                f"request {seq_group.request_id} needs {required} device blocks, "
+                f"{self.get_num_free_device_blocks()} free"
             )
         for seq in seqs:
             table = self._claim_cached_prefix(seq)
             num_hits = len(table)
             table.extend(
-                self.gpu_allocator.allocate() for _ in range(self._blocks_for(seq.get_len()) - num_hits)
+                self.device_allocator.allocate() for _ in range(self._blocks_for(seq.get_len()) - num_hits)
             )
-            self.gpu_block_tables[seq.seq_id] = table
+            self.device_block_tables[seq.seq_id] = table
             self._num_registered[seq.seq_id] = num_hits
             seq.num_computed_tokens = num_hits * self.block_size
 
@@ -147,7 +147,7 @@ class BlockSpaceManager:
         hashes = self._prefix_hashes(seq)
         table: BlockTable = []
         for block_hash in hashes:
-            block_id = self.gpu_allocator.lookup(block_hash)
+            block_id = self.device_allocator.lookup(block_hash)
             if block_id is None:
                 break
             table.append(block_id)
@@ -159,7 +159,7 @@ class BlockSpaceManager:
         """Publish the sequence's full blocks whose KV is now computed in the prefix cache."""
         if not self.enable_caching:
             return
-        table = self.gpu_block_tables.get(seq.seq_id)
+        table = self.device_block_tables.get(seq.seq_id)
         if table is None:
             return
         done = self._num_registered[seq.seq_id]
@@ -170,8 +170,8 @@ class BlockSpaceManager:
             seq.block_hashes, seq.get_token_ids(), self.block_size, num_full, seq.cache_salt
         )
         for i in range(done, num_full):
-            if self.gpu_allocator.block_hash(table[i]) is None:
-                self.gpu_allocator.register(table[i], hashes[i])
+            if self.device_allocator.block_hash(table[i]) is None:
+                self.device_allocator.register(table[i], hashes[i])
         self._num_registered[seq.seq_id] = num_full
 
     # -- growth and copy-on-write -----------------------------------------------------------
@@ -181,12 +181,12 @@ class BlockSpaceManager:
         ``ref_counts`` carries the counts as earlier sequences' copies would leave them, so
         a block shared by k sequences of a group is copied k - 1 times, not k.
         """
-        table = self.gpu_block_tables[seq.seq_id]
+        table = self.device_block_tables[seq.seq_id]
         num_new = max(0, self._blocks_for(seq.get_len()) - len(table))
         to_copy = []
         for i in range(seq.num_computed_tokens // self.block_size, len(table)):
             block_id = table[i]
-            count = ref_counts.get(block_id, self.gpu_allocator.ref_count(block_id))
+            count = ref_counts.get(block_id, self.device_allocator.ref_count(block_id))
             if count > 1:
                 to_copy.append(i)
                 ref_counts[block_id] = count - 1
@@ -195,8 +195,8 @@ class BlockSpaceManager:
     def _running_seqs_with_blocks(self, seq_group: SequenceGroup) -> List[Sequence]:
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
         for seq in seqs:
-            if seq.seq_id not in self.gpu_block_tables:
-                raise InternalError(f"seq {seq.seq_id} is RUNNING but holds no GPU blocks")
+            if seq.seq_id not in self.device_block_tables:
+                raise InternalError(f"seq {seq.seq_id} is RUNNING but holds no device blocks")
         return seqs
 
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
@@ -206,7 +206,7 @@ class BlockSpaceManager:
         for seq in self._running_seqs_with_blocks(seq_group):
             num_new, to_copy = self._append_plan(seq, ref_counts)
             needed += num_new + len(to_copy)
-        return needed <= self.get_num_free_gpu_blocks()
+        return needed <= self.get_num_free_device_blocks()
 
     def append_slots(self, seq_group: SequenceGroup) -> BlockMapping:
         """Make room for the uncomputed tokens of every running sequence.
@@ -216,30 +216,30 @@ class BlockSpaceManager:
         """
         seqs = self._running_seqs_with_blocks(seq_group)
         if not self.can_append_slots(seq_group):
-            raise InternalError(f"not enough free GPU blocks to grow request {seq_group.request_id}")
+            raise InternalError(f"not enough free device blocks to grow request {seq_group.request_id}")
         copies: BlockMapping = []
         for seq in seqs:
             num_new, to_copy = self._append_plan(seq, {})
-            table = self.gpu_block_tables[seq.seq_id]
+            table = self.device_block_tables[seq.seq_id]
             for i in to_copy:
                 src = table[i]
-                dst = self.gpu_allocator.allocate()
-                self.gpu_allocator.free(src)
+                dst = self.device_allocator.allocate()
+                self.device_allocator.free(src)
                 table[i] = dst
                 copies.append((src, dst))
-            table.extend(self.gpu_allocator.allocate() for _ in range(num_new))
+            table.extend(self.device_allocator.allocate() for _ in range(num_new))
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent."""
-        table = self.gpu_block_tables.get(parent.seq_id)
+        table = self.device_block_tables.get(parent.seq_id)
         if table is None:
-            raise InternalError(f"parent seq {parent.seq_id} holds no GPU blocks")
+            raise InternalError(f"parent seq {parent.seq_id} holds no device blocks")
         if self.has_blocks(child):
             raise InternalError(f"child seq {child.seq_id} already holds blocks")
         for block_id in table:
-            self.gpu_allocator.incref(block_id)
-        self.gpu_block_tables[child.seq_id] = list(table)
+            self.device_allocator.incref(block_id)
+        self.device_block_tables[child.seq_id] = list(table)
         self._num_registered[child.seq_id] = self._num_registered[parent.seq_id]
 
     # -- swapping ---------------------------------------------------------------------------
@@ -255,7 +255,7 @@ class BlockSpaceManager:
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
-        tables = self._tables_of(seqs, self.gpu_block_tables, "GPU")
+        tables = self._tables_of(seqs, self.device_block_tables, "device")
         return self._distinct_blocks(tables) <= self.get_num_free_cpu_blocks()
 
     def can_swap_in(self, seq_group: SequenceGroup) -> AllocStatus:
@@ -264,30 +264,30 @@ class BlockSpaceManager:
         # Each sequence may need a block right after it comes back (vLLM's bound); without
         # it a group that cannot grow would bounce between the pools forever.
         required = self._distinct_blocks(tables) + len(seqs)
-        if required > self.num_total_gpu_blocks:
+        if required > self.num_total_device_blocks:
             return AllocStatus.NEVER
-        if required > self.get_num_free_gpu_blocks():
+        if required > self.get_num_free_device_blocks():
             return AllocStatus.LATER
         return AllocStatus.OK
 
     def swap_out(self, seq_group: SequenceGroup) -> BlockMapping:
-        """Move the group's running sequences to the CPU pool; returns (gpu, cpu) pairs."""
+        """Move the group's running sequences to the CPU pool; returns (device, cpu) pairs."""
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
         if not self.can_swap_out(seq_group):
             raise InternalError(f"not enough free CPU blocks to swap out request {seq_group.request_id}")
-        mapping = self._move(seqs, self.gpu_block_tables, self.cpu_block_tables, self.gpu_allocator, self.cpu_allocator)
+        mapping = self._move(seqs, self.device_block_tables, self.cpu_block_tables, self.device_allocator, self.cpu_allocator)
         for seq in seqs:
             del self._num_registered[seq.seq_id]
         return mapping
 
     def swap_in(self, seq_group: SequenceGroup) -> BlockMapping:
-        """Bring the group's swapped sequences back; returns (cpu, gpu) pairs."""
+        """Bring the group's swapped sequences back; returns (cpu, device) pairs."""
         seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
         if self.can_swap_in(seq_group) != AllocStatus.OK:
-            raise InternalError(f"not enough free GPU blocks to swap in request {seq_group.request_id}")
-        mapping = self._move(seqs, self.cpu_block_tables, self.gpu_block_tables, self.cpu_allocator, self.gpu_allocator)
+            raise InternalError(f"not enough free device blocks to swap in request {seq_group.request_id}")
+        mapping = self._move(seqs, self.cpu_block_tables, self.device_block_tables, self.cpu_allocator, self.device_allocator)
         for seq in seqs:
-            # The fresh GPU blocks are unpublished; mark_computed re-registers them.
+            # The fresh device blocks are unpublished; mark_computed re-registers them.
             self._num_registered[seq.seq_id] = 0
         return mapping
 
@@ -318,7 +318,7 @@ class BlockSpaceManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, wherever they are; a no-op if it holds none."""
         for tables, allocator in (
-            (self.gpu_block_tables, self.gpu_allocator),
+            (self.device_block_tables, self.device_allocator),
             (self.cpu_block_tables, self.cpu_allocator),
         ):
             table = tables.pop(seq.seq_id, None)
@@ -329,4 +329,4 @@ class BlockSpaceManager:
         self._num_registered.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> int:
-        return self.gpu_allocator.reset_prefix_cache()
+        return self.device_allocator.reset_prefix_cache()

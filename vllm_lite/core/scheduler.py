@@ -37,7 +37,7 @@ class ScheduledSequence:
     seq_id: int
     num_computed_tokens: int
     num_new_tokens: int
-    # Physical GPU block of each logical block, as it stands for this step.
+    # Physical device block of each logical block, as it stands for this step.
     block_table: List[int]
     is_prompt: bool
     # This step computes the sequence's last token, so its logits are sampled.
@@ -100,13 +100,14 @@ class _StepState:
 @dataclass
 class SchedulerStats:
     """A snapshot of the queues and the KV pools (the engine's stats(), the metrics).
-    "gpu" names the device pool, whatever the device (vLLM's names, kept for dashboards)."""
+    "device" is the pool the model attends over (GPU memory, or CPU memory on a CPU);
+    "cpu" is the swap pool."""
 
     num_running: int = 0
     num_waiting: int = 0
     num_swapped: int = 0
-    gpu_blocks_total: int = 0
-    gpu_blocks_free: int = 0
+    device_blocks_total: int = 0
+    device_blocks_free: int = 0
     cpu_blocks_total: int = 0
     cpu_blocks_free: int = 0
     prefix_cache_queries: int = 0
@@ -209,10 +210,10 @@ class Scheduler:
     def get_num_unfinished_seq_groups(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
-    def usable_gpu_blocks(self) -> int:
+    def usable_device_blocks(self) -> int:
         """KV blocks one request may ever hold at once (the pool less the watermark)."""
         bm = self.block_manager
-        return bm.num_total_gpu_blocks - bm.watermark_blocks
+        return bm.num_total_device_blocks - bm.watermark_blocks
 
     def get_seq_group(self, request_id: str) -> Optional[SequenceGroup]:
         return self._requests.get(request_id)
@@ -224,8 +225,8 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_swapped=len(self.swapped),
-            gpu_blocks_total=bm.num_total_gpu_blocks,
-            gpu_blocks_free=bm.get_num_free_gpu_blocks(),
+            device_blocks_total=bm.num_total_device_blocks,
+            device_blocks_free=bm.get_num_free_device_blocks(),
             cpu_blocks_total=bm.num_total_cpu_blocks,
             cpu_blocks_free=bm.get_num_free_cpu_blocks(),
             prefix_cache_queries=prefix.queries,
@@ -243,7 +244,7 @@ class Scheduler:
         """
         bm = self.block_manager
         block_size = self.cache_config.block_size
-        allocated = (bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()) * block_size
+        allocated = (bm.num_total_device_blocks - bm.get_num_free_device_blocks()) * block_size
         fill: Dict[int, int] = {}
         for group in self.running:
             for seq in group.get_unfinished_seqs():
@@ -318,7 +319,7 @@ class Scheduler:
             status = self.block_manager.can_swap_in(group)
             if status == AllocStatus.NEVER:
                 self.swapped.pop(0)
-                self._ignore(group, "it no longer fits the GPU KV cache", state)
+                self._ignore(group, "it no longer fits the device KV cache", state)
                 continue
             if status == AllocStatus.LATER or not self._fits_budgets(group, SequenceStatus.SWAPPED, state):
                 break
@@ -365,7 +366,7 @@ class Scheduler:
         if self.block_manager.can_allocate(group) == AllocStatus.NEVER:
             return (
                 f"it needs more KV blocks than the cache has "
-                f"({self.block_manager.num_total_gpu_blocks} blocks of "
+                f"({self.block_manager.num_total_device_blocks} blocks of "
                 f"{self.cache_config.block_size} tokens, {self.block_manager.watermark_blocks} "
                 f"held back)"
             )
@@ -481,7 +482,7 @@ class Scheduler:
         bm = self.block_manager
         bs = self.cache_config.block_size
         needed = sum(-(-s.get_len() // bs) for s in group.get_seqs(SequenceStatus.RUNNING))
-        return needed <= bm.num_total_gpu_blocks - bm.watermark_blocks
+        return needed <= bm.num_total_device_blocks - bm.watermark_blocks
 
     def _preempt(self, group: SequenceGroup, state: _StepState) -> None:
         mode = self._preemption_mode(group)

@@ -158,7 +158,7 @@ class LLMEngine:
         shared = prompt_len // bs
         per_seq = -(-total // bs) - shared
         needed = shared + params.best_of * per_seq
-        usable = self.scheduler.usable_gpu_blocks()
+        usable = self.scheduler.usable_device_blocks()
         if needed > usable:
             what = (f"n={params.n}" if params.best_of == params.n
                     else f"best_of={params.best_of}")
