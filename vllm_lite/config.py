@@ -21,7 +21,8 @@ import numbers
 import os
 import platform
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Iterable
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +47,7 @@ _MIN_BATCHED_TOKENS = 2048
 _CHUNKED_BATCHED_TOKENS = 512
 
 
-def check_int(name: str, value: object, minimum: Optional[int] = None) -> int:
+def check_int(name: str, value: object, minimum: int | None = None) -> int:
     """``value`` as a plain int (bool and float refused), at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -74,7 +75,7 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def total_memory_bytes() -> Optional[int]:
+def total_memory_bytes() -> int | None:
     """Physical memory of this machine, or None where the OS does not say."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -96,7 +97,7 @@ DTYPE_NAMES = {
 
 
 def _opt(default: Any, help: str, *, type: Any = None, choices: Any = None,
-         none_means: Optional[str] = None, metavar: Optional[str] = None) -> Any:
+         none_means: str | None = None, metavar: str | None = None) -> Any:
     """A field of EngineArgs: its default, and what its flag needs (help text; the argparse
     type when the default is None; what None means, shown as the flag's default)."""
     return field(default=default, metadata={"help": help, "type": type, "choices": choices,
@@ -115,19 +116,19 @@ class EngineArgs:
 
     model: str = _opt(DEFAULT_MODEL, f"an alias ({DEFAULT_MODEL}), a .gguf file or a local "
                       "Hugging Face model folder")
-    tokenizer: Optional[str] = _opt(None, "the tokenizer's folder", type=str,
+    tokenizer: str | None = _opt(None, "the tokenizer's folder", type=str,
                                     none_means="the model's")
-    dtype: Union[str, "torch.dtype"] = _opt(
+    dtype: str | torch.dtype = _opt(
         "auto", "weights and KV cache: float32, float16, bfloat16, or auto: on a CPU, "
         "bfloat16 where it computes bf16 natively (AVX512-BF16 / AMX, Arm BF16), else "
         "float32; on a GPU, the checkpoint's dtype")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU)")
     block_size: int = _opt(16, "tokens per KV-cache block")
     max_num_seqs: int = _opt(256, "the most sequences in one step's batch")
-    max_num_batched_tokens: Optional[int] = _opt(
+    max_num_batched_tokens: int | None = _opt(
         None, "the most tokens in one step", type=int,
         none_means="max(max_model_len, 2048), or 512 with chunked prefill")
-    max_model_len: Optional[int] = _opt(None, "context length (prompt + output)", type=int,
+    max_model_len: int | None = _opt(None, "context length (prompt + output)", type=int,
                                         none_means="the model's max_position_embeddings")
     gpu_memory_utilization: float = _opt(
         0.9, "fraction of the GPU's memory the model, activations and KV cache may use")
@@ -137,7 +138,7 @@ class EngineArgs:
     enable_prefix_caching: bool = _opt(False, "reuse the KV blocks of prompts' shared prefixes")
     enable_chunked_prefill: bool = _opt(
         False, "split long prompts across steps, mixed with decodes")
-    preemption_mode: Optional[str] = _opt(
+    preemption_mode: str | None = _opt(
         None, "what a sequence preempted for lack of KV blocks does", type=str,
         choices=_PREEMPTION_MODES,
         none_means="recompute for single-sequence requests, swap for n / best_of / beams")
@@ -145,7 +146,7 @@ class EngineArgs:
                                   "lower priority value, or shortest prompt + max_tokens",
                                   choices=_POLICIES)
     seed: int = _opt(0, "seed of the engine's random state (requests without their own seed)")
-    num_gpu_blocks_override: Optional[int] = _opt(
+    num_gpu_blocks_override: int | None = _opt(
         None, "KV blocks in the device's cache, instead of sizing it from memory", type=int,
         none_means="from --kv-cache-space (CPU) or --gpu-memory-utilization (GPU)")
     max_logprobs: int = _opt(DEFAULT_MAX_LOGPROBS,
@@ -207,10 +208,10 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser | Any,
-                     include: Optional[Iterable[str]] = None,
+                     include: Iterable[str] | None = None,
                      exclude: Iterable[str] = (),
-                     defaults: Optional[dict[str, Any]] = None,
-                     helps: Optional[dict[str, str]] = None) -> list[str]:
+                     defaults: dict[str, Any] | None = None,
+                     helps: dict[str, str] | None = None) -> list[str]:
         """Adds a flag per option (``include`` only, if given; not ``exclude``) to
         ``parser``, each with its help text and default shown. ``defaults`` / ``helps``
         replace a field's default or help where a command means something else by it (a
@@ -285,8 +286,8 @@ class CacheConfig:
     """
 
     block_size: int = EngineArgs.block_size
-    num_gpu_blocks: Optional[int] = None
-    num_cpu_blocks: Optional[int] = None
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
     # CPU swap space per GPU, in GiB; only used to derive num_cpu_blocks.
     swap_space_gib: float = EngineArgs.swap_space
     gpu_memory_utilization: float = EngineArgs.gpu_memory_utilization
@@ -334,11 +335,11 @@ class SchedulerConfig:
     max_num_seqs: int = EngineArgs.max_num_seqs
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     # None: max(max_model_len, 2048) without chunked prefill, 512 with it (as vLLM).
-    max_num_batched_tokens: Optional[int] = EngineArgs.max_num_batched_tokens
+    max_num_batched_tokens: int | None = EngineArgs.max_num_batched_tokens
     enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
     policy: SchedulerPolicy = EngineArgs.scheduling_policy  # type: ignore[assignment]
     # None: vLLM's default, recompute for single-sequence groups, swap for larger ones.
-    preemption_mode: Optional[PreemptionMode] = EngineArgs.preemption_mode  # type: ignore
+    preemption_mode: PreemptionMode | None = EngineArgs.preemption_mode  # type: ignore
     # Anti-starvation bound: a request waiting this many steps jumps ahead of the policy.
     max_wait_steps: int = 256
 
@@ -379,7 +380,7 @@ class SchedulerConfig:
 
 
 # -- device and dtype ---------------------------------------------------------------------------
-def resolve_device(device: Union[str, "torch.device"]) -> "torch.device":
+def resolve_device(device: str | torch.device) -> torch.device:
     import torch
 
     if isinstance(device, torch.device):
@@ -412,8 +413,8 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def cpu_has_native_bf16(flags: Optional[Iterable[str]] = None,
-                        machine: Optional[str] = None) -> bool:
+def cpu_has_native_bf16(flags: Iterable[str] | None = None,
+                        machine: str | None = None) -> bool:
     """Whether the CPU computes bfloat16 natively: AVX512-BF16 or AMX-BF16 on x86-64, the
     BF16 extension on aarch64. Without it torch and our kernels convert every bf16 value to
     float32 and back, which makes bf16 slower than plain float32. ``flags`` / ``machine``
@@ -427,7 +428,7 @@ def cpu_has_native_bf16(flags: Optional[Iterable[str]] = None,
     return False
 
 
-def checkpoint_dtype(hf_config: Any) -> Optional[str]:
+def checkpoint_dtype(hf_config: Any) -> str | None:
     """The dtype config.json states (``dtype`` / ``torch_dtype``) as a canonical name, or
     None when it states none we support."""
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -437,8 +438,8 @@ def checkpoint_dtype(hf_config: Any) -> Optional[str]:
     return DTYPE_NAMES.get(name)
 
 
-def auto_dtype(device_type: str, ckpt_dtype: Optional[str],
-               native_bf16: Optional[bool] = None) -> str:
+def auto_dtype(device_type: str, ckpt_dtype: str | None,
+               native_bf16: bool | None = None) -> str:
     """What ``dtype="auto"`` means: on a CPU, bfloat16 where it computes bf16 natively
     (``native_bf16``, detected when None) and float32 elsewhere, whatever the checkpoint
     holds (float16 is emulated on CPUs, and bf16 without hardware support is slower than
@@ -451,7 +452,7 @@ def auto_dtype(device_type: str, ckpt_dtype: Optional[str],
 
 
 def resolve_dtype_name(dtype: Any, device_type: str, hf_config: Any,
-                       native_bf16: Optional[bool] = None) -> str:
+                       native_bf16: bool | None = None) -> str:
     """The canonical dtype name an engine runs in, from a name, "auto" or a torch dtype;
     ValueError naming ``dtype`` otherwise."""
     if dtype == "auto":
@@ -468,11 +469,11 @@ class ModelConfig:
     """The model folder, its HF config and the serving limits derived from it."""
 
     model: str
-    tokenizer: Optional[str] = EngineArgs.tokenizer
+    tokenizer: str | None = EngineArgs.tokenizer
     # A name or torch dtype; EngineConfig turns "auto" into the dtype the engine runs in.
-    dtype: Union[str, "torch.dtype"] = EngineArgs.dtype
+    dtype: str | torch.dtype = EngineArgs.dtype
     # None: the model's max_position_embeddings.
-    max_model_len: Optional[int] = EngineArgs.max_model_len
+    max_model_len: int | None = EngineArgs.max_model_len
     seed: int = EngineArgs.seed
     # The most logprobs / prompt_logprobs one request may ask for (vLLM's max_logprobs).
     max_logprobs: int = EngineArgs.max_logprobs
@@ -514,7 +515,7 @@ class ModelConfig:
         return int(self.hf_config.vocab_size)
 
     @property
-    def eos_token_id(self) -> Optional[int]:
+    def eos_token_id(self) -> int | None:
         eos = getattr(self.hf_config, "eos_token_id", None)
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
@@ -530,10 +531,10 @@ class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
-    device: "torch.device"
+    device: torch.device
     # GiB of KV cache when the device is the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).
     kv_cache_space: float = EngineArgs.kv_cache_space
-    num_gpu_blocks_override: Optional[int] = EngineArgs.num_gpu_blocks_override
+    num_gpu_blocks_override: int | None = EngineArgs.num_gpu_blocks_override
 
     def __post_init__(self) -> None:
         import torch
@@ -579,7 +580,7 @@ THREADS_HELP = ("torch intra-op threads (default: torch's, one per core); fewer 
                 "faster on a machine other jobs share")
 
 
-def set_threads(threads: Optional[int]) -> None:
+def set_threads(threads: int | None) -> None:
     """Sets torch's intra-op threads before a model loads (None: leave torch's default);
     ValueError unless a positive int."""
     if threads is None:

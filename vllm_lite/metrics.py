@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any
+from collections.abc import Iterable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -50,16 +51,16 @@ def _usage(total: int, free: int) -> float:
 class _RequestTimes:
     arrival: float
     num_prompt_tokens: int
-    first_token: Optional[float] = None
-    last_token: Optional[float] = None
+    first_token: float | None = None
+    last_token: float | None = None
     # Output tokens seen so far, per completion index.
-    num_tokens: Dict[int, int] = field(default_factory=dict)
+    num_tokens: dict[int, int] = field(default_factory=dict)
 
 
 class Metrics:
     """The server's metrics; ``model_name`` labels every series, as in vLLM."""
 
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         # The *_created series only double the output (a process-wide switch).
         disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -73,7 +74,7 @@ class Metrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: Tuple[float, ...]) -> Histogram:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         self.num_running = gauge("num_requests_running", "Requests running on the engine.")
@@ -101,16 +102,16 @@ class Metrics:
                              "From arrival to the last output.", _E2E_BUCKETS)
         self._success = Counter(PREFIX + "request_success", "Requests finished, by reason.",
                                 labels + ["finished_reason"], registry=r)
-        self._requests: Dict[str, _RequestTimes] = {}
+        self._requests: dict[str, _RequestTimes] = {}
         self._last_preemptions = 0
 
     # -- fed by the engine thread ------------------------------------------------------------
     def on_request_added(self, request_id: str, num_prompt_tokens: int,
-                         arrival: Optional[float] = None) -> None:
+                         arrival: float | None = None) -> None:
         self._requests[request_id] = _RequestTimes(
             time.monotonic() if arrival is None else arrival, num_prompt_tokens)
 
-    def on_outputs(self, outputs: Iterable[Any], now: Optional[float] = None) -> None:
+    def on_outputs(self, outputs: Iterable[Any], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for out in outputs:
             times = self._requests.get(out.request_id)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any
 
 
 @dataclass
@@ -20,11 +20,11 @@ class CompletionOutput:
 
     index: int
     text: str
-    token_ids: List[int]
-    cumulative_logprob: Optional[float]
-    logprobs: Optional[List[Dict[int, Any]]]
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Any]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -35,10 +35,10 @@ class RequestOutput:
     """A request's state after a step (finished=True once all its completions ended)."""
 
     request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: List[int]
-    outputs: List[CompletionOutput] = field(default_factory=list)
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    prompt_logprobs: Optional[List[Optional[Dict[int, Any]]]] = None
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
     # Why the request finished without running (prompt too long for the cache), else None.
-    error: Optional[str] = None
+    error: str | None = None

@@ -10,7 +10,8 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence as Seq, Union
+from typing import Any
+from collections.abc import Iterable, Sequence as Seq
 
 from vllm_lite.errors import InternalError
 from vllm_lite.sampling_params import SamplingParams
@@ -35,11 +36,11 @@ class SequenceStatus(enum.Enum):
     FINISHED_IGNORED = enum.auto()
 
     @staticmethod
-    def is_finished(status: "SequenceStatus") -> bool:
+    def is_finished(status: SequenceStatus) -> bool:
         return status in _FINISHED
 
     @staticmethod
-    def get_finished_reason(status: "SequenceStatus") -> Optional[str]:
+    def get_finished_reason(status: SequenceStatus) -> str | None:
         return _FINISH_REASONS.get(status)
 
 
@@ -67,11 +68,11 @@ class Sequence:
         self,
         seq_id: int,
         prompt_token_ids: Seq[int],
-        cache_salt: Optional[bytes] = None,
+        cache_salt: bytes | None = None,
     ) -> None:
         self.seq_id = seq_id
-        self.prompt_token_ids: List[int] = list(prompt_token_ids)
-        self.output_token_ids: List[int] = []
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING
         # Tokens whose KV is in the cache (prefix-cache hits, earlier chunks, earlier steps).
@@ -79,11 +80,11 @@ class Sequence:
         self.cumulative_logprob = 0.0
         # Memo of the chained prefix hashes of this sequence's full blocks. Content-derived,
         # so it stays valid across preemption and is copied on fork.
-        self.block_hashes: List[bytes] = []
-        self.stop_reason: Optional[Union[int, str]] = None
+        self.block_hashes: list[bytes] = []
+        self.stop_reason: int | str | None = None
         # The sequence this one was forked from (None for a request's first sequence): the
         # engine gives a beam forked this step its parent's logprob history.
-        self.parent_seq_id: Optional[int] = None
+        self.parent_seq_id: int | None = None
         # False for a request that wants prompt logprobs: the logits of every prompt
         # position are needed, so its prompt is computed even where the prefix cache has it.
         self.read_prefix_cache = True
@@ -94,7 +95,7 @@ class Sequence:
     def get_output_len(self) -> int:
         return len(self.output_token_ids)
 
-    def get_token_ids(self) -> List[int]:
+    def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def get_last_token_id(self) -> int:
@@ -118,7 +119,7 @@ class Sequence:
         """Forget the KV progress; the tokens stay and are recomputed as a prompt."""
         self.num_computed_tokens = 0
 
-    def fork(self, new_seq_id: int) -> "Sequence":
+    def fork(self, new_seq_id: int) -> Sequence:
         child = Sequence(new_seq_id, self.prompt_token_ids, self.cache_salt)
         child.output_token_ids = list(self.output_token_ids)
         child.status = self.status
@@ -144,12 +145,12 @@ class SequenceGroup:
         request_id: str,
         seqs: Iterable[Sequence],
         sampling_params: SamplingParams,
-        arrival_time: Optional[float] = None,
+        arrival_time: float | None = None,
         priority: int = 0,
-        eos_token_id: Optional[int] = None,
+        eos_token_id: int | None = None,
     ) -> None:
         self.request_id = request_id
-        self.seqs_dict: Dict[int, Sequence] = {seq.seq_id: seq for seq in seqs}
+        self.seqs_dict: dict[int, Sequence] = {seq.seq_id: seq for seq in seqs}
         if not self.seqs_dict:
             raise ValueError("seqs must hold at least one sequence")
         self.sampling_params = sampling_params
@@ -163,28 +164,28 @@ class SequenceGroup:
         self.waiting_steps = 0
         self.num_preemptions = 0
         # Why the group finished without being served (FINISHED_IGNORED).
-        self.error: Optional[str] = None
+        self.error: str | None = None
         # When sampling_params.prompt_logprobs is set: vLLM's PromptLogprobs, filled chunk by
         # chunk as the prompt is computed (None for the first token, then one
         # {token_id: Logprob} dict per prompt token); complete at len(prompt_token_ids).
-        self.prompt_logprobs: Optional[List[Optional[Dict[int, Any]]]] = None
+        self.prompt_logprobs: list[dict[int, Any] | None] | None = None
 
     @property
-    def prompt_token_ids(self) -> List[int]:
+    def prompt_token_ids(self) -> list[int]:
         return next(iter(self.seqs_dict.values())).prompt_token_ids
 
-    def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
             return list(self.seqs_dict.values())
         return [seq for seq in self.seqs_dict.values() if seq.status == status]
 
-    def get_unfinished_seqs(self) -> List[Sequence]:
+    def get_unfinished_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs_dict.values() if not seq.is_finished()]
 
-    def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
         return len(self.get_seqs(status))
 
-    def get_seq(self, seq_id: int) -> Optional[Sequence]:
+    def get_seq(self, seq_id: int) -> Sequence | None:
         return self.seqs_dict.get(seq_id)
 
     def add(self, seq: Sequence) -> None:

@@ -8,7 +8,8 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def int_range(text: str) -> Tuple[int, int]:
+def int_range(text: str) -> tuple[int, int]:
     """``"100-1024"`` or ``"128"`` (a fixed length) as (min, max)."""
     try:
         parts = [int(x) for x in text.split("-")] if "-" in text else [int(text)] * 2
@@ -30,7 +31,7 @@ def int_range(text: str) -> Tuple[int, int]:
     return parts[0], parts[1]
 
 
-def int_list(text: str) -> List[int]:
+def int_list(text: str) -> list[int]:
     """``"8,16,32"`` as [8, 16, 32]; an empty string as []."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -41,7 +42,7 @@ def int_list(text: str) -> List[int]:
     return values
 
 
-def size_help(sizes: Dict[str, Tuple[Any, Any]], key: str) -> str:
+def size_help(sizes: dict[str, tuple[Any, Any]], key: str) -> str:
     """``(default X; --quick Y)`` for a help text, from a {key: (default, quick)} table."""
     def show(v: Any) -> str:
         if isinstance(v, tuple):
@@ -53,7 +54,7 @@ def size_help(sizes: Dict[str, Tuple[Any, Any]], key: str) -> str:
     return f"(default {show(default)}; --quick {show(quick)})"
 
 
-def apply_sizes(args: argparse.Namespace, sizes: Dict[str, Tuple[Any, Any]]) -> None:
+def apply_sizes(args: argparse.Namespace, sizes: dict[str, tuple[Any, Any]]) -> None:
     """Fills every size argument left unset with its default, or its --quick value."""
     for key, (default, quick) in sizes.items():
         if getattr(args, key, None) is None:
@@ -73,12 +74,12 @@ BENCH_ENGINE_OPTIONS = ("model", "dtype", "device", "seed", "kv_cache_space", "b
 _PASSED_THROUGH = BENCH_ENGINE_OPTIONS[3:]
 
 
-def engine_options(args: argparse.Namespace) -> Dict[str, Any]:
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options of a benchmark's command line, as LLM keywords."""
     return {name: getattr(args, name) for name in _PASSED_THROUGH}
 
 
-def add_common_arguments(p: argparse.ArgumentParser, kv_default: Optional[str] = None) -> None:
+def add_common_arguments(p: argparse.ArgumentParser, kv_default: str | None = None) -> None:
     """The flags every engine benchmark shares. ``kv_default``: the default of
     --kv-cache-space when a benchmark sizes it itself (then the flag defaults to None)."""
     from vllm_lite.config import THREADS_HELP, EngineArgs
@@ -118,7 +119,7 @@ class BenchSetup:
     dtype: torch.dtype
     device: torch.device
     threads: int
-    engines: List[str]
+    engines: list[str]
     progress: bool
 
     @property

@@ -23,7 +23,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -53,7 +54,7 @@ class KVStats:
     peak_allocated_slots: int = 0
     peak_live_slots: int = 0
     # (allocated, live) per step, for the KV plot.
-    timeline: List[tuple[int, int]] = field(default_factory=list, repr=False)
+    timeline: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     def add(self, allocated: int, live: int) -> None:
         if live > allocated:
@@ -77,7 +78,7 @@ class KVStats:
     def peak_allocated_mib(self) -> float:
         return self.peak_allocated_slots * self.bytes_per_slot / 2**20
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "bytes_per_slot": self.bytes_per_slot, "steps": self.steps,
             "allocated_slot_steps": self.allocated_slot_steps,
@@ -124,18 +125,18 @@ class RunResult:
     output_tokens: int = 0
     # Every token the engine produced, padded rows and rows past their length included.
     generated_tokens: int = 0
-    kv: Optional[KVStats] = None
+    kv: KVStats | None = None
     # Per request, in workload order: useful output tokens.
-    output_lens: List[int] = field(default_factory=list, repr=False)
-    prefix_hit_rate: Optional[float] = None
-    num_preemptions: Optional[int] = None
+    output_lens: list[int] = field(default_factory=list, repr=False)
+    prefix_hit_rate: float | None = None
+    num_preemptions: int | None = None
     # CPU seconds the process used / (wall seconds x torch threads): well below 1 while
     # other jobs share the cores (timings then say little); see cpu_share().
-    cpu_share: Optional[float] = None
-    settings: Dict[str, Any] = field(default_factory=dict)
+    cpu_share: float | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     # Set when the engine could not run: the reason, shown as n/a.
-    error: Optional[str] = None
+    error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -149,7 +150,7 @@ class RunResult:
     def requests_per_s(self) -> float:
         return self.num_requests / self.elapsed_s if self.ok and self.elapsed_s > 0 else 0.0
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "engine": self.engine, "num_requests": self.num_requests,
             "elapsed_s": self.elapsed_s, "prompt_tokens": self.prompt_tokens,
@@ -193,7 +194,7 @@ class CpuShare:
     def __init__(self) -> None:
         self.cpu0, self.wall0 = time.process_time(), time.perf_counter()
 
-    def __call__(self, device: torch.device) -> Optional[float]:
+    def __call__(self, device: torch.device) -> float | None:
         if device.type != "cpu":
             return None
         wall = time.perf_counter() - self.wall0
@@ -237,7 +238,7 @@ def run_vllm_lite(llm: Any, requests: Sequence[BenchRequest], track_kv: bool = T
     before = engine.stats()  # counters are cumulative over the engine's life
     run = next(_run_ids)
     ids = [f"bench{run}-{i}" for i in range(len(requests))]
-    done: Dict[str, Any] = {}
+    done: dict[str, Any] = {}
     accounting = 0.0
     bar = _progress(len(requests), label, progress)
     _sync(device)
@@ -395,12 +396,12 @@ def equal_memory_batch_size(requests: Sequence[BenchRequest], kv_budget_bytes: i
     return max(1, min(cap, kv_budget_bytes // (width * bytes_per_token)))
 
 
-def _cb_config(model: Any, kv_budget_bytes: Optional[int], max_num_seqs: int) -> Any:
+def _cb_config(model: Any, kv_budget_bytes: int | None, max_num_seqs: int) -> Any:
     """HF continuous batching with vllm_lite's KV budget and batch limit (None: HF sizes
     its cache itself)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    kwargs: Dict[str, Any] = {"max_requests_per_batch": max_num_seqs, "seed": 0}
+    kwargs: dict[str, Any] = {"max_requests_per_batch": max_num_seqs, "seed": 0}
     if kv_budget_bytes:
         page = ContinuousBatchingConfig.page_size
         block_bytes = page * kv_bytes_per_token(model.config, model.dtype)
@@ -409,7 +410,7 @@ def _cb_config(model: Any, kv_budget_bytes: Optional[int], max_num_seqs: int) ->
 
 
 def run_hf_continuous(model: Any, requests: Sequence[BenchRequest],
-                      kv_budget_bytes: Optional[int], max_num_seqs: int,
+                      kv_budget_bytes: int | None, max_num_seqs: int,
                       progress: bool = False, timeout_s: float = 600.0) -> RunResult:
     """HF's continuous batching manager (what ``generate_batch`` runs), each request with
     its own ``max_new_tokens`` and EOS disabled. Any failure is reported as the result's
@@ -427,7 +428,7 @@ def run_hf_continuous(model: Any, requests: Sequence[BenchRequest],
     except Exception as e:  # an older transformers without continuous batching
         result.error = f"{type(e).__name__}: {e}"
         return result
-    outputs: Dict[str, Any] = {}
+    outputs: dict[str, Any] = {}
     bar = _progress(len(requests), HF_CONTINUOUS, progress)
     try:
         with torch.inference_mode(), quiet_transformers(), model.continuous_batching_context_manager(

@@ -49,7 +49,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from vllm_lite.benchmarks import RESULTS_DIR
 from vllm_lite.config import EngineArgs

@@ -32,7 +32,8 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from vllm_lite.benchmarks import engines as E
 from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply_sizes,
@@ -43,7 +44,7 @@ from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_wor
 
 logger = logging.getLogger(__name__)
 
-SIZES: Dict[str, tuple[Any, Any]] = {
+SIZES: dict[str, tuple[Any, Any]] = {
     "prompt_len": (512, 128),
     "output_len": (128, 32),
     "iters": (10, 5),
@@ -97,22 +98,22 @@ class RequestTiming:
     run's start)."""
 
     arrival: float
-    token_times: List[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
 
     @property
-    def ttft(self) -> Optional[float]:
+    def ttft(self) -> float | None:
         return self.token_times[0] - self.arrival if self.token_times else None
 
     @property
-    def tpot(self) -> Optional[float]:
+    def tpot(self) -> float | None:
         n = len(self.token_times)
         return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
 
     @property
-    def e2e(self) -> Optional[float]:
+    def e2e(self) -> float | None:
         return self.token_times[-1] - self.arrival if self.token_times else None
 
-    def gaps(self) -> List[float]:
+    def gaps(self) -> list[float]:
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:])]
 
@@ -120,17 +121,17 @@ class RequestTiming:
 @dataclass
 class LatencyResult:
     engine: str
-    timings: List[RequestTiming]
+    timings: list[RequestTiming]
     duration_s: float
     note: str = ""
     # CPU time / (wall time x threads) over the run (engines.CpuShare); None on a GPU.
-    cpu_share: Optional[float] = None
+    cpu_share: float | None = None
 
     @property
     def output_tokens(self) -> int:
         return sum(len(t.token_times) for t in self.timings)
 
-    def stats(self) -> Dict[str, Dict[str, Optional[float]]]:
+    def stats(self) -> dict[str, dict[str, float | None]]:
         """Percentiles (seconds) of TTFT, TPOT, E2E over requests and ITL over gaps."""
         series = {
             "ttft": [t.ttft for t in self.timings if t.ttft is not None],
@@ -138,13 +139,13 @@ class LatencyResult:
             "itl": [g for t in self.timings for g in t.gaps()],
             "e2e": [t.e2e for t in self.timings if t.e2e is not None],
         }
-        out: Dict[str, Dict[str, Optional[float]]] = {}
+        out: dict[str, dict[str, float | None]] = {}
         for name, values in series.items():
             out[name] = {f"p{q}": percentile(values, q) for q in PERCENTILES}
             out[name]["mean"] = sum(values) / len(values) if values else None
         return out
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {"engine": self.engine, "duration_s": self.duration_s,
                 "output_tokens": self.output_tokens, "note": self.note, "stats": self.stats(),
                 "cpu_share": self.cpu_share,
@@ -158,7 +159,7 @@ class _StepTimes:
 
     def __init__(self, clock_start: float) -> None:
         self.start = clock_start
-        self.times: List[float] = []
+        self.times: list[float] = []
 
     def put(self, value: Any) -> None:
         self.times.append(time.perf_counter() - self.start)
@@ -209,7 +210,7 @@ def vllm_lite_serve(llm: Any, requests: Sequence[BenchRequest],
                         raise RuntimeError(f"request {i} failed: {out.error}")
                     finished += 1
     except BaseException:
-        engine.abort_request([rid for rid in rids])
+        engine.abort_request([*rids])
         raise
     return LatencyResult(E.VLLM_LITE, timings, time.perf_counter() - start,
                          cpu_share=share(engine.config.device))
@@ -244,7 +245,7 @@ def hf_serve(model: Any, requests: Sequence[BenchRequest], arrivals: Sequence[fl
 
 
 # -- the runs ------------------------------------------------------------------------------------
-def poisson_arrivals(n: int, rate: float, seed: int) -> List[float]:
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     rng = random.Random(seed)
     t, out = 0.0, []
     for _ in range(n):
@@ -256,7 +257,7 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> List[float]:
 def batch1(serve: Any, request: BenchRequest, iters: int) -> LatencyResult:
     """``iters`` timed single-request runs after one warm-up, merged into one result."""
     serve([request], [0.0])
-    timings: List[RequestTiming] = []
+    timings: list[RequestTiming] = []
     total = 0.0
     shares = []
     for _ in range(iters):
@@ -284,7 +285,7 @@ def run(args: argparse.Namespace) -> Report:
     limit = getattr(s.hf_config, "max_position_embeddings", None)
     max_len = min(max(longest, 2048), limit) if limit else None
 
-    results: Dict[str, Dict[str, LatencyResult]] = {"batch1": {}, "rate": {}}
+    results: dict[str, dict[str, LatencyResult]] = {"batch1": {}, "rate": {}}
     llm = E.build_llm(str(s.model_folder), s.dtype_name, str(s.device), max_model_len=max_len,
                       **engine_options(args))
     try:
@@ -315,11 +316,11 @@ def run(args: argparse.Namespace) -> Report:
 
 
 # -- the report ------------------------------------------------------------------------------------
-def _ms(x: Optional[float]) -> str:
+def _ms(x: float | None) -> str:
     return "n/a" if x is None else fmt(1000 * x)
 
 
-def target_line(b1: Dict[str, LatencyResult]) -> Optional[str]:
+def target_line(b1: dict[str, LatencyResult]) -> str | None:
     ours, hf = b1.get(E.VLLM_LITE), b1.get(E.HF_STATIC)
     if ours is None or hf is None:
         return None
@@ -330,9 +331,9 @@ def target_line(b1: Dict[str, LatencyResult]) -> Optional[str]:
             f"(median; target: no worse than HF): {'met' if a <= b else 'MISSED'}")
 
 
-def write_report(report: Report, s: BenchSetup, info: Dict[str, Any], args: argparse.Namespace,
-                 one: BenchRequest, rate_wl: Optional[WorkloadConfig],
-                 results: Dict[str, Dict[str, LatencyResult]]) -> None:
+def write_report(report: Report, s: BenchSetup, info: dict[str, Any], args: argparse.Namespace,
+                 one: BenchRequest, rate_wl: WorkloadConfig | None,
+                 results: dict[str, dict[str, LatencyResult]]) -> None:
     report.add(f"Machine: {describe_machine(info)}.\n\nModel {s.model} "
                f"({s.model_folder.name}), {s.dtype_name}, device {s.device}; greedy, EOS "
                f"ignored, the same token-id prompts for both engines.")
@@ -378,7 +379,7 @@ def write_report(report: Report, s: BenchSetup, info: Dict[str, Any], args: argp
     report.figure("latency", lambda plt: plot_latency(plt, results), "latency")
 
 
-def plot_latency(plt: Any, results: Dict[str, Dict[str, LatencyResult]]) -> None:
+def plot_latency(plt: Any, results: dict[str, dict[str, LatencyResult]]) -> None:
     panels = 1 + (2 if results["rate"] else 0)
     fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.5), squeeze=False)
     ax = axes[0][0]
@@ -405,7 +406,7 @@ def plot_latency(plt: Any, results: Dict[str, Dict[str, LatencyResult]]) -> None
         ax.legend(fontsize=8)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/latency.py", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run_cli("latency", run, parser.parse_args(argv))

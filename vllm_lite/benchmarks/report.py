@@ -10,7 +10,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -40,7 +41,7 @@ def fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
-def pct(fraction: Optional[float], digits: int = 2) -> str:
+def pct(fraction: float | None, digits: int = 2) -> str:
     return "n/a" if fraction is None else f"{100 * fraction:.{digits}f}%"
 
 
@@ -62,7 +63,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     root = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
@@ -72,9 +73,9 @@ def _git_commit() -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def machine_info(device: torch.device, threads: int) -> Dict[str, Any]:
+def machine_info(device: torch.device, threads: int) -> dict[str, Any]:
     """What a reader needs to judge the numbers: hardware, threads, versions, load."""
-    info: Dict[str, Any] = {
+    info: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": _cpu_name(),
         "cores": os.cpu_count(),
@@ -102,7 +103,7 @@ def machine_info(device: torch.device, threads: int) -> Dict[str, Any]:
     return info
 
 
-def describe_machine(info: Dict[str, Any]) -> str:
+def describe_machine(info: dict[str, Any]) -> str:
     parts = [f"{info['cpu']}, {info['cores']} cores, {info['threads']} threads"]
     if info.get("gpu"):
         parts.insert(0, info["gpu"])
@@ -126,14 +127,14 @@ class Report:
     title: str
     out_dir: Path
     stem: str
-    sections: List[str] = field(default_factory=list)
-    data: Dict[str, Any] = field(default_factory=dict)
-    figures: List[Path] = field(default_factory=list)
+    sections: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    figures: list[Path] = field(default_factory=list)
 
     def add(self, text: str) -> None:
         self.sections.append(text.rstrip() + "\n")
 
-    def figure(self, suffix: str, draw: Callable[[Any], None], caption: str = "") -> Optional[Path]:
+    def figure(self, suffix: str, draw: Callable[[Any], None], caption: str = "") -> Path | None:
         """Draws a matplotlib figure with ``draw(plt)`` into ``<stem>_<suffix>.png``; a
         missing matplotlib or a failing plot is logged, never fatal (the tables matter)."""
         try:
@@ -176,7 +177,7 @@ def make_report(title: str, kind: str, out_dir: Path | str, device: torch.device
     return Report(title=title, out_dir=out, stem=stem)
 
 
-def percentile(values: Sequence[float], q: float) -> Optional[float]:
+def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0..100), linear between order statistics; None when empty."""
     if not values:
         return None

@@ -26,7 +26,8 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from vllm_lite.benchmarks import engines as E
 from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply_sizes,
@@ -40,7 +41,7 @@ from vllm_lite.config import EngineArgs
 logger = logging.getLogger(__name__)
 
 # (default, --quick) of every size argument left unset on the command line.
-SIZES: Dict[str, tuple[Any, Any]] = {
+SIZES: dict[str, tuple[Any, Any]] = {
     "num_requests": (256, 32),
     "input_len": ((100, 1024), (32, 256)),
     "output_len": ((100, 1024), (32, 256)),
@@ -111,12 +112,12 @@ def resolve_sizes(args: argparse.Namespace) -> None:
 
 
 # -- the runs ------------------------------------------------------------------------------------
-def _warmup_requests(vocab_size: int) -> List[BenchRequest]:
+def _warmup_requests(vocab_size: int) -> list[BenchRequest]:
     return make_workload(WorkloadConfig(num_requests=2, input_len=(8, 16), output_len=(4, 4),
                                         seed=12345), vocab_size)
 
 
-def _max_model_len(s: BenchSetup, *workloads: Sequence[BenchRequest]) -> Optional[int]:
+def _max_model_len(s: BenchSetup, *workloads: Sequence[BenchRequest]) -> int | None:
     """The workload's longest sequence, capped by the model: a smaller max_model_len keeps
     the default token budget (and a GPU profiling pass) from being sized for 8k contexts."""
     longest = max(r.prompt_len + r.output_len for w in workloads for r in w)
@@ -125,7 +126,7 @@ def _max_model_len(s: BenchSetup, *workloads: Sequence[BenchRequest]) -> Optiona
 
 
 def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: argparse.Namespace,
-                         max_model_len: Optional[int], label: str = E.VLLM_LITE,
+                         max_model_len: int | None, label: str = E.VLLM_LITE,
                          primer: Sequence[BenchRequest] = (), **overrides: Any) -> E.RunResult:
     """A fresh LLM with ``overrides``, warmed up, then ``primer`` run untimed, then the
     timed run over ``requests``."""
@@ -148,8 +149,8 @@ def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: 
 
 def run_hf(s: BenchSetup, requests: Sequence[BenchRequest], args: argparse.Namespace,
            kv_budget_bytes: int,
-           on_result: Callable[[List[E.RunResult]], Any] = lambda results: None,
-           ) -> List[E.RunResult]:
+           on_result: Callable[[list[E.RunResult]], Any] = lambda results: None,
+           ) -> list[E.RunResult]:
     """The HF peers with vllm_lite's KV memory: hf_generate's batch is the most rows its
     padded cache fits in (unless --hf-batch-size), generate_batch gets as many pages (on
     the CPU; on a GPU it sizes its cache from free memory, as vllm_lite does)."""
@@ -215,9 +216,9 @@ def run(args: argparse.Namespace) -> Report:
                 s.device, s.threads)
 
     stem = make_report("", "throughput", args.out, s.device, s.dtype_name).stem
-    bs_sweep: List[E.RunResult] = []
-    seqs_sweep: List[E.RunResult] = []
-    prefix_runs: List[E.RunResult] = []
+    bs_sweep: list[E.RunResult] = []
+    seqs_sweep: list[E.RunResult] = []
+    prefix_runs: list[E.RunResult] = []
 
     def snapshot(peers: Sequence[E.RunResult], final: bool = False) -> Report:
         """The report of what has run so far; saved at once unless final (a run cut
@@ -255,13 +256,13 @@ def run(args: argparse.Namespace) -> Report:
 
 
 # -- the report ------------------------------------------------------------------------------------
-def _speedup(main: E.RunResult, peer: E.RunResult) -> Optional[float]:
+def _speedup(main: E.RunResult, peer: E.RunResult) -> float | None:
     if not peer.ok or not peer.output_tokens_per_s:
         return None
     return main.output_tokens_per_s / peer.output_tokens_per_s
 
 
-def _engine_rows(main: E.RunResult, peers: Sequence[E.RunResult]) -> List[List[Any]]:
+def _engine_rows(main: E.RunResult, peers: Sequence[E.RunResult]) -> list[list[Any]]:
     rows = []
     for r in [main, *peers]:
         if not r.ok:
@@ -286,7 +287,7 @@ def _engine_rows(main: E.RunResult, peers: Sequence[E.RunResult]) -> List[List[A
     return rows
 
 
-def _sweep_rows(results: Sequence[E.RunResult], key: str) -> List[List[Any]]:
+def _sweep_rows(results: Sequence[E.RunResult], key: str) -> list[list[Any]]:
     return [[r.settings[key], r.num_requests, r.output_tokens, fmt(r.elapsed_s),
              fmt(r.output_tokens_per_s), pct(r.kv.waste) if r.kv else "n/a",
              fmt(r.kv.peak_allocated_mib) if r.kv else "n/a", r.num_preemptions,
@@ -294,7 +295,7 @@ def _sweep_rows(results: Sequence[E.RunResult], key: str) -> List[List[Any]]:
             for r in results]
 
 
-def targets(main: E.RunResult, peers: Sequence[E.RunResult]) -> List[str]:
+def targets(main: E.RunResult, peers: Sequence[E.RunResult]) -> list[str]:
     """The issue's targets, each reported as met / missed (never asserted)."""
     lines = []
     for peer in peers:
@@ -314,10 +315,10 @@ def targets(main: E.RunResult, peers: Sequence[E.RunResult]) -> List[str]:
     return lines
 
 
-def write_report(report: Report, s: BenchSetup, info: Dict[str, Any], wl: WorkloadConfig,
+def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: WorkloadConfig,
                  args: argparse.Namespace, main: E.RunResult, peers: Sequence[E.RunResult],
                  bs_sweep: Sequence[E.RunResult], seqs_sweep: Sequence[E.RunResult],
-                 prefix_wl: Optional[WorkloadConfig], prefix_runs: Sequence[E.RunResult],
+                 prefix_wl: WorkloadConfig | None, prefix_runs: Sequence[E.RunResult],
                  figures: bool = True) -> None:
     report.add(f"Machine: {describe_machine(info)}.\n\n"
                f"Model {s.model} ({s.model_folder.name}), {s.dtype_name}, device {s.device}. "
@@ -430,7 +431,7 @@ def plot_kv(plt: Any, runs: Sequence[E.RunResult]) -> None:
 
 
 def _sweep_panel(ax: Any, runs: Sequence[E.RunResult], key: str, twin_label: str,
-                 twin_values: List[float], twin_color: str) -> None:
+                 twin_values: list[float], twin_color: str) -> None:
     """Output tokens/s per setting (bars) and one more quantity on a second axis."""
     xs = [str(r.settings[key]) for r in runs]
     ax.bar(xs, [r.output_tokens_per_s for r in runs], color="tab:green")
@@ -463,7 +464,7 @@ def plot_sweeps(plt: Any, bs_sweep: Sequence[E.RunResult], seqs_sweep: Sequence[
 
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/throughput.py",
                                      description=__doc__.splitlines()[0])
     add_arguments(parser)

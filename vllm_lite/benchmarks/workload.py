@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import List, Tuple
 
 
 @dataclass(frozen=True)
 class BenchRequest:
-    prompt_token_ids: Tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]
     output_len: int
 
     @property
@@ -22,7 +21,7 @@ class BenchRequest:
         return len(self.prompt_token_ids)
 
 
-def _check_range(name: str, value: Tuple[int, int]) -> Tuple[int, int]:
+def _check_range(name: str, value: tuple[int, int]) -> tuple[int, int]:
     if len(value) != 2:
         raise ValueError(f"{name} must be (min, max), got {value!r}")
     lo, hi = value
@@ -44,8 +43,8 @@ class WorkloadConfig:
     """
 
     num_requests: int = 256
-    input_len: Tuple[int, int] = (100, 1024)
-    output_len: Tuple[int, int] = (100, 1024)
+    input_len: tuple[int, int] = (100, 1024)
+    output_len: tuple[int, int] = (100, 1024)
     seed: int = 0
     shared_prefix_len: int = 0
     num_prefixes: int = 1
@@ -75,7 +74,7 @@ class WorkloadConfig:
         return text
 
 
-def make_workload(config: WorkloadConfig, vocab_size: int) -> List[BenchRequest]:
+def make_workload(config: WorkloadConfig, vocab_size: int) -> list[BenchRequest]:
     """The workload's requests, the same for a given config and vocabulary size."""
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
@@ -94,9 +93,9 @@ def make_workload(config: WorkloadConfig, vocab_size: int) -> List[BenchRequest]
     return requests
 
 
-def total_output_tokens(requests: List[BenchRequest]) -> int:
+def total_output_tokens(requests: list[BenchRequest]) -> int:
     return sum(r.output_len for r in requests)
 
 
-def total_prompt_tokens(requests: List[BenchRequest]) -> int:
+def total_prompt_tokens(requests: list[BenchRequest]) -> int:
     return sum(r.prompt_len for r in requests)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence as Seq, Tuple, Union
+from typing import Any
+from collections.abc import Sequence as Seq
 
 from vllm_lite.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ class BeamCandidate:
     parent_seq_id: int
     token_id: int
     logprob: float
-    top_logprobs: Optional[Dict[int, Any]] = field(default=None, compare=False, hash=False)
+    top_logprobs: dict[int, Any] | None = field(default=None, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class ScoredCandidate:
     candidate: BeamCandidate
     cumulative_logprob: float
     output_len: int
-    finish: Optional[Tuple[Any, Union[int, str, None]]] = None
+    finish: tuple[Any, int | str | None] | None = None
 
 
 @dataclass
@@ -61,9 +62,9 @@ class BeamDecision:
     finished candidates kept as hypotheses; dropped_hypotheses: keys of earlier hypotheses
     pushed out of the best beam_width; done: the beam search is over (nothing continues)."""
 
-    continue_: List[ScoredCandidate] = field(default_factory=list)
-    new_hypotheses: List[ScoredCandidate] = field(default_factory=list)
-    dropped_hypotheses: List[int] = field(default_factory=list)
+    continue_: list[ScoredCandidate] = field(default_factory=list)
+    new_hypotheses: list[ScoredCandidate] = field(default_factory=list)
+    dropped_hypotheses: list[int] = field(default_factory=list)
     done: bool = False
 
 
@@ -106,7 +107,7 @@ def select_beams(
     finished_new = [c for rank, c in enumerate(candidates) if c.finish is not None and rank < width]
 
     # The best `width` hypotheses, old ones first among equal scores.
-    pool: List[Tuple[float, int, Union[Hypothesis, ScoredCandidate]]] = []
+    pool: list[tuple[float, int, Hypothesis | ScoredCandidate]] = []
     for h in hypotheses:
         pool.append((beam_score(h.cumulative_logprob, h.output_len, lp), 0, h))
     for c in finished_new:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Deque, Dict, List, Optional
+from typing import Deque
 
 from vllm_lite.core.prefix_cache import Evictor
 from vllm_lite.errors import InternalError
@@ -25,11 +25,11 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.name = name
-        self._ref_counts: List[int] = [0] * num_blocks
-        self._block_hash: List[Optional[bytes]] = [None] * num_blocks
+        self._ref_counts: list[int] = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
         self._free: Deque[int] = deque(range(num_blocks))
         self._evictor = Evictor()
-        self._cached: Dict[bytes, int] = {}
+        self._cached: dict[bytes, int] = {}
 
     # -- queries ---------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -41,14 +41,14 @@ class BlockAllocator:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def block_hash(self, block_id: int) -> Optional[bytes]:
+    def block_hash(self, block_id: int) -> bytes | None:
         return self._block_hash[block_id]
 
-    def free_block_ids(self) -> List[int]:
+    def free_block_ids(self) -> list[int]:
         """Every free block, cached or not (for invariant checks)."""
         return list(self._free) + list(self._evictor)
 
-    def cached_blocks(self) -> Dict[bytes, int]:
+    def cached_blocks(self) -> dict[bytes, int]:
         """hash -> block id of every block published in the prefix cache (a copy)."""
         return dict(self._cached)
 
@@ -83,7 +83,7 @@ class BlockAllocator:
                 self._free.append(block_id)
 
     # -- prefix cache ------------------------------------------------------------------
-    def lookup(self, block_hash: bytes) -> Optional[int]:
+    def lookup(self, block_hash: bytes) -> int | None:
         """Take a reference on the block cached under ``block_hash``, if any."""
         block_id = self._cached.get(block_hash)
         if block_id is None:
@@ -93,7 +93,7 @@ class BlockAllocator:
         self._ref_counts[block_id] += 1
         return block_id
 
-    def peek(self, block_hash: bytes) -> Optional[int]:
+    def peek(self, block_hash: bytes) -> int | None:
         """The block cached under ``block_hash``, without taking a reference."""
         return self._cached.get(block_hash)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Dict, Iterable, List, Tuple
+from collections.abc import Iterable
 
 from vllm_lite.config import CacheConfig
 from vllm_lite.core.block_allocator import BlockAllocator
@@ -23,8 +23,8 @@ from vllm_lite.errors import InternalError
 
 logger = logging.getLogger(__name__)
 
-BlockTable = List[int]
-BlockMapping = List[Tuple[int, int]]
+BlockTable = list[int]
+BlockMapping = list[tuple[int, int]]
 
 
 class AllocStatus(enum.Enum):
@@ -47,10 +47,10 @@ class BlockSpaceManager:
         )
         # Swap-in lands in fresh device blocks, so the CPU pool needs no prefix index.
         self.cpu_allocator = BlockAllocator(cache_config.num_cpu_blocks or 0, name="cpu")
-        self.device_block_tables: Dict[int, BlockTable] = {}
-        self.cpu_block_tables: Dict[int, BlockTable] = {}
+        self.device_block_tables: dict[int, BlockTable] = {}
+        self.cpu_block_tables: dict[int, BlockTable] = {}
         # Per sequence, how many leading full blocks are already published in the cache.
-        self._num_registered: Dict[int, int] = {}
+        self._num_registered: dict[int, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     # -- sizes ---------------------------------------------------------------------------
@@ -132,7 +132,7 @@ class BlockSpaceManager:
             self._num_registered[seq.seq_id] = num_hits
             seq.num_computed_tokens = num_hits * self.block_size
 
-    def _prefix_hashes(self, seq: Sequence) -> List[bytes]:
+    def _prefix_hashes(self, seq: Sequence) -> list[bytes]:
         """Hashes of the full blocks a prefix-cache hit may cover."""
         if not self.enable_caching or not seq.read_prefix_cache:
             return []
@@ -175,7 +175,7 @@ class BlockSpaceManager:
         self._num_registered[seq.seq_id] = num_full
 
     # -- growth and copy-on-write -----------------------------------------------------------
-    def _append_plan(self, seq: Sequence, ref_counts: Dict[int, int]) -> Tuple[int, List[int]]:
+    def _append_plan(self, seq: Sequence, ref_counts: dict[int, int]) -> tuple[int, list[int]]:
         """(new blocks at the tail, table indices to copy) for seq to hold all its tokens.
 
         ``ref_counts`` carries the counts as earlier sequences' copies would leave them, so
@@ -192,7 +192,7 @@ class BlockSpaceManager:
                 ref_counts[block_id] = count - 1
         return num_new, to_copy
 
-    def _running_seqs_with_blocks(self, seq_group: SequenceGroup) -> List[Sequence]:
+    def _running_seqs_with_blocks(self, seq_group: SequenceGroup) -> list[Sequence]:
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
         for seq in seqs:
             if seq.seq_id not in self.device_block_tables:
@@ -201,7 +201,7 @@ class BlockSpaceManager:
 
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
         """Whether every running sequence of the group can get slots for its uncomputed tokens."""
-        ref_counts: Dict[int, int] = {}
+        ref_counts: dict[int, int] = {}
         needed = 0
         for seq in self._running_seqs_with_blocks(seq_group):
             num_new, to_copy = self._append_plan(seq, ref_counts)
@@ -247,7 +247,7 @@ class BlockSpaceManager:
     def _distinct_blocks(tables: Iterable[BlockTable]) -> int:
         return len({block_id for table in tables for block_id in table})
 
-    def _tables_of(self, seqs: List[Sequence], tables: Dict[int, BlockTable], where: str) -> List[BlockTable]:
+    def _tables_of(self, seqs: list[Sequence], tables: dict[int, BlockTable], where: str) -> list[BlockTable]:
         missing = [seq.seq_id for seq in seqs if seq.seq_id not in tables]
         if missing:
             raise InternalError(f"seqs {missing} hold no {where} blocks")
@@ -293,14 +293,14 @@ class BlockSpaceManager:
 
     @staticmethod
     def _move(
-        seqs: List[Sequence],
-        src_tables: Dict[int, BlockTable],
-        dst_tables: Dict[int, BlockTable],
+        seqs: list[Sequence],
+        src_tables: dict[int, BlockTable],
+        dst_tables: dict[int, BlockTable],
         src_alloc: BlockAllocator,
         dst_alloc: BlockAllocator,
     ) -> BlockMapping:
         # A block shared inside the group is moved once and stays shared on the other side.
-        mapping: Dict[int, int] = {}
+        mapping: dict[int, int] = {}
         for seq in seqs:
             new_table = []
             for src in src_tables[seq.seq_id]:

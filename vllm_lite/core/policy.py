@@ -3,11 +3,11 @@ one is preempted first. Keys sort ascending; smaller runs sooner."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from collections.abc import Callable
 
 from vllm_lite.sequence import SequenceGroup
 
-SortKey = Tuple[float, ...]
+SortKey = tuple[float, ...]
 WaitingKey = Callable[[SequenceGroup, int], SortKey]
 
 
@@ -31,7 +31,7 @@ def _shortest_first(group: SequenceGroup, max_model_len: int) -> SortKey:
     return (total, *_arrival(group))
 
 
-_WAITING_KEYS: Dict[str, WaitingKey] = {
+_WAITING_KEYS: dict[str, WaitingKey] = {
     "fcfs": _fcfs,
     "priority": _priority,
     "shortest_first": _shortest_first,

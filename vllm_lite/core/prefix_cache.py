@@ -12,14 +12,14 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 from vllm_lite.errors import InternalError
 
 _EMPTY_PARENT = b"\x00" * 32
 
 
-def hash_block(parent_hash: Optional[bytes], token_ids: Sequence[int], salt: Optional[bytes]) -> bytes:
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], salt: bytes | None) -> bytes:
     """Chained SHA-256 of one full block."""
     h = hashlib.sha256()
     h.update(parent_hash if parent_hash is not None else _EMPTY_PARENT)
@@ -32,12 +32,12 @@ def hash_block(parent_hash: Optional[bytes], token_ids: Sequence[int], salt: Opt
 
 
 def extend_block_hashes(
-    hashes: List[bytes],
+    hashes: list[bytes],
     token_ids: Sequence[int],
     block_size: int,
     num_blocks: int,
-    salt: Optional[bytes],
-) -> List[bytes]:
+    salt: bytes | None,
+) -> list[bytes]:
     """Grow ``hashes`` (in place) to cover the first ``num_blocks`` full blocks of token_ids."""
     for i in range(len(hashes), num_blocks):
         parent = hashes[i - 1] if i else None
@@ -54,7 +54,7 @@ class Evictor:
     """
 
     def __init__(self) -> None:
-        self._blocks: "OrderedDict[int, None]" = OrderedDict()
+        self._blocks: OrderedDict[int, None] = OrderedDict()
 
     def add(self, block_id: int) -> None:
         if block_id in self._blocks:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence as Seq, Union
+from collections.abc import Iterable, Sequence as Seq
 
 from vllm_lite.config import CacheConfig, SchedulerConfig
 from vllm_lite.core.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
@@ -38,7 +38,7 @@ class ScheduledSequence:
     num_computed_tokens: int
     num_new_tokens: int
     # Physical device block of each logical block, as it stands for this step.
-    block_table: List[int]
+    block_table: list[int]
     is_prompt: bool
     # This step computes the sequence's last token, so its logits are sampled.
     do_sample: bool
@@ -47,7 +47,7 @@ class ScheduledSequence:
 @dataclass
 class ScheduledSequenceGroup:
     seq_group: SequenceGroup
-    seqs: List[ScheduledSequence] = field(default_factory=list)
+    seqs: list[ScheduledSequence] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -69,13 +69,13 @@ class SchedulerOutput:
     copy-on-write): a block swapped out may be handed out again in the same step."""
 
     step: int
-    scheduled_seq_groups: List[ScheduledSequenceGroup]
+    scheduled_seq_groups: list[ScheduledSequenceGroup]
     num_batched_tokens: int
     blocks_to_swap_in: BlockMapping
     blocks_to_swap_out: BlockMapping
     blocks_to_copy: BlockMapping
     # Finished this step without running (FINISHED_IGNORED; the reason is in group.error).
-    ignored_seq_groups: List[SequenceGroup]
+    ignored_seq_groups: list[SequenceGroup]
     num_preempted: int
 
 
@@ -85,11 +85,11 @@ class _StepState:
     num_batched_tokens: int = 0
     # A sequence did not get its tokens: admit nothing more, or it could starve.
     blocked: bool = False
-    scheduled: Dict[str, ScheduledSequenceGroup] = field(default_factory=dict)
+    scheduled: dict[str, ScheduledSequenceGroup] = field(default_factory=dict)
     swap_in: BlockMapping = field(default_factory=list)
     swap_out: BlockMapping = field(default_factory=list)
     copies: BlockMapping = field(default_factory=list)
-    ignored: List[SequenceGroup] = field(default_factory=list)
+    ignored: list[SequenceGroup] = field(default_factory=list)
     num_preempted: int = 0
 
     @property
@@ -127,25 +127,25 @@ class Scheduler:
                 scheduler_config.max_model_len,
                 cache_config.num_gpu_blocks * cache_config.block_size,
             )
-        self.waiting: List[SequenceGroup] = []
-        self.running: List[SequenceGroup] = []
-        self.swapped: List[SequenceGroup] = []
-        self._requests: Dict[str, SequenceGroup] = {}
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self._requests: dict[str, SequenceGroup] = {}
         self._arrivals = itertools.count()
         self._step = 0
-        self._pending_output: Optional[SchedulerOutput] = None
-        self.num_preemptions: Dict[str, int] = {"recompute": 0, "swap": 0}
+        self._pending_output: SchedulerOutput | None = None
+        self.num_preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: Seq[int],
-        sampling_params: Optional[SamplingParams] = None,
-        arrival_time: Optional[float] = None,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
         priority: int = 0,
-        cache_salt: Optional[Union[str, bytes]] = None,
-        eos_token_id: Optional[int] = None,
+        cache_salt: str | bytes | None = None,
+        eos_token_id: int | None = None,
     ) -> SequenceGroup:
         """Build the request's group (one sequence holding the prompt) and queue it."""
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
@@ -187,7 +187,7 @@ class Scheduler:
         self._requests[seq_group.request_id] = seq_group
         self.waiting.append(seq_group)
 
-    def abort_seq_group(self, request_id: Union[str, Iterable[str]]) -> None:
+    def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
         """Finish the request(s) as aborted and free their blocks; unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
@@ -215,7 +215,7 @@ class Scheduler:
         bm = self.block_manager
         return bm.num_total_device_blocks - bm.watermark_blocks
 
-    def get_seq_group(self, request_id: str) -> Optional[SequenceGroup]:
+    def get_seq_group(self, request_id: str) -> SequenceGroup | None:
         return self._requests.get(request_id)
 
     def stats(self) -> SchedulerStats:
@@ -245,7 +245,7 @@ class Scheduler:
         bm = self.block_manager
         block_size = self.cache_config.block_size
         allocated = (bm.num_total_device_blocks - bm.get_num_free_device_blocks()) * block_size
-        fill: Dict[int, int] = {}
+        fill: dict[int, int] = {}
         for group in self.running:
             for seq in group.get_unfinished_seqs():
                 table = bm.get_block_table(seq) if bm.has_blocks(seq) else []
@@ -292,7 +292,7 @@ class Scheduler:
 
     def _schedule_running(self, state: _StepState) -> None:
         queue = sorted(self.running, key=running_key)
-        kept: List[SequenceGroup] = []
+        kept: list[SequenceGroup] = []
         while queue:
             group = queue.pop(0)
             while not self.block_manager.can_append_slots(group):
@@ -359,7 +359,7 @@ class Scheduler:
             self.running.append(group)
             self._assign_tokens(group, state)
 
-    def _never_reason(self, group: SequenceGroup) -> Optional[str]:
+    def _never_reason(self, group: SequenceGroup) -> str | None:
         prompt_len = len(group.prompt_token_ids)
         if prompt_len > self.config.max_model_len:
             return f"prompt length {prompt_len} exceeds max_model_len {self.config.max_model_len}"
@@ -392,7 +392,7 @@ class Scheduler:
             needed = min(s.get_len() - s.num_computed_tokens for s in group.get_seqs(status))
         return state.tokens_left >= needed
 
-    def _assign_tokens(self, group: SequenceGroup, state: _StepState, decodes: Optional[bool] = None) -> None:
+    def _assign_tokens(self, group: SequenceGroup, state: _StepState, decodes: bool | None = None) -> None:
         """Give the group's running sequences their tokens for this step, within the budget.
 
         decodes=True only serves sequences with a single token to compute, False only the
@@ -438,7 +438,7 @@ class Scheduler:
         )
 
     def _assign_beam_tokens(self, group: SequenceGroup, state: _StepState,
-                            decodes: Optional[bool]) -> None:
+                            decodes: bool | None) -> None:
         """A beam step ranks the candidates of all live beams together, so the beams of a
         group sample in the same step or not at all. Beams with more than one token to
         compute (a recompute after preemption) compute all but their last token first;
@@ -542,7 +542,7 @@ class Scheduler:
         request_id: str,
         seq_id: int,
         status: SequenceStatus = SequenceStatus.FINISHED_STOPPED,
-        stop_reason: Optional[Union[int, str]] = None,
+        stop_reason: int | str | None = None,
     ) -> bool:
         """End one sequence (a stop rule, a stop string) and free its blocks.
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional, Sequence as Seq
+from typing import Any
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -34,7 +35,7 @@ class EngineStepError(RuntimeError):
     ``outputs``: what the step still produced (requests it ignored as too long)."""
 
     def __init__(self, request_ids: list[str], cause: Exception,
-                 outputs: Optional[list[RequestOutput]] = None) -> None:
+                 outputs: list[RequestOutput] | None = None) -> None:
         super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
         self.request_ids = list(request_ids)
         self.cause = cause
@@ -43,7 +44,7 @@ class EngineStepError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any = None,
-                 model: Optional[torch.nn.Module] = None) -> None:
+                 model: torch.nn.Module | None = None) -> None:
         self.config = config
         mc = config.model_config
         self.tokenizer = tokenizer
@@ -54,7 +55,7 @@ class LLMEngine:
         self.executor.init_cache(num_gpu_blocks, num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler_config, self.cache_config)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-            self.eos_token_id: Optional[int] = tokenizer.eos_token_id
+            self.eos_token_id: int | None = tokenizer.eos_token_id
         else:
             self.eos_token_id = mc.eos_token_id
         self.output_processor = OutputProcessor(
@@ -102,9 +103,9 @@ class LLMEngine:
         return len(state.prompt_token_ids) if state is not None else 0
 
     # -- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Optional[str] = None,
-                    sampling_params: Optional[SamplingParams] = None,
-                    prompt_token_ids: Optional[Seq[int]] = None, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: str | None = None,
+                    sampling_params: SamplingParams | None = None,
+                    prompt_token_ids: Seq[int] | None = None, priority: int = 0) -> None:
         """Queue a request: a text prompt (needs a tokenizer) or token ids."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.validate_params(params)
@@ -241,7 +242,7 @@ class LLMEngine:
 
     def _fail_step(self, request_ids: list[str], cause: Exception,
                    outputs: list[RequestOutput],
-                   failed: Optional[dict[str, Exception]] = None) -> None:
+                   failed: dict[str, Exception] | None = None) -> None:
         """A failed step leaves its requests in an unknown state: abort them (their blocks
         are free at once) and tell the caller which ones; the engine serves on."""
         failed = dict(failed or {})

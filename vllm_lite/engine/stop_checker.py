@@ -8,22 +8,21 @@ output processor applies the verdicts through the scheduler's finish_seq.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
 
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.sequence import SequenceStatus
 
 # A verdict: the finished status and the stop reason (a stop token id, a stop string, or
 # None for EOS and the length limits), as RequestOutput reports them.
-StopVerdict = Tuple[SequenceStatus, Optional[Union[int, str]]]
+StopVerdict = tuple[SequenceStatus, int | str | None]
 
 
 class StopChecker:
     def __init__(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
 
-    def check_token(self, params: SamplingParams, eos_token_id: Optional[int], token: int,
-                    output_len: int, seq_len: int) -> Optional[StopVerdict]:
+    def check_token(self, params: SamplingParams, eos_token_id: int | None, token: int,
+                    output_len: int, seq_len: int) -> StopVerdict | None:
         """The verdict on a sequence whose last token is ``token``, with ``output_len``
         output and ``seq_len`` tokens in all; None while it runs on."""
         if output_len >= params.min_tokens:
@@ -46,7 +45,7 @@ class StopChecker:
 
     @staticmethod
     def check_stop_strings(params: SamplingParams, text: str,
-                           num_new_chars: int) -> Optional[Tuple[str, int]]:
+                           num_new_chars: int) -> tuple[str, int] | None:
         """(the stop string found, the length the text keeps) when one of params.stop
         ends in the last ``num_new_chars`` characters of ``text``; None otherwise. Only
         the tail that could hold a new match is searched."""

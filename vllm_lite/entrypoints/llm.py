@@ -12,7 +12,8 @@ import itertools
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any
+from collections.abc import Sequence
 
 from vllm_lite.config import EngineArgs
 from vllm_lite.engine.llm_engine import EngineStepError, LLMEngine
@@ -22,7 +23,7 @@ from vllm_lite.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PromptType = Union[str, List[int], Dict[str, Any]]
+PromptType = str | list[int] | dict[str, Any]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -66,7 +67,7 @@ class LLM:
         return self.tokenizer
 
     # -- inputs ------------------------------------------------------------------------------
-    def _parse_prompts(self, prompts: Any) -> List[Tuple[Optional[str], List[int]]]:
+    def _parse_prompts(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, (str, dict)):
             items: Sequence[Any] = [prompts]
         elif isinstance(prompts, (list, tuple)):
@@ -99,8 +100,8 @@ class LLM:
                 raise ValueError(f"a prompt must be a str or a list of token ids, got {p!r}")
         return parsed  # checked by _admit_prompts, once truncated
 
-    def _admit_prompts(self, parsed: List[Tuple[Optional[str], List[int]]],
-                       params: List[SamplingParams]) -> List[Tuple[Optional[str], List[int]]]:
+    def _admit_prompts(self, parsed: list[tuple[str | None, list[int]]],
+                       params: list[SamplingParams]) -> list[tuple[str | None, list[int]]]:
         # truncate_prompt_tokens (issue 12): the last k tokens, before the length check, as
         # vLLM does; the server calls the same helper (vllm_lite.inputs.truncate_prompt).
         admitted = [truncate_prompt(text, ids, p.truncate_prompt_tokens, self.tokenizer,
@@ -110,7 +111,7 @@ class LLM:
             self.llm_engine.validate_prompt(ids)
         return admitted
 
-    def _params_list(self, sampling_params: Any, n: int) -> List[SamplingParams]:
+    def _params_list(self, sampling_params: Any, n: int) -> list[SamplingParams]:
         if sampling_params is None:
             params = [SamplingParams()] * n
         elif isinstance(sampling_params, SamplingParams):
@@ -125,7 +126,7 @@ class LLM:
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None,
-                 use_tqdm: bool = True) -> List[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Completes every prompt; the outputs come back in input order."""
         with self._lock:
             parsed = self._parse_prompts(prompts)
@@ -134,7 +135,7 @@ class LLM:
             return self._run(parsed, params, use_tqdm)
 
     def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> List[RequestOutput]:
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (list of {"role", "content"}) or a list of them, through the
         tokenizer's chat template."""
         if self.tokenizer is None:
@@ -152,11 +153,11 @@ class LLM:
             prompts = self._admit_prompts(prompts, params)
             return self._run(prompts, params, use_tqdm)
 
-    def _run(self, parsed: List[Tuple[Optional[str], List[int]]], params: List[SamplingParams],
-             use_tqdm: bool) -> List[RequestOutput]:
+    def _run(self, parsed: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
-        results: Dict[str, RequestOutput] = {}
+        results: dict[str, RequestOutput] = {}
         try:
             for (text, tokens), p in zip(parsed, params):
                 rid = str(next(self._counter))

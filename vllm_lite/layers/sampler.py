@@ -28,7 +28,7 @@ computed: the engine sums them into cumulative_logprob) come from the same tenso
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence as Seq, Tuple
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -65,8 +65,8 @@ class Logprob:
     the engine when it detokenizes), as vLLM's Logprob."""
 
     logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -80,9 +80,9 @@ class SampleOutput:
     """
 
     seq_id: int
-    token_ids: List[int]
-    logprobs: List[float]
-    top_logprobs: Optional[List[Dict[int, Logprob]]] = None
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass
@@ -92,9 +92,9 @@ class SamplerOutput:
     (beam_search_candidates), best first, with their logprob entries when asked for.
     logprobs: [num_rows, vocab] float32 log_softmax of the processed logits."""
 
-    outputs: List[Optional[SampleOutput]]
+    outputs: list[SampleOutput | None]
     logprobs: torch.Tensor
-    beams: Dict[str, List[BeamCandidate]] = field(default_factory=dict)
+    beams: dict[str, list[BeamCandidate]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------
@@ -106,8 +106,8 @@ class SamplerOutput:
 def apply_min_tokens(logits: torch.Tensor, banned: Seq[Seq[int]]) -> torch.Tensor:
     """Set logits[i, t] = -inf for every t in banned[i] (ids outside the vocab ignored)."""
     vocab = logits.shape[1]
-    rows: List[int] = []
-    cols: List[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
     for i, ids in enumerate(banned):
         for t in ids:
             if 0 <= t < vocab:
@@ -272,7 +272,7 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 
 def top_logprob_dicts(
     logprobs: torch.Tensor, chosen: torch.Tensor, num_top: Seq[int]
-) -> List[Dict[int, Logprob]]:
+) -> list[dict[int, Logprob]]:
     """Per row i: {chosen[i]: Logprob(...), top num_top[i] tokens...} from logprobs [n, V]."""
     n, vocab = logprobs.shape
     if n == 0:
@@ -283,9 +283,9 @@ def top_logprob_dicts(
     if k > 0:
         top_vals, top_ids = logprobs.topk(k, dim=-1)
         top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-    out: List[Dict[int, Logprob]] = []
+    out: list[dict[int, Logprob]] = []
     for i, (tok, lp, rank) in enumerate(zip(chosen.tolist(), chosen_lp.tolist(), ranks.tolist())):
-        d: Dict[int, Logprob] = {tok: Logprob(max(lp, LOGPROB_FLOOR), rank)}
+        d: dict[int, Logprob] = {tok: Logprob(max(lp, LOGPROB_FLOOR), rank)}
         for j in range(min(num_top[i], k)):
             t = top_ids_l[i][j]
             if t not in d:
@@ -298,9 +298,9 @@ def compute_prompt_logprobs(
     logits: torch.Tensor,
     prompt_token_ids: Seq[int],
     num_logprobs: int,
-    params: Optional[SamplingParams] = None,
+    params: SamplingParams | None = None,
     start: int = 0,
-) -> List[Optional[Dict[int, Logprob]]]:
+) -> list[dict[int, Logprob] | None]:
     """Prompt logprobs of one request (vLLM's PromptLogprobs) for a chunk of its prompt.
 
     logits [T, vocab] are the model's outputs at prompt positions start .. start+T-1; row i
@@ -311,7 +311,7 @@ def compute_prompt_logprobs(
     are applied (no penalties, no min_tokens) when params is given.
     """
     num_targets = max(0, min(logits.shape[0], len(prompt_token_ids) - 1 - start))
-    out: List[Optional[Dict[int, Logprob]]] = [None] if start == 0 else []
+    out: list[dict[int, Logprob] | None] = [None] if start == 0 else []
     if num_targets == 0:
         return out
     x = logits[:num_targets].to(torch.float32, copy=True)
@@ -329,7 +329,7 @@ def compute_prompt_logprobs(
 
 def beam_search_candidates(
     logprobs: torch.Tensor, cum_logprobs: Seq[float] | torch.Tensor, beam_width: int
-) -> List[Tuple[int, int, float]]:
+) -> list[tuple[int, int, float]]:
     """The best 2 * beam_width (beam index, token, cumulative logprob) extensions of a
     beam group, best first (ties: lower beam index, then lower token id).
 
@@ -354,10 +354,10 @@ def beam_search_candidates(
 
 @dataclass
 class RngSnapshot:
-    requests: Dict[str, torch.Tensor]
-    global_: Dict[torch.device, torch.Tensor]
-    default_cpu: Optional[torch.Tensor]
-    default_cuda: Optional[List[torch.Tensor]]
+    requests: dict[str, torch.Tensor]
+    global_: dict[torch.device, torch.Tensor]
+    default_cpu: torch.Tensor | None
+    default_cuda: list[torch.Tensor] | None
 
 
 class Sampler:
@@ -369,16 +369,16 @@ class Sampler:
     request_id until free_request(request_id).
     """
 
-    def __init__(self, seed: Optional[int] = None) -> None:
+    def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
-        self.generators: Dict[str, torch.Generator] = {}
-        self._global_generators: Dict[torch.device, torch.Generator] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self._global_generators: dict[torch.device, torch.Generator] = {}
 
     def free_request(self, request_id: str) -> None:
         """Forget a finished/aborted request's generator (call once it leaves the engine)."""
         self.generators.pop(request_id, None)
 
-    def snapshot(self) -> "RngSnapshot":
+    def snapshot(self) -> RngSnapshot:
         """Every random state a step may advance, so a step can be run again exactly
         (the engine re-runs parts of a failed step to find the request that broke it)."""
         return RngSnapshot(
@@ -389,7 +389,7 @@ class Sampler:
             else None,
         )
 
-    def restore(self, snap: "RngSnapshot") -> None:
+    def restore(self, snap: RngSnapshot) -> None:
         for rid in [r for r in self.generators if r not in snap.requests]:
             del self.generators[rid]  # created by the step being undone
         for rid, state in snap.requests.items():
@@ -404,7 +404,7 @@ class Sampler:
         if snap.default_cuda is not None:
             torch.cuda.set_rng_state_all(snap.default_cuda)
 
-    def _global_generator(self, device: torch.device) -> Optional[torch.Generator]:
+    def _global_generator(self, device: torch.device) -> torch.Generator | None:
         if self.seed is None:
             return None
         gen = self._global_generators.get(device)
@@ -436,7 +436,7 @@ class Sampler:
             i for i, r in enumerate(rows)
             if r.sampling_type in (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
         ]
-        tokens: Dict[int, torch.Tensor] = {}
+        tokens: dict[int, torch.Tensor] = {}
         if greedy:
             g = torch.tensor(greedy, dtype=torch.long, device=dev)
             for i, t in zip(greedy, processed[g].argmax(dim=-1)):
@@ -469,7 +469,7 @@ class Sampler:
                 j += n
 
         order = sorted(tokens)
-        outputs: List[Optional[SampleOutput]] = [None] * len(rows)
+        outputs: list[SampleOutput | None] = [None] * len(rows)
         beams = _beam_candidates(rows, logprobs)
         if not order:
             return SamplerOutput(outputs, logprobs, beams)
@@ -478,7 +478,7 @@ class Sampler:
         flat_tokens = torch.cat([tokens[i] for i in order])
         flat_lp = logprobs[fr].gather(1, flat_tokens.unsqueeze(1)).squeeze(1)
         want_top = [j for j, i in enumerate(flat_rows) if rows[i].params.logprobs is not None]
-        top_dicts: Dict[int, Dict[int, Logprob]] = {}
+        top_dicts: dict[int, dict[int, Logprob]] = {}
         if want_top:
             w = torch.tensor(want_top, dtype=torch.long, device=dev)
             dicts = top_logprob_dicts(
@@ -500,14 +500,14 @@ class Sampler:
 
 
 def _beam_candidates(rows: Seq[SamplingRow], logprobs: torch.Tensor
-                     ) -> Dict[str, List[BeamCandidate]]:
+                     ) -> dict[str, list[BeamCandidate]]:
     """Per beam-search request: the best 2 * beam_width extensions over its rows, each
     with its token's logprob and, when the request asks for logprobs, its entry."""
-    by_request: Dict[str, List[int]] = {}
+    by_request: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
         if r.sampling_type == SamplingType.BEAM:
             by_request.setdefault(r.request_id, []).append(i)
-    out: Dict[str, List[BeamCandidate]] = {}
+    out: dict[str, list[BeamCandidate]] = {}
     dev = logprobs.device
     for rid, idx in by_request.items():
         params = rows[idx[0]].params
@@ -517,7 +517,7 @@ def _beam_candidates(rows: Seq[SamplingRow], logprobs: torch.Tensor
         beam_idx = torch.tensor([b for b, _, _ in cands], dtype=torch.long, device=dev)
         token_idx = torch.tensor([t for _, t, _ in cands], dtype=torch.long, device=dev)
         token_lps = group_lps[beam_idx, token_idx].tolist()
-        tops: List[Optional[Dict[int, Logprob]]] = [None] * len(cands)
+        tops: list[dict[int, Logprob] | None] = [None] * len(cands)
         if params.logprobs is not None:
             tops = list(top_logprob_dicts(group_lps.index_select(0, beam_idx), token_idx,
                                           [params.logprobs] * len(cands)))

@@ -7,7 +7,8 @@ tensor (one row per running sequence that samples this step, in the same order).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, List, Optional, Sequence as Seq
+from typing import Any
+from collections.abc import Iterable, Sequence as Seq
 
 from vllm_lite.sampling_params import SamplingParams, SamplingType
 from vllm_lite.errors import InternalError
@@ -33,13 +34,13 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Seq[int]
     output_token_ids: Seq[int] = field(default_factory=list)
-    eos_token_id: Optional[int] = None
+    eos_token_id: int | None = None
     num_samples: int = 1
     # The sequence's cumulative logprob so far (beam search ranks extensions by it).
     cumulative_logprob: float = 0.0
 
     @classmethod
-    def for_seq(cls, group: Any, seq: Any, first_step_draws: bool = True) -> "SamplingRow":
+    def for_seq(cls, group: Any, seq: Any, first_step_draws: bool = True) -> SamplingRow:
         """The row of one sequence of a vllm_lite.sequence.SequenceGroup: best_of draws at
         a random request's first sample (with first_step_draws), one otherwise."""
         params = group.sampling_params
@@ -77,7 +78,7 @@ class SamplingRow:
     def sampling_type(self) -> SamplingType:
         return self.params.sampling_type
 
-    def min_tokens_banned_ids(self) -> List[int]:
+    def min_tokens_banned_ids(self) -> list[int]:
         """Token ids masked this step because min_tokens is not reached yet (else [])."""
         if len(self.output_token_ids) >= self.params.min_tokens:
             return []
@@ -91,13 +92,13 @@ class SamplingRow:
 class SamplingMetadata:
     """The rows sampled this step, in logits-row order."""
 
-    rows: List[SamplingRow]
+    rows: list[SamplingRow]
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @classmethod
-    def from_seq_groups(cls, seq_groups: Iterable, num_samples_first_step: bool = True) -> "SamplingMetadata":
+    def from_seq_groups(cls, seq_groups: Iterable, num_samples_first_step: bool = True) -> SamplingMetadata:
         """One row per unfinished sequence of each vllm_lite.sequence.SequenceGroup, in order.
 
         With num_samples_first_step, a random-sampling group awaiting its first sample

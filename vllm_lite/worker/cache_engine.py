@@ -8,7 +8,7 @@ step's block operations before the forward: swap out, swap in, then copy-on-writ
 from __future__ import annotations
 
 import logging
-from typing import List, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -19,10 +19,10 @@ from vllm_lite.errors import InternalError
 
 logger = logging.getLogger(__name__)
 
-BlockMapping = Sequence[Tuple[int, int]]
+BlockMapping = Sequence[tuple[int, int]]
 
 
-def _layer_geometry(model: nn.Module) -> List[Tuple[int, int]]:
+def _layer_geometry(model: nn.Module) -> list[tuple[int, int]]:
     """(num_kv_heads, head_size) of every attention layer."""
     return [(a.num_kv_heads, a.head_size) for a in model.attention_layers()]
 
@@ -110,8 +110,8 @@ class CacheEngine:
         self.device = torch.device(device)
         self.layers = model.attention_layers()
         pin = self.device.type == "cuda"
-        self.gpu_cache: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.cpu_cache: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.gpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         for attn in self.layers:
             k_shape, v_shape = ops.kv_cache_shapes(
                 num_gpu_blocks, attn.num_kv_heads, attn.head_size, block_size, dtype

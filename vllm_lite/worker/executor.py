@@ -40,7 +40,7 @@ class Executor(Protocol):
 class UniprocExecutor:
     """One Worker, in this process."""
 
-    def __init__(self, config: "EngineConfig", model: torch.nn.Module | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
         self.worker = Worker(config, model)
 
     def determine_num_blocks(self) -> tuple[int, int]:

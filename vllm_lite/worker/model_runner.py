@@ -15,7 +15,7 @@ first token of the next one).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ class ModelInput:
     # Flat-batch indices of the prompt positions whose logits give prompt logprobs, and per
     # request (group, first position, number of positions), in that order.
     prompt_logprob_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-    prompt_logprob_spans: List[Tuple[Any, int, int]] = field(default_factory=list)
+    prompt_logprob_spans: list[tuple[Any, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -47,30 +47,30 @@ class RunnerOutput:
     sampled rows, and per request_id the prompt logprobs of this step's chunk
     (compute_prompt_logprobs' list, to append to group.prompt_logprobs)."""
 
-    sampler_output: Optional[SamplerOutput]
+    sampler_output: SamplerOutput | None
     metadata: SamplingMetadata
-    prompt_logprobs: Dict[str, List[Optional[Dict[int, Any]]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, Any] | None]] = field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, device: torch.device,
-                 sampler: Optional[Sampler] = None) -> None:
+                 sampler: Sampler | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = sampler if sampler is not None else Sampler()
 
-    def prepare_input(self, out: SchedulerOutput) -> Optional[ModelInput]:
+    def prepare_input(self, out: SchedulerOutput) -> ModelInput | None:
         """The step's flat batch, or None when nothing is scheduled."""
-        ids: List[int] = []
-        pos_starts: List[int] = []
-        counts: List[int] = []
-        seq_lens: List[int] = []
-        tables: List[List[int]] = []
-        sample_idx: List[int] = []
-        rows: List[SamplingRow] = []
-        plp_idx: List[torch.Tensor] = []
-        plp_spans: List[Tuple[Any, int, int]] = []
+        ids: list[int] = []
+        pos_starts: list[int] = []
+        counts: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_idx: list[int] = []
+        rows: list[SamplingRow] = []
+        plp_idx: list[torch.Tensor] = []
+        plp_spans: list[tuple[Any, int, int]] = []
         is_prompt = False
         for sched in out.scheduled_seq_groups:
             group = sched.seq_group
@@ -135,7 +135,7 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _prompt_logprob_span(group: Any, start: int, n: int) -> Optional[Tuple[int, int]]:
+    def _prompt_logprob_span(group: Any, start: int, n: int) -> tuple[int, int] | None:
         """(first position, count) of the prompt positions in [start, start + n) whose
         logits the group still needs for its prompt logprobs, or None. Position p predicts
         token p + 1; the count may be 0 (a one-token prompt still gets its [None])."""

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: "EngineConfig", model: torch.nn.Module | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
         from vllm_lite.models.loader import load_model
 
         self.config = config

@@ -21,7 +21,8 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any
+from collections.abc import Iterable
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -61,7 +62,7 @@ def guarded_h11_protocol(max_connections: int, read_timeout: float) -> type:
     """An H11Protocol subclass enforcing the connection cap and the read timeout."""
 
     class GuardedH11Protocol(H11Protocol):
-        _read_timer: Optional[asyncio.TimerHandle] = None
+        _read_timer: asyncio.TimerHandle | None = None
         _over_cap = False
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
@@ -104,7 +105,7 @@ def guarded_h11_protocol(max_connections: int, read_timeout: float) -> type:
             if not self.transport.is_closing():
                 self._arm_read_timer()
 
-        def connection_lost(self, exc: Optional[Exception]) -> None:
+        def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_read_timer()
             super().connection_lost(exc)
 
@@ -146,7 +147,7 @@ class BodyLimitMiddleware:
         started = False
         # Set when the body broke a limit: the app's own answer to the exception (FastAPI
         # turns any body-reading error into a 400) is dropped and ours is sent instead.
-        broke: Optional[str] = None
+        broke: str | None = None
 
         async def limited_receive() -> Message:
             nonlocal received, body_done, broke
@@ -231,7 +232,7 @@ class RateLimitFilter(logging.Filter):
         self.window = window
         self._lock = threading.Lock()
         # key -> (window start, count in window, dropped in window)
-        self._seen: Dict[Tuple[Any, ...], list] = {}
+        self._seen: dict[tuple[Any, ...], list] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else None

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Awaitable, Optional, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Awaitable
 
 import anyio
 from pydantic import BaseModel
@@ -46,7 +47,7 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: Any, send_timeout: Optional[float] = None, **kw: Any) -> None:
+    def __init__(self, content: Any, send_timeout: float | None = None, **kw: Any) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         headers.update(kw.pop("headers", None) or {})
         super().__init__(content, headers=headers, **kw)
@@ -88,7 +89,7 @@ def _timed_send(send: Send, timeout: float) -> Send:
     return timed
 
 
-async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
+async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """``await work``, unless the client disconnects first: then work is cancelled (its
     cleanup aborts the engine request) and None is returned (nobody reads the answer)."""
     task = asyncio.ensure_future(work)
