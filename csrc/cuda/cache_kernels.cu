@@ -14,10 +14,14 @@
 //   layers per launch; more layers take more launches), so there is no host-to-device
 //   copy and the op can be captured in a CUDA graph. Pairs naming a block outside the pool
 //   are skipped. 16-byte copies when every pointer and the block size allow, else bytes.
-// swap_blocks: one cudaMemcpyAsync per block on the current stream (H2D, D2H or D2D).
+// swap_blocks: cudaMemcpyAsync on the current stream (H2D, D2H or D2D), one per run of
+//   pairs that are consecutive on both sides (one per pair if src and dst overlap). The
+//   host tensor's pinned memory is recorded with torch's caching host allocator, so it is
+//   not reused while the copies run.
 #include <algorithm>
 #include <climits>
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -162,13 +166,27 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
   const int64_t pairs = block_mapping.size(0);
   if (block_bytes == 0 || pairs == 0) return;
   const c10::cuda::CUDAGuard device_guard(device);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
   const auto* s = static_cast<const char*>(src.data_ptr());
   auto* dp = static_cast<char*>(dst.data_ptr());
   const int64_t* map = block_mapping.data_ptr<int64_t>();  // on the CPU, checked above
-  copy_mapped_blocks(s, dp, map, pairs, block_bytes, [&](char* to, const char* from, size_t n) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(to, from, n, kind, stream));
-  });
+  const bool merge_runs = disjoint(s, src.size(0) * block_bytes, dp, dst.size(0) * block_bytes);
+  copy_mapped_blocks(s, dp, map, pairs, block_bytes, merge_runs,
+                     [&](char* to, const char* from, size_t n) {
+                       C10_CUDA_CHECK(cudaMemcpyAsync(to, from, n, kind, stream.stream()));
+                     });
+  if (kind != cudaMemcpyDeviceToDevice) {
+    // The copies run after this returns. A pinned tensor from torch's caching host
+    // allocator (pin_memory(), e.g. a temporary) goes back to the allocator's pool when
+    // freed; recording the stream keeps that memory from being handed out again until the
+    // copies are done. Memory the allocator does not own (pageable, or pinned elsewhere)
+    // is not tracked: record_event returns false, and a pageable copy is synchronous for
+    // the host side anyway.
+    const at::Tensor& host = src.is_cpu() ? src : dst;
+    const c10::DataPtr& data = host.storage().data_ptr();
+    at::getHostAllocator(at::kCUDA)->record_event(data.get(), data.get_context(),
+                                                  stream.unwrap());
+  }
 }
 
 }  // namespace cuda

@@ -151,14 +151,30 @@ __global__ void copy_blocks_kernel(const __grid_constant__ CopyBlocksLayers laye
   }
 }
 
-// swap_blocks: block map[2i] of src -> block map[2i + 1] of dst, one copy(dst, src, bytes)
-// per pair (cudaMemcpyAsync on CUDA). The mapping was validated on the host.
+// True when the byte ranges [a, a + a_bytes) and [b, b + b_bytes) do not overlap.
+inline bool disjoint(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x + static_cast<uintptr_t>(a_bytes) <= y || y + static_cast<uintptr_t>(b_bytes) <= x;
+}
+
+// swap_blocks: block map[2i] of src -> block map[2i + 1] of dst, by copy(dst, src, bytes)
+// (cudaMemcpyAsync on CUDA). With merge_runs, consecutive pairs that continue a run on both
+// sides (src s, s+1, ... -> dst t, t+1, ...) become one copy: a swapped-out sequence's
+// blocks are often adjacent, and each call has a fixed cost. Only valid when src and dst
+// do not overlap (else a later pair may read what an earlier one wrote, which one big copy
+// would not honour). The mapping was validated on the host, so every run is in bounds.
 template <typename Copy>
 void copy_mapped_blocks(const char* src, char* dst, const int64_t* map, int64_t pairs,
-                        int64_t block_bytes, Copy&& copy) {
-  for (int64_t i = 0; i < pairs; ++i) {
+                        int64_t block_bytes, bool merge_runs, Copy&& copy) {
+  for (int64_t i = 0; i < pairs;) {
+    int64_t n = 1;
+    while (merge_runs && i + n < pairs && map[2 * (i + n)] == map[2 * i] + n &&
+           map[2 * (i + n) + 1] == map[2 * i + 1] + n) {
+      ++n;
+    }
     copy(dst + map[2 * i + 1] * block_bytes, src + map[2 * i] * block_bytes,
-         static_cast<size_t>(block_bytes));
+         static_cast<size_t>(n * block_bytes));
+    i += n;
   }
 }
 

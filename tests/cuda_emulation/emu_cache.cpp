@@ -70,12 +70,19 @@ void copy_blocks(void* const* key_caches, void* const* value_caches,
   }
 }
 
-void swap_blocks(const void* src, void* dst, const int64_t* mapping, int64_t pairs,
-                 int64_t block_bytes) {
-  if (block_bytes == 0 || pairs == 0) return;
+int64_t swap_blocks(const void* src, void* dst, const int64_t* mapping, int64_t pairs,
+                    int64_t block_bytes, int64_t src_blocks, int64_t dst_blocks) {
+  if (block_bytes == 0 || pairs == 0) return 0;
+  const bool merge_runs = cache::disjoint(src, src_blocks * block_bytes, dst,
+                                          dst_blocks * block_bytes);
+  int64_t copies = 0;
   cache::copy_mapped_blocks(static_cast<const char*>(src), static_cast<char*>(dst), mapping,
-                            pairs, block_bytes,
-                            [](char* to, const char* from, size_t n) { memcpy(to, from, n); });
+                            pairs, block_bytes, merge_runs,
+                            [&](char* to, const char* from, size_t n) {
+                              memcpy(to, from, n);
+                              ++copies;
+                            });
+  return copies;
 }
 
 }  // namespace emu_ops

@@ -224,9 +224,18 @@ void run_copy_blocks(const Case& c) {
                        static_cast<const int64_t*>(c.p("mapping")), c.i("pairs"), num_blocks);
 }
 
+// expect_copies (optional): how many copies the launcher must make (runs merged).
 void run_swap_blocks(const Case& c) {
-  emu_ops::swap_blocks(c.p("src"), c.p("dst"), static_cast<const int64_t*>(c.p("mapping")),
-                       c.i("pairs"), c.i("block_bytes"));
+  const int64_t block_bytes = c.i("block_bytes");
+  const int64_t copies = emu_ops::swap_blocks(
+      c.p("src"), c.p("dst"), static_cast<const int64_t*>(c.p("mapping")), c.i("pairs"),
+      block_bytes, static_cast<int64_t>(c.bytes("src")) / block_bytes,
+      static_cast<int64_t>(c.bytes("dst")) / block_bytes);
+  const int64_t want = c.i("expect_copies", -1);
+  if (want >= 0 && copies != want) {
+    throw std::runtime_error("swap_blocks made " + std::to_string(copies) + " copies, expected " +
+                             std::to_string(want));
+  }
 }
 
 // float32 -> half / bfloat16 bits (the shim's conversions) and every half / bfloat16 bit

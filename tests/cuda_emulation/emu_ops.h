@@ -50,8 +50,9 @@ void copy_blocks(void* const* key_caches, void* const* value_caches,
                  const int64_t* block_bytes, int64_t layers, const int64_t* mapping,
                  int64_t pairs, int64_t num_blocks);
 
-// cache_kernels.cu: swap_blocks (the copies; host memcpy for cudaMemcpyAsync).
-void swap_blocks(const void* src, void* dst, const int64_t* mapping, int64_t pairs,
-                 int64_t block_bytes);
+// cache_kernels.cu: swap_blocks (the copies; host memcpy for cudaMemcpyAsync) between a
+// src of src_blocks and a dst of dst_blocks blocks. Returns the number of copies made.
+int64_t swap_blocks(const void* src, void* dst, const int64_t* mapping, int64_t pairs,
+                    int64_t block_bytes, int64_t src_blocks, int64_t dst_blocks);
 
 }  // namespace emu_ops

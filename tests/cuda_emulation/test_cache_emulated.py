@@ -160,16 +160,25 @@ def _prepare_copy(c: CopyCase, root):
     return cd, (kcs, vcs, want_k, want_v)
 
 
-def _prepare_swap(root):
+# (mapping, copies the launcher makes: pairs consecutive on both sides are one copy)
+SWAP_CASES = {
+    "swap": ([[0, 6], [9, 0], [3, 3], [3, 4]], 4),
+    "swap_runs": ([[0, 2], [1, 3], [2, 4], [7, 0], [8, 1], [5, 6], [9, 5]], 4),
+}
+
+
+def _prepare_swap(root, name):
     g = torch.Generator().manual_seed(31)
     src = torch.randn(10, 2, 64, 16, generator=g).to(F16)
     dst = torch.randn(7, 2, 64, 16, generator=g).to(F16)
-    mapping = torch.tensor([[0, 6], [9, 0], [3, 3], [3, 4]], dtype=torch.long)
+    pairs, copies = SWAP_CASES[name]
+    mapping = torch.tensor(pairs, dtype=torch.long)
     want = dst.clone()
     for s, t in mapping.tolist():
         want[t] = src[s]
-    cd = case_dir(root, "swap")
-    cd.set(op="swap_blocks", pairs=4, block_bytes=src[0].numel() * 2)
+    cd = case_dir(root, name)
+    cd.set(op="swap_blocks", pairs=len(pairs), block_bytes=src[0].numel() * 2,
+           expect_copies=copies)
     cd.buf("src", src, out=True)
     cd.buf("dst", dst, out=True)
     cd.buf("mapping", mapping)
@@ -182,7 +191,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("emu_cache")
     prepared = {c.id: _prepare_write(c, root) for c in WRITE_CASES}
     prepared.update({c.id: _prepare_copy(c, root) for c in COPY_CASES})
-    prepared["swap"] = _prepare_swap(root)
+    prepared.update({name: _prepare_swap(root, name) for name in SWAP_CASES})
     results = harness.run_cases([cd.path for cd, _ in prepared.values()])
     return prepared, results
 
@@ -229,9 +238,10 @@ def test_copy_blocks_emulated(runs, case, seed):
 
 
 @SEED_PARAM
-def test_swap_blocks_emulated(runs, seed):
+@pytest.mark.parametrize("name", list(SWAP_CASES))
+def test_swap_blocks_emulated(runs, name, seed):
     prepared, results = runs
-    cd, (src, want) = prepared["swap"]
+    cd, (src, want) = prepared[name]
     res = results[cd.path]
     assert res.ok, res.message
     assert_bitwise_equal(cd.read("dst", seed, want), want, "dst")

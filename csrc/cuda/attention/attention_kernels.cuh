@@ -23,8 +23,9 @@
 //        that block reads as zeros, so a corrupt table can never fault).
 //     2. K pass: a warp step covers TPW tokens; TGS = 32 / TPW lanes share a token, each
 //        holding up to 8 16-byte chunks of its key (lane-interleaved, so a warp's loads of
-//        one step are contiguous 16-byte chunks). Per query head: dot with q (float32,
-//        shared memory), xor-shuffle reduce over the TGS lanes, logit -> shared memory.
+//        one step are contiguous 16-byte chunks), converted to float32 once. Per query
+//        head: dot with q (float32, shared memory), xor-shuffle reduce over the TGS lanes,
+//        logit -> shared memory.
 //     3. softmax: one warp per head: chunk max, new running max m, p = exp(logit - m)
 //        written back in place, running sum l = l * exp(m_old - m) + sum(p).
 //     4. V pass: thread <-> value row d (head_size rows; for head_size <= 64 several
@@ -271,21 +272,23 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
           const int dc = tg + k * TGS;
           kr[k] = (blk >= 0 && dc < nck) ? load_chunk(kp + dc * (BS * X)) : zero_chunk();
         }
+        // The key in float32 once, for all G heads (not once per head).
+        float kf[KCPL][X];
+#pragma unroll
+        for (int k = 0; k < KCPL; ++k) chunk_to_float<T>(kr[k], kf[k]);
         for (int h = 0; h < G; ++h) {
           const float* qh = q_s + h * HS;
           float dot = 0.f;
 #pragma unroll
           for (int k = 0; k < KCPL; ++k) {
             const int dc = tg + k * TGS;
-            if (dc < nck) {
-              float kf[X];
-              chunk_to_float<T>(kr[k], kf);
+            if (dc < nck) {  // q_s holds head_size floats per head
               const float4* q4 = reinterpret_cast<const float4*>(qh + dc * X);
 #pragma unroll
               for (int i = 0; i < X / 4; ++i) {
                 const float4 qv = q4[i];
-                dot += qv.x * kf[4 * i] + qv.y * kf[4 * i + 1] + qv.z * kf[4 * i + 2] +
-                       qv.w * kf[4 * i + 3];
+                dot += qv.x * kf[k][4 * i] + qv.y * kf[k][4 * i + 1] +
+                       qv.z * kf[k][4 * i + 2] + qv.w * kf[k][4 * i + 3];
               }
             }
           }
