@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import enum
 import math
 import numbers
@@ -50,6 +49,14 @@ class SamplingParams:
     top_p/top_k/min_p follow vLLM's meaning. stop: strings that end a completion (checked by
     the detokenizer); stop_token_ids: tokens that end it. max_tokens=None generates up to
     the model's max_model_len. Every check raises ValueError naming the field.
+
+    Text: skip_special_tokens drops special tokens from the output text;
+    spaces_between_special_tokens (vLLM's default True) joins the added / special tokens
+    left in the text to their neighbours with a space, False with nothing (see
+    vllm_lite.detokenizer.decode). truncate_prompt_tokens=k (an int >= 1, or None) keeps
+    only the last k prompt tokens, applied where the prompt is admitted (LLM.generate /
+    chat, the server) before the max_model_len check, as vLLM does; RequestOutput's
+    prompt_token_ids are then the kept ones.
 
     Types are checked first: int fields take ints (not bool or float; numpy integers are
     stored as int), float fields take ints or floats (not bool, str or None; stored as
@@ -267,9 +274,6 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
-
-    def clone(self) -> "SamplingParams":
-        return copy.deepcopy(self)
 
 
 def _as_int(name: str, value: object) -> int:

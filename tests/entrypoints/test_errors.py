@@ -94,6 +94,23 @@ BAD_COMPLETIONS = {
     "suffix": (_completion(suffix="end"), "suffix"),
     "seed_not_int": (_completion(seed="abc"), "seed"),
     "stream_best_of": (_completion(stream=True, n=1, best_of=2, temperature=1.0), "best_of"),
+    "truncate_zero": (_completion(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    "truncate_negative": (_completion(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    "truncate_bool": (_completion(truncate_prompt_tokens=True), "truncate_prompt_tokens"),
+    "truncate_float": (_completion(truncate_prompt_tokens=2.0), "truncate_prompt_tokens"),
+    "truncate_str": (_completion(truncate_prompt_tokens="2"), "truncate_prompt_tokens"),
+    # Truncated to more than fits: still too long.
+    "truncate_over_context": (_completion(prompt=_prompt(CONTEXT + 5),
+                                          truncate_prompt_tokens=CONTEXT + 1), "prompt"),
+    "spaces_not_bool": (_completion(spaces_between_special_tokens="sometimes"),
+                        "spaces_between_special_tokens"),
+    "stream_options_without_stream": (_completion(stream_options={"include_usage": True}),
+                                      "stream_options"),
+    # vLLM's extras this server does not implement: refused, not dropped.
+    "guided_json": (_completion(guided_json={"type": "object"}), "guided_json"),
+    "guided_choice": (_completion(guided_choice=["a", "b"]), "guided_choice"),
+    "prompt_logprobs": (_completion(prompt_logprobs=1), "prompt_logprobs"),
+    "allowed_token_ids": (_completion(allowed_token_ids=[1, 2]), "allowed_token_ids"),
 }
 
 BAD_CHATS = {
@@ -108,6 +125,21 @@ BAD_CHATS = {
     "tools": (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     "json_format": (_chat(response_format={"type": "json_object"}), "response_format"),
     "n_above_cap": (_chat(n=MAX_N + 1, temperature=1.0), "n"),
+    "truncate_zero": (_chat(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    "truncate_bool": (_chat(truncate_prompt_tokens=False), "truncate_prompt_tokens"),
+    "truncate_float": (_chat(truncate_prompt_tokens=1.5), "truncate_prompt_tokens"),
+    "spaces_not_bool": (_chat(spaces_between_special_tokens=[True]),
+                        "spaces_between_special_tokens"),
+    "stream_options_without_stream": (_chat(stream_options={"include_usage": False}),
+                                      "stream_options"),
+    "guided_regex": (_chat(guided_regex="a+"), "guided_regex"),
+    "echo": (_chat(echo=True), "echo"),
+    "continue_final_message": (_chat(continue_final_message=True), "continue_final_message"),
+    "chat_template": (_chat(chat_template="{{ messages }}"), "chat_template"),
+    "chat_template_kwargs": (_chat(chat_template_kwargs={"enable_thinking": False}),
+                             "chat_template_kwargs"),
+    "tool_choice_required": (_chat(tool_choice="required"), "tool_choice"),
+    "parallel_tool_calls": (_chat(parallel_tool_calls=True), "parallel_tool_calls"),
 }
 
 

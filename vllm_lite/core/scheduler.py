@@ -175,7 +175,7 @@ class Scheduler:
             raise ValueError(f"priority must be an int, got {seq_group.priority!r}")
         for seq in seq_group.get_seqs():
             if seq.status != SequenceStatus.WAITING or self.block_manager.has_blocks(seq):
-                raise ValueError(f"seq {seq.seq_id} of a new request must be WAITING without blocks")
+                raise InternalError(f"seq {seq.seq_id} of a new request must be WAITING without blocks")
         seq_group.sampling_params.verify_max_n(self.config.max_num_seqs)
         if seq_group.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position's logits: no prefix-cache reads

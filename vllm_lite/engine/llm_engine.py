@@ -22,6 +22,7 @@ from vllm_lite.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from vllm_lite.config import EngineConfig
 from vllm_lite.engine.output_processor import OutputProcessor, RequestState
 from vllm_lite.engine.stop_checker import StopChecker
+from vllm_lite.inputs import truncate_prompt
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.worker.executor import Executor, UniprocExecutor
@@ -115,7 +116,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        ids = list(prompt_token_ids)
+        # truncate_prompt_tokens before the length check, as vLLM; LLM and the server apply
+        # it earlier to check whole requests first, and truncating again changes nothing.
+        prompt, ids = truncate_prompt(prompt, list(prompt_token_ids),
+                                      params.truncate_prompt_tokens, self.tokenizer,
+                                      params.spaces_between_special_tokens)
         self.validate_prompt(ids)
         self.validate_fits(len(ids), params)
         self.validate_priority(priority)

@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm_lite.core.beam_search import BeamCandidate, Hypothesis, ScoredCandidate, beam_score, select_beams
 from vllm_lite.core.scheduler import Scheduler, ScheduledSequenceGroup, SchedulerOutput
-from vllm_lite.detokenizer import IncrementalDetokenizer
+from vllm_lite.detokenizer import IncrementalDetokenizer, token_texts_after
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.errors import InternalError
 from vllm_lite.layers.sampler import Logprob, SampleOutput
@@ -282,13 +282,12 @@ class OutputProcessor:
     def _decode_logprobs(self, entry: dict[int, Logprob], context: list[int],
                          group: SequenceGroup) -> None:
         """Fill each Logprob's decoded_token: the text the token adds after ``context``."""
-        skip = group.sampling_params.skip_special_tokens
-        window = list(context[-_DECODE_WINDOW:])
-        prefix = self.tokenizer.decode(window, skip_special_tokens=skip)
-        for token_id, lp in entry.items():
-            text = self.tokenizer.decode(window + [token_id], skip_special_tokens=skip)
-            lp.decoded_token = (text[len(prefix):] if text.startswith(prefix)
-                                else self.tokenizer.decode([token_id], skip_special_tokens=skip))
+        params = group.sampling_params
+        texts = token_texts_after(self.tokenizer, context[-_DECODE_WINDOW:], list(entry),
+                                  params.skip_special_tokens,
+                                  params.spaces_between_special_tokens)
+        for lp, text in zip(entry.values(), texts):
+            lp.decoded_token = text
 
     def _detokenize(self, state: RequestState, seq_ids_before: list[int],
                     tops: dict[int, Any]) -> None:
@@ -319,8 +318,8 @@ class OutputProcessor:
                 continue
             det = state.detoks.get(seq.seq_id)
             if det is None:
-                det = state.detoks[seq.seq_id] = IncrementalDetokenizer(
-                    self.tokenizer, state.prompt_token_ids, params.skip_special_tokens)
+                det = state.detoks[seq.seq_id] = IncrementalDetokenizer.for_params(
+                    self.tokenizer, state.prompt_token_ids, params)
             new_text = det.add_tokens(new_tokens)
             hit = self.stop_checker.check_stop_strings(params, det.text, len(new_text))
             if hit is not None:

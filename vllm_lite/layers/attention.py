@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_lite.errors import InternalError
+
 
 @dataclass
 class AttentionMetadata:
@@ -61,14 +63,14 @@ class AttentionMetadata:
             seq_lens = [int(x) for x in self.seq_lens.tolist()]
             starts = [int(x) for x in self.query_start_loc.tolist()]
             if len(starts) != len(seq_lens) + 1:
-                raise ValueError(
+                raise InternalError(
                     f"query_start_loc has {len(starts)} entries; expected num_seqs + 1 = "
                     f"{len(seq_lens) + 1}"
                 )
             for i, seq_len in enumerate(seq_lens):
                 n = starts[i + 1] - starts[i]
                 if n < 0 or n > seq_len:
-                    raise ValueError(
+                    raise InternalError(
                         f"sequence {i}: {n} new tokens but seq_len {seq_len} "
                         "(seq_len counts the cached prefix plus the new tokens)"
                     )

@@ -9,7 +9,7 @@ with a 400 instead of being dropped silently.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -67,10 +67,32 @@ class SamplingFields(OpenAIBase):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # Added / special tokens in the output text joined with spaces (vLLM's default).
     spaces_between_special_tokens: bool = True
+    # Keep only the last k prompt tokens (left truncation), before the length checks.
+    truncate_prompt_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     priority: int = 0
     # Logprob tokens as "token_id:<id>" rather than text (exact ids for clients).
     return_tokens_as_token_ids: bool = False
+    # vLLM request fields this server does not implement. Declared (not left to
+    # extra="ignore") so that a request using one is refused with a 400 naming it
+    # (OpenAIServing.check_options) instead of silently getting unconstrained output.
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
+    guided_whitespace_pattern: Optional[Any] = None
+    allowed_token_ids: Optional[Any] = None
+    prompt_logprobs: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+
+    # The declared-but-refused fields above; a subclass adds its own. None and False
+    # (a client sending the field's off value) are accepted.
+    unsupported_fields: ClassVar[Tuple[str, ...]] = (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "allowed_token_ids",
+        "prompt_logprobs", "logits_processors")
 
 
 class UsageInfo(OpenAIBase):
@@ -143,6 +165,19 @@ class ChatCompletionRequest(SamplingFields):
     response_format: Optional[ResponseFormat] = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    # vLLM's chat extras this server does not implement (refused, see SamplingFields);
+    # tool_choice "none" / "auto" mean nothing without tools and are accepted.
+    echo: Optional[Any] = None
+    continue_final_message: Optional[Any] = None
+    chat_template: Optional[Any] = None
+    chat_template_kwargs: Optional[Any] = None
+    documents: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[Any] = None
+
+    unsupported_fields: ClassVar[Tuple[str, ...]] = SamplingFields.unsupported_fields + (
+        "echo", "continue_final_message", "chat_template", "chat_template_kwargs",
+        "documents", "parallel_tool_calls")
 
 
 class ChatMessage(OpenAIBase):

@@ -77,15 +77,23 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         if req.tools:
             raise RequestError("tools are not supported", param="tools")
+        if req.tool_choice not in (None, "none", "auto"):
+            # Without tools only "none" / "auto" (no tool call) can be honoured.
+            raise RequestError("tool_choice needs tools, which are not supported",
+                               param="tool_choice")
         if req.response_format is not None and req.response_format.type != "text":
             raise RequestError("only the text response_format is supported",
                                param="response_format")
         self.check_priority(req.priority)
+        self.check_options(req)
         self.check_strings(req)
         self.check_messages(req.messages)
         tok = self.need_tokenizer("chat")
         text, ids = apply_chat_template(tok, req.messages, req.add_generation_prompt,
                                         req.add_special_tokens)
+        # truncate_prompt_tokens first: a prompt cut to fit is admitted (as vLLM).
+        truncated, ids = self.truncate(text, ids, req)
+        text = truncated if truncated is not None else text
         self.check_prompt(ids, param="messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")

@@ -7,6 +7,7 @@ import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
+from vllm_lite.detokenizer import decode
 from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 
@@ -57,6 +58,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompts.append((item, ids))
             else:
                 prompts.append((None, list(item)))
+        # truncate_prompt_tokens first: a prompt cut to fit is admitted (as vLLM).
+        prompts = [self.truncate(text, ids, req) for text, ids in prompts]
         for _, ids in prompts:
             self.check_prompt(ids)
         return prompts
@@ -67,6 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.suffix:
             raise RequestError("suffix is not supported", param="suffix")
         self.check_priority(req.priority)
+        self.check_options(req)
         self.check_strings(req)
         if req.logprobs is not None and req.logprobs < 0:
             raise RequestError(f"logprobs must be non-negative, got {req.logprobs}",
@@ -86,11 +90,15 @@ class OpenAIServingCompletion(OpenAIServing):
         return [self.run(f"{request_id}-{i}", text, ids, p, req.priority)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]
 
-    def _echo_text(self, prompt: Prompt) -> str:
+    def _echo_text(self, req: CompletionRequest, prompt: Prompt) -> str:
         text, ids = prompt
         if text is not None:
             return text
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            return ""
+        # The prompt's special tokens are echoed, joined as the request asks.
+        return decode(self.tokenizer, ids, skip_special_tokens=False,
+                      spaces_between_special_tokens=req.spaces_between_special_tokens)
 
     def _logprobs(self, lp: CompletionLogProbs, entries: List[Optional[Dict[int, Any]]],
                   token_ids: List[int], k: int, as_ids: bool, offset: int) -> None:
@@ -143,7 +151,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, prompt in enumerate(prompts):
             out = finals[i]
             usage.prompt_tokens += len(out.prompt_token_ids)
-            echo = self._echo_text(prompt) if req.echo else ""
+            echo = self._echo_text(req, prompt) if req.echo else ""
             for pos, c in enumerate(out.outputs):
                 usage.completion_tokens += len(c.token_ids)
                 logprobs = self._choice_logprobs(req, out, c, 0, c.token_ids, req.echo,
@@ -171,7 +179,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     del states[key]  # nothing sent yet: the echo still goes with the first
                 continue
             text, new_ids, start = delta
-            echo = self._echo_text(prompt) if req.echo else ""
+            echo = self._echo_text(req, prompt) if req.echo else ""
             logprobs = self._choice_logprobs(req, out, c, start, new_ids, req.echo and first,
                                              len(echo) + state.sent_chars - len(text))
             choices.append(CompletionChoice(

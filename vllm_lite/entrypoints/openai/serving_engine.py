@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 from pydantic import BaseModel
 
 from vllm_lite.engine.async_engine import AsyncLLMEngine, EngineError
+from vllm_lite.inputs import truncate_prompt
 from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 
@@ -27,7 +28,9 @@ logger = logging.getLogger(__name__)
 _SAMPLING_FIELDS = frozenset(
     ("n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
      "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
-     "stop", "stop_token_ids", "length_penalty", "early_stopping"))
+     "stop", "stop_token_ids", "length_penalty", "early_stopping", "truncate_prompt_tokens",
+     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+     "ignore_eos", "use_beam_search"))
 
 
 class RequestError(Exception):
@@ -181,6 +184,27 @@ class OpenAIServing:
         except ValueError as e:
             raise RequestError(str(e), param="priority") from None
 
+    def check_options(self, req: SamplingFields) -> None:
+        """Request options that would otherwise be accepted and have no effect."""
+        if req.stream_options is not None and not req.stream:
+            # As vLLM (and OpenAI): usage chunks exist only in a stream.
+            raise RequestError("stream_options can only be set when stream is true",
+                               param="stream_options")
+        for name in req.unsupported_fields:
+            value = getattr(req, name)
+            if value is not None and value is not False:
+                raise RequestError(f"{name} is not supported by this server", param=name)
+
+    def truncate(self, text: Optional[str], ids: List[int],
+                 req: SamplingFields) -> Tuple[Optional[str], List[int]]:
+        """The prompt after truncate_prompt_tokens (its last k tokens), before the length
+        checks: the same helper LLM.generate / chat use."""
+        try:
+            return truncate_prompt(text, ids, req.truncate_prompt_tokens, self.tokenizer,
+                                   req.spaces_between_special_tokens)
+        except ValueError as e:
+            raise RequestError(str(e), param="truncate_prompt_tokens") from None
+
     def check_prompt(self, ids: List[int], param: str = "prompt") -> None:
         try:
             self._validate_prompt(ids)
@@ -237,6 +261,9 @@ class OpenAIServing:
                 length_penalty=req.length_penalty, early_stopping=req.early_stopping,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
+                # The prompt is already truncated (self.truncate); kept so the request's
+                # params say what was applied, and truncating again changes nothing.
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
                 detokenize=self.tokenizer is not None,
             )
             params.verify_max_n(self.max_num_seqs)
