@@ -9,7 +9,8 @@ import logging
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
+from typing import Any
+from collections.abc import AsyncIterator, Sequence
 
 from pydantic import BaseModel
 
@@ -36,7 +37,7 @@ _SAMPLING_FIELDS = frozenset(
 class RequestError(Exception):
     """A request the server refuses, with the HTTP status and the OpenAI error body."""
 
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
                  err_type: str = "BadRequestError") -> None:
         super().__init__(message)
         self.message = message
@@ -44,12 +45,12 @@ class RequestError(Exception):
         self.status = status
         self.err_type = err_type
 
-    def body(self) -> Dict[str, Any]:
+    def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.status, self.param)
 
 
 def error_body(message: str, err_type: str, status: int,
-               param: Optional[str] = None) -> Dict[str, Any]:
+               param: str | None = None) -> dict[str, Any]:
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
                                          code=status)).model_dump()
 
@@ -99,7 +100,7 @@ class OpenAIServing:
         self.tokenizers = tokenizers
         # A text longer than this can never tokenize into max_model_len tokens: refused
         # before the tokenizer spends time (and memory) on it.
-        self.max_prompt_chars: Optional[int] = None
+        self.max_prompt_chars: int | None = None
         if llm_engine.tokenizer is not None:
             self.max_prompt_chars = _longest_token_chars(llm_engine.tokenizer) * self.max_model_len
         self._validate_prompt = llm_engine.validate_prompt
@@ -113,7 +114,7 @@ class OpenAIServing:
         return self.tokenizers.current()
 
     # -- checks ----------------------------------------------------------------------------
-    def check_model(self, model: Optional[str]) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model:
             raise RequestError(f"the model {model!r} does not exist; this server serves "
                                f"{self.served_model!r}", param="model")
@@ -160,7 +161,7 @@ class OpenAIServing:
                 value = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
             walk(value, name)
 
-    def check_messages(self, messages: List[Any]) -> None:
+    def check_messages(self, messages: list[Any]) -> None:
         """Before templating: the count, and the total text against max_prompt_chars."""
         if len(messages) > self.limits.max_chat_messages:
             raise RequestError(f"messages holds {len(messages)} messages; at most "
@@ -195,8 +196,8 @@ class OpenAIServing:
             if value is not None and value is not False:
                 raise RequestError(f"{name} is not supported by this server", param=name)
 
-    def truncate(self, text: Optional[str], ids: List[int],
-                 req: SamplingFields) -> Tuple[Optional[str], List[int]]:
+    def truncate(self, text: str | None, ids: list[int],
+                 req: SamplingFields) -> tuple[str | None, list[int]]:
         """The prompt after truncate_prompt_tokens (its last k tokens), before the length
         checks: the same helper LLM.generate / chat use."""
         try:
@@ -205,13 +206,13 @@ class OpenAIServing:
         except ValueError as e:
             raise RequestError(str(e), param="truncate_prompt_tokens") from None
 
-    def check_prompt(self, ids: List[int], param: str = "prompt") -> None:
+    def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
         try:
             self._validate_prompt(ids)
         except ValueError as e:
             raise RequestError(str(e), param=param) from None
 
-    def resolve_max_tokens(self, max_tokens: Optional[int], prompt_len: int,
+    def resolve_max_tokens(self, max_tokens: int | None, prompt_len: int,
                            param: str = "max_tokens") -> int:
         room = self.max_model_len - prompt_len
         if max_tokens is None:
@@ -230,8 +231,8 @@ class OpenAIServing:
         return max_tokens
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, max_tokens: int,
-                        logprobs: Optional[int], logprobs_param: str,
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                        logprobs: int | None, logprobs_param: str,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         for name in ("n", "best_of"):
             value = getattr(req, name)
             if value is not None and value > self.limits.max_n:
@@ -280,7 +281,7 @@ class OpenAIServing:
         return params
 
     # -- running -----------------------------------------------------------------------------
-    async def run(self, request_id: str, prompt: Optional[str], prompt_ids: List[int],
+    async def run(self, request_id: str, prompt: str | None, prompt_ids: list[int],
                   params: SamplingParams, priority: int) -> AsyncIterator[RequestOutput]:
         """The request's step outputs; a prompt the scheduler could never run (too long
         for the cache) is a RequestError."""
@@ -303,8 +304,8 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
-    def ranked_logprobs(self, entry: Dict[int, Any], k: int,
-                        as_ids: bool) -> List[Tuple[str, float]]:
+    def ranked_logprobs(self, entry: dict[int, Any], k: int,
+                        as_ids: bool) -> list[tuple[str, float]]:
         """The k most likely tokens of one position, most likely first."""
         ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
         return [(self.token_text(t, as_ids), lp.logprob) for t, lp in ranked[:k]]
@@ -329,7 +330,7 @@ class ChoiceStream:
         self.sent_tokens = 0
         self.done = False
 
-    def delta(self, c: CompletionOutput) -> Optional[Tuple[str, List[int], int]]:
+    def delta(self, c: CompletionOutput) -> tuple[str, list[int], int] | None:
         """(new text, new token ids, index of the first new token) or None if nothing
         new; after the finishing delta, always None."""
         if self.done:
@@ -362,7 +363,7 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     yield DONE
 
 
-async def merge(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[Tuple[int, Any]]:
+async def merge(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
     """(i, item) from several async iterators as items arrive; the first error cancels
     the rest and is raised; leaving early closes them all."""
     if len(streams) == 1:
@@ -370,7 +371,12 @@ async def merge(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[Tuple[in
             async for item in it:
                 yield 0, item
         return
-    queue: "asyncio.Queue[Tuple[int, Any, Optional[BaseException]]]" = asyncio.Queue()
+    # Bounded (one item per stream): a consumer that stops reading (a client that stopped
+    # reading the response) stops the pumps, so the engine's one-slot streams see their
+    # outputs left unread and the stream timeout aborts the requests. Unbounded, the pumps
+    # would drain the engine into this queue for as long as the requests run.
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue(
+        maxsize=len(streams))
     done = object()
 
     async def pump(i: int, it: AsyncIterator[Any]) -> None:
