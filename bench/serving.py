@@ -43,7 +43,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 log = logging.getLogger("bench.serving")
 
@@ -81,13 +82,13 @@ class RateResult:
     duration_s: float
     request_throughput: float
     output_throughput: float
-    ttft: Dict[str, float] = field(default_factory=dict)
-    tpot: Dict[str, float] = field(default_factory=dict)
-    e2e: Dict[str, float] = field(default_factory=dict)
-    server: Dict[str, float] = field(default_factory=dict)
+    ttft: dict[str, float] = field(default_factory=dict)
+    tpot: dict[str, float] = field(default_factory=dict)
+    e2e: dict[str, float] = field(default_factory=dict)
+    server: dict[str, float] = field(default_factory=dict)
 
 
-def percentiles(values: Sequence[float]) -> Dict[str, float]:
+def percentiles(values: Sequence[float]) -> dict[str, float]:
     """p50 / p95 / p99 by linear interpolation between order statistics; NaN when empty."""
     vals = sorted(v for v in values if not math.isnan(v))
     out = {}
@@ -108,7 +109,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace) -> "tuple[subprocess.Popen[bytes], str]":
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve",
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
@@ -130,7 +131,7 @@ def start_server(args: argparse.Namespace) -> "tuple[subprocess.Popen[bytes], st
     return proc, f"http://127.0.0.1:{port}"
 
 
-def stop_server(proc: "subprocess.Popen[bytes]") -> None:
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=30)
@@ -139,7 +140,7 @@ def stop_server(proc: "subprocess.Popen[bytes]") -> None:
         proc.wait()
 
 
-async def wait_healthy(client: Any, proc: Optional["subprocess.Popen[bytes]"],
+async def wait_healthy(client: Any, proc: subprocess.Popen[bytes] | None,
                        timeout: float) -> None:
     import httpx
 
@@ -159,7 +160,7 @@ async def wait_healthy(client: Any, proc: Optional["subprocess.Popen[bytes]"],
 
 # -- the load ----------------------------------------------------------------------------------
 async def make_prompts(client: Any, model: str, n: int, input_len: int,
-                       rng: random.Random) -> List[List[int]]:
+                       rng: random.Random) -> list[list[int]]:
     prompts = []
     for _ in range(n):
         text = " ".join(rng.choice(WORDS) for _ in range(input_len * 2))
@@ -173,7 +174,7 @@ async def make_prompts(client: Any, model: str, n: int, input_len: int,
     return prompts
 
 
-async def one_request(client: Any, model: str, prompt: List[int],
+async def one_request(client: Any, model: str, prompt: list[int],
                       output_len: int) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -205,7 +206,7 @@ async def one_request(client: Any, model: str, prompt: List[int],
                          output_tokens=tokens)
 
 
-async def run_rate(client: Any, model: str, prompts: List[List[int]], output_len: int,
+async def run_rate(client: Any, model: str, prompts: list[list[int]], output_len: int,
                    rate: str, rng: random.Random) -> RateResult:
     lam = math.inf if rate == "inf" else float(rate)
     tasks = []
@@ -214,7 +215,7 @@ async def run_rate(client: Any, model: str, prompts: List[List[int]], output_len
         if i and lam != math.inf:
             await asyncio.sleep(rng.expovariate(lam))
         tasks.append(asyncio.ensure_future(one_request(client, model, prompt, output_len)))
-    results: List[RequestResult] = await asyncio.gather(*tasks)
+    results: list[RequestResult] = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     ok = [r for r in results if r.ok]
     for r in results:
@@ -228,7 +229,7 @@ async def run_rate(client: Any, model: str, prompts: List[List[int]], output_len
         e2e=percentiles([r.e2e for r in ok]))
 
 
-async def server_metrics(client: Any) -> Dict[str, float]:
+async def server_metrics(client: Any) -> dict[str, float]:
     """A few of the server's Prometheus series (model_name label dropped)."""
     r = await client.get("/metrics")
     if r.status_code != 200:
@@ -249,7 +250,7 @@ def _ms(x: float) -> str:
     return "-" if math.isnan(x) else f"{x * 1000:.0f}" if x >= 0.1 else f"{x * 1000:.1f}"
 
 
-def markdown(results: List[RateResult], meta: Dict[str, Any]) -> str:
+def markdown(results: list[RateResult], meta: dict[str, Any]) -> str:
     lines = [f"Serving benchmark, {meta['time']}: model `{meta['model']}`, "
              f"{meta['num_prompts']} requests per rate, {meta['input_len']} prompt tokens, "
              f"{meta['output_len']} output tokens each, {meta['host']}.", "",
@@ -267,7 +268,7 @@ def markdown(results: List[RateResult], meta: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: List[RateResult], path: Path, title: str) -> bool:
+def plot(results: list[RateResult], path: Path, title: str) -> bool:
     try:
         import matplotlib
 
@@ -304,7 +305,7 @@ def plot(results: List[RateResult], path: Path, title: str) -> bool:
 
 # -- main ----------------------------------------------------------------------------------------
 async def bench(args: argparse.Namespace, base_url: str,
-                proc: Optional["subprocess.Popen[bytes]"]) -> tuple[List[RateResult], str]:
+                proc: subprocess.Popen[bytes] | None) -> tuple[list[RateResult], str]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -332,7 +333,7 @@ async def bench(args: argparse.Namespace, base_url: str,
         return results, model
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default=None,
                    help="a running server (default: start one with --model)")
@@ -376,7 +377,7 @@ def _is_float(s: str) -> bool:
     return True
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     args = parse_args(argv)

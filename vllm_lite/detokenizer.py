@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 # Tokens of context decoded before the new ones, so a tokenizer that drops or adds a
 # leading space at the start of a decode (SentencePiece) gets the spacing right.
@@ -42,7 +43,7 @@ class _AddedTokens:
 # Per tokenizer object, (its length when read, its added tokens): reading the added
 # vocabulary costs tens of microseconds for a large one, too much for every decode of
 # every step. The length check notices tokens added later.
-_ADDED_CACHE: "weakref.WeakKeyDictionary[Any, tuple[int, _AddedTokens]]" = \
+_ADDED_CACHE: weakref.WeakKeyDictionary[Any, tuple[int, _AddedTokens]] = \
     weakref.WeakKeyDictionary()
 
 
@@ -110,11 +111,11 @@ def decode(tokenizer: Any, token_ids: Sequence[int], skip_special_tokens: bool =
 def token_texts_after(tokenizer: Any, context: Sequence[int], token_ids: Sequence[int],
                       skip_special_tokens: bool = True,
                       spaces_between_special_tokens: bool = True) -> list[str]:
-    """For each of ``token_ids``: the text it adds after ``context`` (a few tokens before
-    it, for the spacing), e.g. a logprob's ``decoded_token``. When the context's text is
-    not a prefix of the extended text (a tokenizer that rewrites across the boundary),
-    the token's own text."""
-    window = [int(t) for t in context]
+    """For each of ``token_ids``: the text it adds after ``context`` (the tokens before it;
+    only the last few are decoded, for the spacing), e.g. a logprob's ``decoded_token``.
+    When the context's text is not a prefix of the extended text (a tokenizer that
+    rewrites across the boundary), the token's own text."""
+    window = [int(t) for t in context[-_WINDOW:]]
     prefix = decode(tokenizer, window, skip_special_tokens, spaces_between_special_tokens)
     texts = []
     for tid in token_ids:
@@ -140,7 +141,7 @@ class IncrementalDetokenizer:
 
     @classmethod
     def for_params(cls, tokenizer: Any, prompt_token_ids: Sequence[int],
-                   params: Any) -> "IncrementalDetokenizer":
+                   params: Any) -> IncrementalDetokenizer:
         """A detokenizer with a request's SamplingParams' text options."""
         return cls(tokenizer, prompt_token_ids, params.skip_special_tokens,
                    params.spaces_between_special_tokens)

@@ -3,15 +3,16 @@ request's prompt options the same way before the prompt's length is checked."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from vllm_lite.detokenizer import decode
 
 
-def truncate_prompt(prompt: Optional[str], token_ids: Sequence[int],
-                    truncate_prompt_tokens: Optional[int], tokenizer: Any = None,
+def truncate_prompt(prompt: str | None, token_ids: Sequence[int],
+                    truncate_prompt_tokens: int | None, tokenizer: Any = None,
                     spaces_between_special_tokens: bool = True
-                    ) -> tuple[Optional[str], list[int]]:
+                    ) -> tuple[str | None, list[int]]:
     """(prompt text, prompt ids) after SamplingParams.truncate_prompt_tokens: with k set,
     only the last k prompt tokens are kept (left truncation, as vLLM; a BOS token at the
     start is cut like any other). Callers apply it before the max_model_len check, as
@@ -21,7 +22,8 @@ def truncate_prompt(prompt: Optional[str], token_ids: Sequence[int],
     the model sees, so an echo or ``RequestOutput.prompt`` matches ``prompt_token_ids``;
     special tokens kept, joined as ``spaces_between_special_tokens`` says), or None
     without a tokenizer. A prompt already within k tokens comes back unchanged. k is
-    checked by SamplingParams and the request model, and here too (an int >= 1, else ValueError naming it): ids[-0:] would keep all.
+    checked by SamplingParams and the request model, and here too (an int >= 1, else a
+    ValueError naming it): ids[-0:] would keep all.
     """
     ids = list(token_ids)
     k = truncate_prompt_tokens

@@ -6,7 +6,7 @@ import enum
 import math
 import numbers
 from dataclasses import dataclass
-from typing import List, Literal, Optional, Union
+from typing import Literal
 
 # Below this a temperature counts as zero: greedy sampling (the same bound as vLLM).
 _SAMPLING_EPS = 1e-5
@@ -71,7 +71,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    best_of: Optional[int] = None
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -79,22 +79,22 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    seed: Optional[int] = None
+    seed: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    early_stopping: Union[bool, Literal["never"]] = False
-    stop: Optional[Union[str, List[str]]] = None
-    stop_token_ids: Optional[List[int]] = None
+    early_stopping: bool | Literal["never"] = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: Optional[int] = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: Optional[int] = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._verify_types()

@@ -9,7 +9,7 @@ simulation.
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence as Seq
+from collections.abc import Mapping, Sequence as Seq
 
 import torch
 
@@ -22,12 +22,12 @@ from vllm_lite.layers.sampling_metadata import SamplingMetadata
 from vllm_lite.sequence import SequenceGroup
 from vllm_lite.worker.model_runner import RunnerOutput
 
-Content = Dict[int, List[Optional[int]]]
+Content = dict[int, list[int | None]]
 
 
 def record_step(sched: Scheduler, out: SchedulerOutput, sampled: Mapping[int, Seq[int]],
-                logprobs: Optional[Mapping[int, Seq[float]]] = None,
-                beams: Optional[Mapping[str, Seq[BeamCandidate]]] = None) -> None:
+                logprobs: Mapping[int, Seq[float]] | None = None,
+                beams: Mapping[str, Seq[BeamCandidate]] | None = None) -> None:
     """Records a step as the engine does (its output processor: stop rules, forks, beam
     decisions through the scheduler), from plain per-sequence samples. A request whose
     recording fails re-raises here instead of failing alone."""
@@ -36,7 +36,7 @@ def record_step(sched: Scheduler, out: SchedulerOutput, sampled: Mapping[int, Se
                for seq_id, tokens in sampled.items()]
     result = RunnerOutput(SamplerOutput(outputs, torch.empty(0), {k: list(v) for k, v in (beams or {}).items()}),
                           SamplingMetadata([]))
-    failed: Dict[str, Exception] = {}
+    failed: dict[str, Exception] = {}
     OutputProcessor(sched, StopChecker(sched.config.max_model_len)).process(out, result, failed)
     if failed:
         raise next(iter(failed.values()))
@@ -56,7 +56,7 @@ class FakeModel:
     def next_token(self, seq_id: int, length: int, branch: int) -> int:
         return (seq_id * 31 + length * 7 + branch * 13) % self.vocab_size
 
-    def step(self, abort_before_update: Optional[str] = None) -> SchedulerOutput:
+    def step(self, abort_before_update: str | None = None) -> SchedulerOutput:
         sched = self.scheduler
         out = sched.schedule()
         self.steps += 1
@@ -68,7 +68,7 @@ class FakeModel:
         ):
             for s, d in mapping:
                 dst[d] = list(src[s])
-        sampled: Dict[int, List[int]] = {}
+        sampled: dict[int, list[int]] = {}
         for sched_group in out.scheduled_seq_groups:
             group = sched_group.seq_group
             first = group.awaiting_first_sample()
@@ -93,7 +93,7 @@ class FakeModel:
         record_step(sched, out, sampled, beams=self.beams(out))
         return out
 
-    def beams(self, out: SchedulerOutput) -> Dict[str, List[BeamCandidate]]:
+    def beams(self, out: SchedulerOutput) -> dict[str, list[BeamCandidate]]:
         """Beam-search candidates of the step (none: FakeModel samples plain sequences)."""
         return {}
 
@@ -137,9 +137,9 @@ def run_to_completion(model: FakeModel, max_steps: int = 10_000) -> None:
         model.step()
 
 
-def first_scheduled_step(model: FakeModel, groups: List[SequenceGroup], max_steps: int = 1000) -> Dict[str, int]:
+def first_scheduled_step(model: FakeModel, groups: list[SequenceGroup], max_steps: int = 1000) -> dict[str, int]:
     """Run until every group has been scheduled once; when each was."""
-    first: Dict[str, int] = {}
+    first: dict[str, int] = {}
     while len(first) < len(groups):
         assert model.steps < max_steps
         out = model.step()

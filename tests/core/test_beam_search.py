@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ from .fake_model import FakeModel, record_step, run_to_completion
 STOP = (SequenceStatus.FINISHED_STOPPED, None)
 
 
-def _beam_params(width: int = 2, n: Optional[int] = None, **kw: Any) -> SamplingParams:
+def _beam_params(width: int = 2, n: int | None = None, **kw: Any) -> SamplingParams:
     kw.setdefault("max_tokens", 6)
     return SamplingParams(n=n or width, best_of=width, use_beam_search=True, temperature=0.0, **kw)
 
@@ -99,21 +99,21 @@ VOCAB = 12
 EOS = 0
 
 
-def toy_logprobs(tokens: List[int]) -> torch.Tensor:
+def toy_logprobs(tokens: list[int]) -> torch.Tensor:
     """A deterministic next-token distribution for a context (float32 [VOCAB])."""
     seed = zlib.crc32(bytes(str(tokens), "ascii"))
     g = torch.Generator().manual_seed(seed)
     return torch.log_softmax(torch.randn(VOCAB, generator=g) * 1.5, dim=-1)
 
 
-def reference_beam_search(prompt: List[int], p: SamplingParams, max_model_len: int,
-                          eos: Optional[int] = EOS) -> List[List[int]]:
+def reference_beam_search(prompt: list[int], p: SamplingParams, max_model_len: int,
+                          eos: int | None = EOS) -> list[list[int]]:
     """Brute force, as HF's beam search: 2W candidates, EOS only within the top W, best
     W hypotheses by cum / len ** lp, the early-stopping heuristics; the n best, best first."""
     width, lp, es = p.best_of, p.length_penalty, p.early_stopping
     max_out = min(p.max_tokens, max_model_len + 1 - len(prompt))
-    running: List[Tuple[float, List[int]]] = [(0.0, [])]
-    hyps: List[Tuple[float, List[int]]] = []
+    running: list[tuple[float, list[int]]] = [(0.0, [])]
+    hyps: list[tuple[float, list[int]]] = []
     while True:
         cands = []
         for b, (cum, toks) in enumerate(running):
@@ -146,7 +146,7 @@ class BeamFakeModel(FakeModel):
     def __init__(self, scheduler: Scheduler) -> None:
         super().__init__(scheduler, vocab_size=VOCAB)
         # (live beams, preemption mode) of every preemption.
-        self.preempted: List[Tuple[int, str]] = []
+        self.preempted: list[tuple[int, str]] = []
         preempt = scheduler._preempt
 
         def recording(group: Any, state: Any) -> None:
@@ -158,7 +158,7 @@ class BeamFakeModel(FakeModel):
 
         scheduler._preempt = recording
 
-    def beams(self, out: SchedulerOutput) -> Dict[str, List[BeamCandidate]]:
+    def beams(self, out: SchedulerOutput) -> dict[str, list[BeamCandidate]]:
         result = {}
         for sched_group in out.scheduled_seq_groups:
             group = sched_group.seq_group
@@ -261,7 +261,7 @@ def test_beam_searches_through_the_scheduler_match_brute_force(schedule: str) ->
 def test_recomputed_beams_hold_back_their_last_token(chunked: bool) -> None:
     """Every beam of a group preempted by recompute rebuilds its KV, all but the last
     token first; the beams then decode together and the search ends as if never stopped."""
-    kw: Dict[str, Any] = dict(enable_chunked_prefill=True, max_num_batched_tokens=4) if chunked else {}
+    kw: dict[str, Any] = dict(enable_chunked_prefill=True, max_num_batched_tokens=4) if chunked else {}
     m = _make(num_gpu_blocks=40, preemption_mode="recompute", max_num_seqs=4, **kw)
     sched = m.scheduler
     prompt, p = [1, 2, 3, 4, 5, 6], _beam_params(3, max_tokens=12)

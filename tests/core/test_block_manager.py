@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional
 
 import pytest
 
@@ -20,7 +19,7 @@ def make_bm(num_gpu_blocks: int = 8, num_cpu_blocks: int = 8, block_size: int = 
     )
 
 
-def make_group(prompt: List[int], block_size: int = 2, salt: Optional[bytes] = None) -> SequenceGroup:
+def make_group(prompt: list[int], block_size: int = 2, salt: bytes | None = None) -> SequenceGroup:
     seq = Sequence(next_seq_id(), prompt, salt)
     return SequenceGroup(f"r{seq.seq_id}", [seq], SamplingParams())
 

@@ -11,7 +11,6 @@ copy-on-write pair, a bad swap mapping or a prefix-cache hit on the wrong conten
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, List, Optional
 
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -30,7 +29,7 @@ NUM_CPU_BLOCKS = 10
 # Two shared prefixes (two blocks each) so that prompts often start alike.
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 8, 8, 8, 8], []]
 
-Content = Dict[int, List[Optional[int]]]
+Content = dict[int, list[int | None]]
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -47,15 +46,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 watermark=0.0,
             )
         )
-        self.groups: List[SequenceGroup] = []
+        self.groups: list[SequenceGroup] = []
         self.gpu: Content = {b: [None] * BLOCK_SIZE for b in range(NUM_GPU_BLOCKS)}
         self.cpu: Content = {b: [None] * BLOCK_SIZE for b in range(NUM_CPU_BLOCKS)}
 
     # -- helpers ------------------------------------------------------------------------
-    def _groups_with(self, status: SequenceStatus) -> List[SequenceGroup]:
+    def _groups_with(self, status: SequenceStatus) -> list[SequenceGroup]:
         return [g for g in self.groups if g.get_seqs(status)]
 
-    def _new_group(self, prompt: List[int], salt: Optional[bytes]) -> SequenceGroup:
+    def _new_group(self, prompt: list[int], salt: bytes | None) -> SequenceGroup:
         seq = Sequence(next_seq_id(), prompt, salt)
         return SequenceGroup(f"r{seq.seq_id}", [seq], SamplingParams())
 
@@ -73,7 +72,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         tail=st.lists(st.integers(0, 3), max_size=7),
         salt=st.sampled_from([None, b"tenant-a"]),
     )
-    def allocate(self, prefix: int, tail: List[int], salt: Optional[bytes]) -> None:
+    def allocate(self, prefix: int, tail: list[int], salt: bytes | None) -> None:
         prompt = PREFIXES[prefix] + tail
         if not prompt:
             return
@@ -194,7 +193,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.device_allocator.free(data.draw(st.sampled_from(free_blocks)))
 
     # -- invariants -------------------------------------------------------------------------
-    def _check_pool(self, allocator, tables: Dict[int, List[int]], num_blocks: int) -> None:
+    def _check_pool(self, allocator, tables: dict[int, list[int]], num_blocks: int) -> None:
         holders = Counter(b for table in tables.values() for b in table)
         for b in range(num_blocks):
             assert allocator.ref_count(b) == holders[b], f"block {b}"

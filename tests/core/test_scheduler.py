@@ -3,7 +3,6 @@ aborts, stop conditions, bad input. FakeModel checks budgets and KV read-back th
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
 
 import pytest
 
@@ -87,7 +86,7 @@ def test_prompt_larger_than_the_whole_cache_is_ignored() -> None:
     "policy, expected",
     [("fcfs", ["a", "b", "c"]), ("priority", ["c", "a", "b"]), ("shortest_first", ["b", "c", "a"])],
 )
-def test_admission_order_follows_the_policy(policy: str, expected: List[str]) -> None:
+def test_admission_order_follows_the_policy(policy: str, expected: list[str]) -> None:
     m = make(max_num_seqs=1, policy=policy)
     sched = m.scheduler
     # (prompt length, max_tokens, priority): a is long, b is short, c has the top priority.
@@ -99,7 +98,7 @@ def test_admission_order_follows_the_policy(policy: str, expected: List[str]) ->
 
 @pytest.mark.parametrize("policy", ["shortest_first", "priority"])
 def test_aging_bounds_the_wait_of_an_unfavoured_request(policy: str) -> None:
-    def wait_of_long_request(max_wait_steps: int, horizon: int = 80) -> Optional[int]:
+    def wait_of_long_request(max_wait_steps: int, horizon: int = 80) -> int | None:
         m = make(max_num_seqs=1, policy=policy, max_wait_steps=max_wait_steps)
         sched = m.scheduler
         sched.add_request("long", [1] * 12, params(8), priority=5)
@@ -250,7 +249,7 @@ def test_stop_conditions() -> None:
     capped = sched.add_request("cap", [1] * 10, SamplingParams(max_tokens=None))
     for _ in range(4):
         out = sched.schedule()
-        sampled: Dict[int, List[int]] = {}
+        sampled: dict[int, list[int]] = {}
         for g in out.scheduled_seq_groups:
             for s in g.seqs:
                 sampled[s.seq_id] = [9 if g.request_id == "stop" else 7]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 import pytest
 
@@ -31,12 +30,12 @@ SHARED_PREFIXES = [[7] * 8, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [3, 1, 4, 1
 @dataclass(frozen=True)
 class SimCase:
     name: str
-    preemption_mode: Optional[str] = None
+    preemption_mode: str | None = None
     policy: str = "fcfs"
     chunked: bool = False
     prefix_caching: bool = False
     num_cpu_blocks: int = 24
-    max_num_batched_tokens: Optional[int] = None
+    max_num_batched_tokens: int | None = None
     expect_swap: bool = True
     expect_recompute: bool = True
 
@@ -59,7 +58,7 @@ def _footprint_ok(prompt_len: int, max_tokens: int, best_of: int, watermark_bloc
     return best_of * per_seq <= NUM_GPU_BLOCKS - watermark_blocks
 
 
-def _random_request(rng: random.Random) -> Dict:
+def _random_request(rng: random.Random) -> dict:
     if rng.random() < 0.5:
         prompt = rng.choice(SHARED_PREFIXES) + [rng.randrange(50) for _ in range(rng.randrange(0, 10))]
     else:
@@ -98,10 +97,10 @@ def test_random_workload_finishes_cleanly(case: SimCase, seed: int) -> None:
     model = FakeModel(sched)
     watermark = cache_config.watermark_blocks
 
-    groups: List[SequenceGroup] = []
-    expected_ok: Dict[str, SequenceGroup] = {}
-    expected_ignored: Dict[str, SequenceGroup] = {}
-    aborted: Dict[str, SequenceGroup] = {}
+    groups: list[SequenceGroup] = []
+    expected_ok: dict[str, SequenceGroup] = {}
+    expected_ignored: dict[str, SequenceGroup] = {}
+    aborted: dict[str, SequenceGroup] = {}
     num_requests = 120
     while len(groups) < num_requests or sched.has_unfinished_seqs():
         assert model.steps < 5000, "the scheduler stopped making progress"

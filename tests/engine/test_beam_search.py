@@ -6,7 +6,7 @@ sharing and freeing; logprobs and text of beams."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import pytest
 import torch
@@ -47,8 +47,8 @@ def beam_ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 @torch.no_grad()
-def _hf_beam(hf_model: Any, prompt: List[int], width: int, n: int, length_penalty: float,
-             early_stopping: Any, max_tokens: int) -> List[Tuple[List[int], float]]:
+def _hf_beam(hf_model: Any, prompt: list[int], width: int, n: int, length_penalty: float,
+             early_stopping: Any, max_tokens: int) -> list[tuple[list[int], float]]:
     """HF's n best beams: (generated tokens up to and with EOS, score), best first."""
     ids = torch.tensor([prompt])
     out = hf_model.generate(
@@ -72,7 +72,7 @@ def _beam(width: int, n: int, length_penalty: float = 1.0, early_stopping: Any =
                           max_tokens=max_tokens, **kw)
 
 
-def _check_against_hf(outs: List[RequestOutput], refs: List[List[Tuple[List[int], float]]],
+def _check_against_hf(outs: list[RequestOutput], refs: list[list[tuple[list[int], float]]],
                       length_penalty: float) -> None:
     for out, ref in zip(outs, refs):
         assert out.finished
@@ -95,10 +95,10 @@ CASES = {
 }
 
 
-_REFS: Dict[Tuple[str, str], List[List[Tuple[List[int], float]]]] = {}
+_REFS: dict[tuple[str, str], list[list[tuple[list[int], float]]]] = {}
 
 
-def _refs(beam_ckpt: Any, case: str) -> List[List[Tuple[List[int], float]]]:
+def _refs(beam_ckpt: Any, case: str) -> list[list[tuple[list[int], float]]]:
     name, _, hf_model = beam_ckpt
     if (name, case) not in _REFS:
         width, n, lp, es, max_tokens = CASES[case]
@@ -143,7 +143,7 @@ def test_beam_search_scheduling_variants_match_hf(beam_ckpt, variant: str) -> No
     refs = _refs(beam_ckpt, "w3_all_returned")
     llm = _llm(folder, **VARIANTS[variant])
     sched = llm.llm_engine.scheduler
-    preempted: List[Tuple[int, str]] = []  # (live beams, mode)
+    preempted: list[tuple[int, str]] = []  # (live beams, mode)
     preempt = sched._preempt
 
     def recording_preempt(group: Any, state: Any) -> None:

@@ -5,7 +5,6 @@ with every block free."""
 
 from __future__ import annotations
 
-from typing import List
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ def test_bfloat16_greedy_matches_hf_bfloat16(tmp_path) -> None:
     hf_model = save_hf_model(config, tmp_path).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 300, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
-    refs: List[List[int]] = []
+    refs: list[list[int]] = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

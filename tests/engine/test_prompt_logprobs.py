@@ -5,7 +5,7 @@ caching and preemption; only the rows that need logits get them."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ K = 3
 PROMPT_LENS = [1, 3, 9, 17, 30]
 
 
-def _prompts(seed: int = 0) -> List[List[int]]:
+def _prompts(seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 300, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
@@ -42,12 +42,12 @@ def plp_ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return name, folder, hf_model
 
 
-def _params(prompt_logprobs: Optional[int] = K, **kw: Any) -> SamplingParams:
+def _params(prompt_logprobs: int | None = K, **kw: Any) -> SamplingParams:
     kw.setdefault("max_tokens", 2)
     return SamplingParams(temperature=0.0, prompt_logprobs=prompt_logprobs, logprobs=K, **kw)
 
 
-def _check_entry(entry: Dict[int, Any], ref: torch.Tensor, token: int, k: int,
+def _check_entry(entry: dict[int, Any], ref: torch.Tensor, token: int, k: int,
                  with_text: bool) -> None:
     """One {token_id: Logprob} dict against HF's log_softmax row ``ref`` [vocab]."""
     assert entry[token].logprob == pytest.approx(float(ref[token]), abs=1e-4)
@@ -95,7 +95,7 @@ def test_only_needed_rows_get_logits(plp_ckpt) -> None:
     _, folder, _ = plp_ckpt
     llm = _llm(folder)
     model = llm.llm_engine.model
-    rows: List[int] = []
+    rows: list[int] = []
     compute_logits = model.compute_logits
 
     def counting(hidden: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,7 @@ def test_prompt_logprobs_with_prefix_cache_hits(plp_ckpt) -> None:
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole_prompts", "chunked_prefill"])
 def test_prompt_logprobs_survive_preemption(plp_ckpt, chunked: bool) -> None:
     name, folder, hf_model = plp_ckpt
-    kw: Dict[str, Any] = dict(num_gpu_blocks_override=14, preemption_mode="recompute")
+    kw: dict[str, Any] = dict(num_gpu_blocks_override=14, preemption_mode="recompute")
     if chunked:
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4)
     llm = _llm(folder, **kw)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -37,12 +38,12 @@ def _assert_all_free(llm_engine: Any) -> None:
     assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
 
 
-def _prompts(seed: int, lens: List[int]) -> List[List[int]]:
+def _prompts(seed: int, lens: list[int]) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 300, (n,), generator=gen).tolist() for n in lens]
 
 
-async def _final(engine: AsyncLLMEngine, rid: str, prompt: List[int], params: SamplingParams) -> Any:
+async def _final(engine: AsyncLLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> Any:
     last = None
     async for out in engine.generate(rid, sampling_params=params, prompt_token_ids=prompt):
         assert not (last is not None and last.finished)
@@ -60,7 +61,7 @@ def test_concurrent_requests_equal_offline(engine: AsyncLLMEngine, offline: Any)
               SamplingParams(temperature=0, max_tokens=3, logprobs=2)]
     refs = offline.generate(prompts, params, use_tqdm=False)
 
-    async def run() -> List[Any]:
+    async def run() -> list[Any]:
         return await asyncio.gather(*(_final(engine, f"r{i}", p, sp)
                                       for i, (p, sp) in enumerate(zip(prompts, params))))
 
@@ -90,9 +91,9 @@ def test_abort_frees_blocks_by_the_next_step(engine: AsyncLLMEngine, offline: An
     pa, pb = _prompts(1, [12, 7])
     long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     ref_b = offline.generate([pb], long, use_tqdm=False)[0]
-    state: Dict[str, Any] = {"aborted_at": None, "step": 0, "after": []}
+    state: dict[str, Any] = {"aborted_at": None, "step": 0, "after": []}
 
-    def on_step(outputs: List[Any]) -> None:  # runs in the engine thread, between steps
+    def on_step(outputs: list[Any]) -> None:  # runs in the engine thread, between steps
         state["step"] += 1
         if state["aborted_at"] is None:
             return

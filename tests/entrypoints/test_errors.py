@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -23,11 +24,11 @@ CONTEXT = 256  # the tiny model's max_position_embeddings
 
 
 @pytest.fixture(scope="module")
-def guarded(model_dir: Path) -> Iterator[Dict[str, Any]]:
+def guarded(model_dir: Path) -> Iterator[dict[str, Any]]:
     """A server whose engine counts the requests that reach it."""
     llm = make_llm(model_dir)
     engine = llm.llm_engine
-    added: List[str] = []
+    added: list[str] = []
     add_request = engine.add_request
 
     def counting_add_request(request_id: str, *args: Any, **kw: Any) -> Any:
@@ -40,17 +41,17 @@ def guarded(model_dir: Path) -> Iterator[Dict[str, Any]]:
         yield {"server": srv, "added": added, "engine": engine}
 
 
-def _prompt(n: int, seed: int = 0) -> List[int]:
+def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(1, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _completion(**kw: Any) -> Dict[str, Any]:
+def _completion(**kw: Any) -> dict[str, Any]:
     body = {"model": MODEL_NAME, "prompt": _prompt(8), "max_tokens": 4}
     body.update(kw)
     return {k: v for k, v in body.items() if v is not _DROP}
 
 
-def _chat(**kw: Any) -> Dict[str, Any]:
+def _chat(**kw: Any) -> dict[str, Any]:
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}],
             "max_tokens": 4}
     body.update(kw)
@@ -143,7 +144,7 @@ BAD_CHATS = {
 }
 
 
-def _assert_error(r: httpx.Response, status: int, param: Optional[str] = None) -> Dict[str, Any]:
+def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -161,8 +162,8 @@ BAD_REQUESTS = [("/v1/completions", name, *case) for name, case in BAD_COMPLETIO
 
 @pytest.mark.parametrize("path,case,body,param", BAD_REQUESTS,
                          ids=[f"{p.rsplit('/', 1)[1]}-{c}" for p, c, _, _ in BAD_REQUESTS])
-def test_bad_request_is_400(guarded: Dict[str, Any], path: str, case: str,
-                            body: Dict[str, Any], param: str) -> None:
+def test_bad_request_is_400(guarded: dict[str, Any], path: str, case: str,
+                            body: dict[str, Any], param: str) -> None:
     before = list(guarded["added"])
     r = httpx.post(guarded["server"].url + path, json=body, timeout=TIMEOUT)
     _assert_error(r, 400, param)
@@ -170,14 +171,14 @@ def test_bad_request_is_400(guarded: Dict[str, Any], path: str, case: str,
 
 
 @pytest.mark.parametrize("payload", [b"{not json", b"[1, 2]", b"", b'"a string"'])
-def test_malformed_body_is_400(guarded: Dict[str, Any], payload: bytes) -> None:
+def test_malformed_body_is_400(guarded: dict[str, Any], payload: bytes) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
         r = httpx.post(guarded["server"].url + path, content=payload,
                        headers={"Content-Type": "application/json"}, timeout=TIMEOUT)
         _assert_error(r, 400)
 
 
-def test_other_endpoints_refuse_bad_input(guarded: Dict[str, Any]) -> None:
+def test_other_endpoints_refuse_bad_input(guarded: dict[str, Any]) -> None:
     url = guarded["server"].url
     _assert_error(httpx.post(url + "/detokenize", json={"tokens": [1, VOCAB]}, timeout=TIMEOUT),
                   400, "tokens")
@@ -187,7 +188,7 @@ def test_other_endpoints_refuse_bad_input(guarded: Dict[str, Any]) -> None:
     _assert_error(httpx.get(url + "/v1/nothing-here", timeout=TIMEOUT), 404)
 
 
-def test_refusals_leave_the_engine_serving(guarded: Dict[str, Any]) -> None:
+def test_refusals_leave_the_engine_serving(guarded: dict[str, Any]) -> None:
     """After all the refusals above (and now), a good request is served and every block
     is free; the only requests the engine ever saw are the good ones."""
     url = guarded["server"].url
@@ -247,7 +248,7 @@ def faulty(model_dir: Path) -> Iterator[ServerThread]:
         yield srv
 
 
-def _wait_idle(url: str, timeout: float = 10.0) -> Dict[str, float]:
+def _wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = read_metrics(httpx.get(url + "/metrics", timeout=TIMEOUT).text)

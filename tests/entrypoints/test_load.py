@@ -8,7 +8,7 @@ import asyncio
 import json
 import random
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import httpx
 import torch
@@ -21,13 +21,13 @@ CANCEL_MAX_TOKENS = 200
 TIMEOUT = 60
 
 
-def _requests(seed: int) -> List[Dict[str, Any]]:
+def _requests(seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     reqs = []
     for i in range(N_GREEDY + N_SAMPLED + N_CANCELLED):
         prompt = torch.randint(1, 300, (rng.randint(2, 30),), generator=gen).tolist()
-        body: Dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "logprobs": 0,
+        body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "logprobs": 0,
                                 "return_tokens_as_token_ids": True,
                                 "stream": rng.random() < 0.5}
         if i < N_GREEDY:
@@ -43,21 +43,21 @@ def _requests(seed: int) -> List[Dict[str, Any]]:
     return reqs
 
 
-def _offline_params(body: Dict[str, Any]) -> SamplingParams:
+def _offline_params(body: dict[str, Any]) -> SamplingParams:
     return SamplingParams(n=body.get("n", 1), temperature=body["temperature"],
                           seed=body.get("seed"), max_tokens=body["max_tokens"],
                           ignore_eos=body.get("ignore_eos", False))
 
 
-async def _plain(client: httpx.AsyncClient, body: Dict[str, Any]) -> Dict[int, List[int]]:
+async def _plain(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[int, list[int]]:
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return {c["index"]: token_ids(c["logprobs"]["tokens"]) for c in r.json()["choices"]}
 
 
-async def _streamed(client: httpx.AsyncClient, body: Dict[str, Any],
-                    cancel: bool) -> Dict[int, List[int]]:
-    got: Dict[int, List[int]] = {}
+async def _streamed(client: httpx.AsyncClient, body: dict[str, Any],
+                    cancel: bool) -> dict[int, list[int]]:
+    got: dict[int, list[int]] = {}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
@@ -81,10 +81,10 @@ def test_concurrent_load_with_cancellations(server: Any, offline: Any) -> None:
     want = {id(b): {c.index: c.token_ids for c in ref.outputs} for b, ref in zip(kept, refs)}
     before = read_metrics(httpx.get(server.url + "/metrics", timeout=TIMEOUT).text)
 
-    async def run_all() -> List[Tuple[Dict[str, Any], Dict[int, List[int]]]]:
+    async def run_all() -> list[tuple[dict[str, Any], dict[int, list[int]]]]:
         limits = httpx.Limits(max_connections=len(reqs) + 10)
         async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT, limits=limits) as c:
-            async def one(body: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[int, List[int]]]:
+            async def one(body: dict[str, Any]) -> tuple[dict[str, Any], dict[int, list[int]]]:
                 cancel = body["max_tokens"] == CANCEL_MAX_TOKENS
                 if body["stream"]:
                     return body, await _streamed(c, body, cancel)
@@ -92,7 +92,7 @@ def test_concurrent_load_with_cancellations(server: Any, offline: Any) -> None:
 
             return await asyncio.wait_for(asyncio.gather(*(one(b) for b in reqs)), 120)
 
-    batch_sizes: List[int] = []
+    batch_sizes: list[int] = []
     server.engine.step_callbacks.append(lambda outs: batch_sizes.append(len(outs)))
     try:
         results = asyncio.run(run_all())
@@ -142,7 +142,7 @@ def test_plain_request_is_aborted_when_its_client_leaves(server: Any) -> None:
     before = read_metrics(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": CANCEL_MAX_TOKENS,
             "ignore_eos": True}
-    seen: List[int] = []
+    seen: list[int] = []
 
     def slow_step(outs: Any) -> None:
         # The tiny model runs a step in ~1 ms: pace the engine thread so the request cannot

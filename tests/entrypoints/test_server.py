@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import httpx
 import pytest
@@ -23,13 +23,13 @@ TIMEOUT = 60
 AS_IDS = {"return_tokens_as_token_ids": True}
 
 
-def _random_prompts(seed: int, lens: List[int]) -> List[List[int]]:
+def _random_prompts(seed: int, lens: list[int]) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 300, (n,), generator=gen).tolist() for n in lens]
 
 
 @torch.no_grad()
-def _hf_greedy(hf_model: Any, prompt: List[int], k: int) -> List[int]:
+def _hf_greedy(hf_model: Any, prompt: list[int], k: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                             max_new_tokens=k, pad_token_id=EOS, eos_token_id=EOS)
@@ -38,13 +38,13 @@ def _hf_greedy(hf_model: Any, prompt: List[int], k: int) -> List[int]:
     return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
-def _metrics(server: Any) -> Dict[str, float]:
+def _metrics(server: Any) -> dict[str, float]:
     r = httpx.get(server.url + "/metrics", timeout=TIMEOUT)
     assert r.status_code == 200
     return read_metrics(r.text)
 
 
-def _sse_events(server: Any, path: str, body: Dict[str, Any]) -> List[str]:
+def _sse_events(server: Any, path: str, body: dict[str, Any]) -> list[str]:
     """The data payloads of a raw SSE response, [DONE] included."""
     events = []
     with httpx.stream("POST", server.url + path, json=body, timeout=TIMEOUT) as r:
@@ -148,8 +148,8 @@ def test_beam_search_matches_offline(client: Any, offline: Any, server: Any) -> 
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"
 
 
-def _stream_completion(client: Any, **kw: Any) -> Tuple[Dict[int, Dict[str, Any]], Any]:
-    choices: Dict[int, Dict[str, Any]] = {}
+def _stream_completion(client: Any, **kw: Any) -> tuple[dict[int, dict[str, Any]], Any]:
+    choices: dict[int, dict[str, Any]] = {}
     usage = None
     for chunk in client.completions.create(stream=True, stream_options={"include_usage": True},
                                            timeout=TIMEOUT, **kw):
@@ -235,7 +235,7 @@ def test_streamed_chat_equals_plain(client: Any) -> None:
     kw = dict(model=MODEL_NAME, messages=MESSAGES, n=2, temperature=0.9, seed=3, max_tokens=10,
               logprobs=True, top_logprobs=2, timeout=TIMEOUT, extra_body=AS_IDS)
     plain = client.chat.completions.create(**kw)
-    got: Dict[int, Dict[str, Any]] = {}
+    got: dict[int, dict[str, Any]] = {}
     first_roles = set()
     usage = None
     for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True},

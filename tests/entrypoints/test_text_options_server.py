@@ -6,7 +6,8 @@ vLLM's rule gives it (an independent token-string reference)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, List
+from typing import Any
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -28,7 +29,7 @@ CONTEXT = 256
 HOT = 50.0
 
 
-def _ids(seed: int, n: int) -> List[int]:
+def _ids(seed: int, n: int) -> list[int]:
     return torch.randint(1, 280, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 

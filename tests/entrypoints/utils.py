@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from vllm_lite import LLM
 from vllm_lite.entrypoints.openai.api_server import ServerConfig, build_app, uvicorn_config
@@ -45,7 +45,7 @@ def fail_steps_with(llm: LLM, poison: int) -> None:
 class ServerThread:
     """``with ServerThread(llm, ServerConfig(...)) as srv: srv.url`` -- serves until exit."""
 
-    def __init__(self, llm: LLM, config: Optional[ServerConfig] = None,
+    def __init__(self, llm: LLM, config: ServerConfig | None = None,
                  start_timeout: float = 30.0) -> None:
         import uvicorn
 
@@ -64,7 +64,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name=f"uvicorn-{self.port}", daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + self.start_timeout
         while not self.server.started:
@@ -85,7 +85,7 @@ class ServerThread:
         self.stop()
 
 
-def token_ids(logprobs_tokens: List[str]) -> List[int]:
+def token_ids(logprobs_tokens: list[str]) -> list[int]:
     """Token ids from logprob tokens sent with return_tokens_as_token_ids."""
     ids = []
     for t in logprobs_tokens:
@@ -98,9 +98,9 @@ def token_ids(logprobs_tokens: List[str]) -> List[int]:
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
 
 
-def read_metrics(text: str) -> Dict[str, float]:
+def read_metrics(text: str) -> dict[str, float]:
     """'name{labels}' -> value of a Prometheus text exposition (model_name label dropped)."""
-    values: Dict[str, float] = {}
+    values: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue

@@ -133,7 +133,7 @@ class single_thread:
         torch.set_num_threads(self.n)
 
 
-def ref_paged_attention(*args, **kwargs) -> tuple[torch.Tensor, list["PartitionStats"]]:
+def ref_paged_attention(*args, **kwargs) -> tuple[torch.Tensor, list[PartitionStats]]:
     with single_thread():
         return _ref_paged_attention(*args, **kwargs)
 

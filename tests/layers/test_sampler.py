@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Dict, List, Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ EOS = 2
 # ----------------------------------------------------------------------------------------
 
 
-def ref_softmax(x: List[float]) -> List[float]:
+def ref_softmax(x: list[float]) -> list[float]:
     m = max(x)
     if m == NEG_INF:
         raise AssertionError("row fully masked")
@@ -39,7 +39,7 @@ def ref_softmax(x: List[float]) -> List[float]:
     return [v / s for v in e]
 
 
-def ref_log_softmax(x: List[float]) -> List[float]:
+def ref_log_softmax(x: list[float]) -> list[float]:
     m = max(x)
     s = sum(math.exp(v - m) for v in x if v != NEG_INF)
     return [v - m - math.log(s) if v != NEG_INF else NEG_INF for v in x]
@@ -115,7 +115,7 @@ def ref_process(x, p: SamplingParams, prompt, output, eos=EOS):
     return x
 
 
-def assert_rows_close(got: torch.Tensor, want: List[List[float]], tol=1e-5):
+def assert_rows_close(got: torch.Tensor, want: list[list[float]], tol=1e-5):
     got_l = got.double().tolist()
     for i, (g_row, w_row) in enumerate(zip(got_l, want)):
         for t, (g, w) in enumerate(zip(g_row, w_row)):
@@ -138,7 +138,7 @@ def make_row(params, prompt=(0, 1), output=(), seq_id=0, request_id=None, num_sa
     )
 
 
-def check_processing(logits: torch.Tensor, rows: List[SamplingRow]):
+def check_processing(logits: torch.Tensor, rows: list[SamplingRow]):
     got = process_logits(logits, SamplingMetadata(rows))
     want = [
         ref_process(logits[i].double().tolist(), r.params, r.prompt_token_ids,
@@ -335,7 +335,7 @@ class ToyModel:
         return torch.randn(self.vocab, generator=torch.Generator().manual_seed(h))
 
 
-def run_steps(batch: List[SamplingRow], steps: int, sampler: Sampler, model: ToyModel):
+def run_steps(batch: list[SamplingRow], steps: int, sampler: Sampler, model: ToyModel):
     for _ in range(steps):
         logits = torch.stack([model.logits(list(r.prompt_token_ids) + list(r.output_token_ids))
                               for r in batch])
@@ -395,7 +395,7 @@ def test_engine_seed_makes_unseeded_rows_reproducible():
     assert a == b and a != c
 
 
-def expected_probs(logits_row: torch.Tensor, params: SamplingParams) -> List[float]:
+def expected_probs(logits_row: torch.Tensor, params: SamplingParams) -> list[float]:
     x = ref_process(logits_row.double().tolist(), params, [], [])
     return ref_softmax(x)
 
@@ -452,7 +452,7 @@ def test_metadata_from_seq_groups():
 # ----------------------------------------------------------------------------------------
 
 
-def check_logprob_dict(d: Dict, ref_lp: List[float], chosen: int, k: int):
+def check_logprob_dict(d: dict, ref_lp: list[float], chosen: int, k: int):
     """d holds the chosen token (with its rank) and the top k tokens, each with its logprob."""
     k = min(k, len(ref_lp))
     assert chosen in d and len(d) in (k, k + 1)
@@ -525,7 +525,7 @@ def test_prompt_logprobs_helper():
 # ----------------------------------------------------------------------------------------
 
 
-def brute_force_candidates(logprobs: List[List[float]], cum: List[float], beam_width: int):
+def brute_force_candidates(logprobs: list[list[float]], cum: list[float], beam_width: int):
     cands = []
     for b in range(len(logprobs)):
         for t in range(len(logprobs[b])):

@@ -5,7 +5,8 @@ independent reference for vLLM's decoding rule."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 # The test checkpoints' vocabulary: every id a model can sample has a token.
 VOCAB = 320

@@ -53,7 +53,7 @@ from typing import Any
 from collections.abc import Callable
 
 from vllm_lite.benchmarks import RESULTS_DIR
-from vllm_lite.config import EngineArgs
+from vllm_lite.config import THREADS_HELP, EngineArgs
 
 log = logging.getLogger("bench.kernels")
 
@@ -136,7 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-isa", default=None,
                    help="CPU kernel build to use (vllm_lite.ops.set_cpu_isa: avx512, avx2, "
                    "generic); default: the one loaded")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
     p.add_argument("--target-s", type=float, default=None,
                    help="timed seconds aimed at per kernel and shape (default 0.4, quick 0.2)")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Deque
 
 from vllm_lite.core.prefix_cache import Evictor
 from vllm_lite.errors import InternalError
@@ -27,7 +26,7 @@ class BlockAllocator:
         self.name = name
         self._ref_counts: list[int] = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
-        self._free: Deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))
         self._evictor = Evictor()
         self._cached: dict[bytes, int] = {}
 

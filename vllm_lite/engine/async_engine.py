@@ -28,7 +28,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from vllm_lite.engine.llm_engine import EngineStepError
 from vllm_lite.metrics import Metrics
@@ -49,8 +50,8 @@ class EngineDeadError(EngineError):
 @dataclass
 class _PendingAdd:
     request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: Optional[List[int]]
+    prompt: str | None
+    prompt_token_ids: list[int] | None
     params: SamplingParams
     priority: int
     arrival: float
@@ -71,9 +72,9 @@ class _Stream:
         self.event = asyncio.Event()
         self.finished = False
         self._lock = threading.Lock()
-        self._latest: Optional[RequestOutput] = None
-        self._error: Optional[BaseException] = None
-        self.pending_since: Optional[float] = None
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self.pending_since: float | None = None
 
     def put(self, item: Any) -> None:
         """Engine thread (or any thread): a RequestOutput, or an exception that ends the
@@ -114,8 +115,8 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: Any, metrics: Optional[Metrics] = None,
-                 stream_timeout: Optional[float] = None) -> None:
+    def __init__(self, engine: Any, metrics: Metrics | None = None,
+                 stream_timeout: float | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         # Seconds an output may wait unread before its request is aborted (a client that
@@ -125,15 +126,15 @@ class AsyncLLMEngine:
         self.stream_timeout = stream_timeout
         self._cv = threading.Condition()
         # Guarded by _cv: what the engine thread applies before its next step.
-        self._adds: List[_PendingAdd] = []
-        self._aborts: Set[str] = set()
-        self._streams: Dict[str, _Stream] = {}
+        self._adds: list[_PendingAdd] = []
+        self._aborts: set[str] = set()
+        self._streams: dict[str, _Stream] = {}
         self._stopping = False
-        self._thread: Optional[threading.Thread] = None
-        self._dead: Optional[BaseException] = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
         # Called by the engine thread after each step with the step's outputs (tests hook
         # here to observe steps).
-        self.step_callbacks: List[Callable[[List[RequestOutput]], None]] = []
+        self.step_callbacks: list[Callable[[list[RequestOutput]], None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,7 +143,7 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="vllm_lite-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout: Optional[float] = 30.0) -> None:
+    def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stops the engine thread after its current step; waiting requests fail with
         EngineDeadError and leave the engine (their blocks are freed)."""
         with self._cv:
@@ -160,9 +161,9 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     # -- requests ------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: Optional[str] = None,
-                       sampling_params: Optional[SamplingParams] = None,
-                       prompt_token_ids: Optional[Sequence[int]] = None,
+    async def generate(self, request_id: str, prompt: str | None = None,
+                       sampling_params: SamplingParams | None = None,
+                       prompt_token_ids: Sequence[int] | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields the request's RequestOutput after each step it ran in, the last one
         with ``finished=True``."""
@@ -240,7 +241,7 @@ class AsyncLLMEngine:
                 self._stopping = True
             self._fail_everything(EngineDeadError(f"the engine thread died: {e!r}"))
 
-    def _apply_aborts(self, aborts: Set[str]) -> None:
+    def _apply_aborts(self, aborts: set[str]) -> None:
         if not aborts:
             return
         self.engine.abort_request(list(aborts))
@@ -249,7 +250,7 @@ class AsyncLLMEngine:
                 self.metrics.on_request_aborted(rid)
         logger.debug("aborted %d request(s)", len(aborts))
 
-    def _apply_adds(self, adds: List[_PendingAdd]) -> None:
+    def _apply_adds(self, adds: list[_PendingAdd]) -> None:
         for a in adds:
             try:
                 self.engine.add_request(a.request_id, a.prompt, a.params,
@@ -331,9 +332,7 @@ class AsyncLLMEngine:
         # Only once the thread is gone: nothing else may touch the engine.
         if self._thread is None or not self._thread.is_alive() or \
                 threading.current_thread() is self._thread:
-            sched = self.engine.scheduler
-            pending = [g.request_id for q in (sched.waiting, sched.running, sched.swapped)
-                       for g in q]
+            pending = self.engine.unfinished_request_ids()
             try:
                 if pending:
                     self.engine.abort_request(pending)

@@ -193,6 +193,10 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Every request still in the engine (waiting, running or swapped out)."""
+        return list(self.output_processor.requests)
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step: schedule -> cache ops -> forward and sampling -> output processor.

@@ -33,9 +33,6 @@ from vllm_lite.worker.model_runner import RunnerOutput
 
 logger = logging.getLogger(__name__)
 
-# Tokens of context decoded before a logprob token, so its text has the right spacing.
-_DECODE_WINDOW = 5
-
 
 @dataclass
 class RequestState:
@@ -283,7 +280,7 @@ class OutputProcessor:
                          group: SequenceGroup) -> None:
         """Fill each Logprob's decoded_token: the text the token adds after ``context``."""
         params = group.sampling_params
-        texts = token_texts_after(self.tokenizer, context[-_DECODE_WINDOW:], list(entry),
+        texts = token_texts_after(self.tokenizer, context, list(entry),
                                   params.skip_special_tokens,
                                   params.spaces_between_special_tokens)
         for lp, text in zip(entry.values(), texts):

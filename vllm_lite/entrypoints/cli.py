@@ -18,7 +18,8 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 from vllm_lite.config import THREADS_HELP, EngineArgs, set_threads
 
@@ -116,18 +117,19 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        description="Run the OpenAI-compatible HTTP server.",
                        formatter_class=_FMT)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default loopback only; 0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    from vllm_lite.entrypoints.openai.api_server import ServerConfig
+
+    # Defaults from ServerConfig: a default lives in one place.
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+    p.add_argument("--host", default=defaults["host"],
+                   help="address to bind (default: %(default)s; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=defaults["port"], help="(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_LITE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $VLLM_LITE_API_KEY)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the alias, or the model "
                         "folder's / .gguf file's name; never the path)")
-    from vllm_lite.entrypoints.openai.api_server import ServerConfig
-
-    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
     for name, help_text in _SERVER_LIMITS.items():
         flag = "--" + name.removesuffix("_s").replace("_", "-")
         p.add_argument(flag, dest=name, type=type(defaults[name]), default=defaults[name],
@@ -135,7 +137,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                    help="accept only these Host header values (DNS rebinding protection for a "
                         "server without an API key; default: any)")
-    p.add_argument("--log-level", default="info",
+    p.add_argument("--log-level", default=defaults["log_level"],
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(default: %(default)s)")
     # Every engine option; --max-logprobs is also the server's limit on logprobs /
@@ -204,7 +206,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     return run_cli(f"vllm-lite bench {args.bench}", module.run, args)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     import vllm_lite
 
     parser = argparse.ArgumentParser(prog="vllm-lite", description=__doc__.splitlines()[0])

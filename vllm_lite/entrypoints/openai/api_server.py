@@ -21,7 +21,8 @@ import math
 import resource
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, List, Optional
+from typing import Any
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -74,8 +75,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     # The name clients pass as ``model``; None: the --model argument as given.
-    served_model_name: Optional[str] = None
-    api_key: Optional[str] = None
+    served_model_name: str | None = None
+    api_key: str | None = None
     max_n: int = 16
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     log_level: str = "info"
@@ -96,7 +97,7 @@ class ServerConfig:
     # Seconds a stream's output may wait unread before the request is aborted.
     stream_timeout_s: float = 60.0
     # Host header values accepted (None: any). "*" accepts any.
-    allowed_hosts: Optional[List[str]] = None
+    allowed_hosts: list[str] | None = None
     # Threads that tokenize and apply chat templates, off the event loop.
     tokenizer_threads: int = 2
 
@@ -161,7 +162,7 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -184,7 +185,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     return f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}", loc[0]
 
 
-def build_app(llm_engine: Any, config: ServerConfig, model_name: Optional[str] = None) -> FastAPI:
+def build_app(llm_engine: Any, config: ServerConfig, model_name: str | None = None) -> FastAPI:
     """The app around an LLMEngine; its lifespan starts and stops the engine thread."""
     served = (config.served_model_name or model_name
               or default_served_name(llm_engine.config.model_config.model))
@@ -346,7 +347,7 @@ def uvicorn_config(app: FastAPI, config: ServerConfig, **kw: Any) -> Any:
     return uv
 
 
-def serve(llm_engine: Any, config: ServerConfig, model_name: Optional[str] = None) -> None:
+def serve(llm_engine: Any, config: ServerConfig, model_name: str | None = None) -> None:
     """Runs the server until interrupted (Ctrl-C / SIGTERM)."""
     import uvicorn
 

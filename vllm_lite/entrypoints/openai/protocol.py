@@ -9,7 +9,7 @@ with a 400 instead of being dropped silently.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -26,8 +26,8 @@ def _now() -> int:
 class ErrorInfo(OpenAIBase):
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[int] = None
+    param: str | None = None
+    code: int | None = None
 
 
 class ErrorResponse(OpenAIBase):
@@ -42,19 +42,19 @@ class StreamOptions(OpenAIBase):
 class SamplingFields(OpenAIBase):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
 
-    model: Optional[str] = None
+    model: str | None = None
     n: int = 1
-    best_of: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    seed: Optional[int] = None
-    stop: Optional[Union[str, List[str]]] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[Dict[str, float]] = None
-    user: Optional[str] = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
     # vLLM's extras.
     top_k: int = -1
     min_p: float = 0.0
@@ -62,7 +62,7 @@ class SamplingFields(OpenAIBase):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool = False
-    stop_token_ids: Optional[List[StrictInt]] = None
+    stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -70,26 +70,26 @@ class SamplingFields(OpenAIBase):
     # Added / special tokens in the output text joined with spaces (vLLM's default).
     spaces_between_special_tokens: bool = True
     # Keep only the last k prompt tokens (left truncation), before the length checks.
-    truncate_prompt_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
     priority: int = 0
     # Logprob tokens as "token_id:<id>" rather than text (exact ids for clients).
     return_tokens_as_token_ids: bool = False
     # vLLM request fields this server does not implement. Declared (not left to
     # extra="ignore") so that a request using one is refused with a 400 naming it
     # (OpenAIServing.check_options) instead of silently getting unconstrained output.
-    guided_json: Optional[Any] = None
-    guided_regex: Optional[Any] = None
-    guided_choice: Optional[Any] = None
-    guided_grammar: Optional[Any] = None
-    guided_decoding_backend: Optional[Any] = None
-    guided_whitespace_pattern: Optional[Any] = None
-    allowed_token_ids: Optional[Any] = None
-    prompt_logprobs: Optional[Any] = None
-    logits_processors: Optional[Any] = None
+    guided_json: Any | None = None
+    guided_regex: Any | None = None
+    guided_choice: Any | None = None
+    guided_grammar: Any | None = None
+    guided_decoding_backend: Any | None = None
+    guided_whitespace_pattern: Any | None = None
+    allowed_token_ids: Any | None = None
+    prompt_logprobs: Any | None = None
+    logits_processors: Any | None = None
 
     # The declared-but-refused fields above; a subclass adds its own. None and False
     # (a client sending the field's off value) are accepted.
-    unsupported_fields: ClassVar[Tuple[str, ...]] = (
+    unsupported_fields: ClassVar[tuple[str, ...]] = (
         "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "guided_decoding_backend", "guided_whitespace_pattern", "allowed_token_ids",
         "prompt_logprobs", "logits_processors")
@@ -102,32 +102,32 @@ class UsageInfo(OpenAIBase):
 
 
 # -- completions -------------------------------------------------------------------------------
-PromptField = Union[str, List[str], List[StrictInt], List[List[StrictInt]]]
+PromptField = str | list[str] | list[StrictInt] | list[list[StrictInt]]
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptField
-    max_tokens: Optional[int] = 16
+    max_tokens: int | None = 16
     echo: bool = False
-    logprobs: Optional[int] = None
-    suffix: Optional[str] = None
+    logprobs: int | None = None
+    suffix: str | None = None
     add_special_tokens: bool = True
 
 
 class CompletionLogProbs(OpenAIBase):
-    text_offset: List[int] = Field(default_factory=list)
-    token_logprobs: List[Optional[float]] = Field(default_factory=list)
-    tokens: List[str] = Field(default_factory=list)
-    top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 class CompletionChoice(OpenAIBase):
     index: int
     text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    finish_reason: Optional[str] = None
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
     # vLLM's: the stop string or token id that ended the completion.
-    stop_reason: Optional[Union[int, str]] = None
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(OpenAIBase):
@@ -135,20 +135,20 @@ class CompletionResponse(OpenAIBase):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
-    choices: List[CompletionChoice]
-    usage: Optional[UsageInfo] = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
 
 
 # -- chat --------------------------------------------------------------------------------------
 class ContentPart(OpenAIBase):
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class ChatMessageParam(OpenAIBase):
     role: str
-    content: Optional[Union[str, List[ContentPart]]] = None
-    name: Optional[str] = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
 
 class ResponseFormat(OpenAIBase):
@@ -156,55 +156,55 @@ class ResponseFormat(OpenAIBase):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: List[ChatMessageParam]
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    messages: list[ChatMessageParam]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
-    tools: Optional[List[Dict[str, Any]]] = None
-    response_format: Optional[ResponseFormat] = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     # vLLM's chat extras this server does not implement (refused, see SamplingFields);
     # tool_choice "none" / "auto" mean nothing without tools and are accepted.
-    echo: Optional[Any] = None
-    continue_final_message: Optional[Any] = None
-    chat_template: Optional[Any] = None
-    chat_template_kwargs: Optional[Any] = None
-    documents: Optional[Any] = None
-    tool_choice: Optional[Any] = None
-    parallel_tool_calls: Optional[Any] = None
+    echo: Any | None = None
+    continue_final_message: Any | None = None
+    chat_template: Any | None = None
+    chat_template_kwargs: Any | None = None
+    documents: Any | None = None
+    tool_choice: Any | None = None
+    parallel_tool_calls: Any | None = None
 
-    unsupported_fields: ClassVar[Tuple[str, ...]] = SamplingFields.unsupported_fields + (
+    unsupported_fields: ClassVar[tuple[str, ...]] = SamplingFields.unsupported_fields + (
         "echo", "continue_final_message", "chat_template", "chat_template_kwargs",
         "documents", "parallel_tool_calls")
 
 
 class ChatMessage(OpenAIBase):
     role: str
-    content: Optional[str] = None
+    content: str | None = None
 
 
 class TopLogprob(OpenAIBase):
     token: str
     logprob: float
-    bytes: Optional[List[int]] = None
+    bytes: list[int] | None = None
 
 
 class TokenLogprob(TopLogprob):
-    top_logprobs: List[TopLogprob] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChoiceLogprobs(OpenAIBase):
-    content: Optional[List[TokenLogprob]] = None
+    content: list[TokenLogprob] | None = None
 
 
 class ChatCompletionChoice(OpenAIBase):
     index: int
     message: ChatMessage
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(OpenAIBase):
@@ -212,21 +212,21 @@ class ChatCompletionResponse(OpenAIBase):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
     model: str
-    choices: List[ChatCompletionChoice]
-    usage: Optional[UsageInfo] = None
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
 
 
 class DeltaMessage(OpenAIBase):
-    role: Optional[str] = None
-    content: Optional[str] = None
+    role: str | None = None
+    content: str | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIBase):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionStreamResponse(OpenAIBase):
@@ -234,8 +234,8 @@ class ChatCompletionStreamResponse(OpenAIBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
     model: str
-    choices: List[ChatCompletionStreamChoice]
-    usage: Optional[UsageInfo] = None
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
 
 
 # -- models, tokenizer ---------------------------------------------------------------------------
@@ -244,33 +244,33 @@ class ModelCard(OpenAIBase):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "vllm_lite"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
+    root: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(OpenAIBase):
     object: Literal["list"] = "list"
-    data: List[ModelCard]
+    data: list[ModelCard]
 
 
 class TokenizeRequest(OpenAIBase):
-    model: Optional[str] = None
+    model: str | None = None
     # A prompt, or chat messages put through the chat template.
-    prompt: Optional[str] = None
-    messages: Optional[List[ChatMessageParam]] = None
-    add_special_tokens: Optional[bool] = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
 
 
 class TokenizeResponse(OpenAIBase):
     count: int
     max_model_len: int
-    tokens: List[int]
+    tokens: list[int]
 
 
 class DetokenizeRequest(OpenAIBase):
-    model: Optional[str] = None
-    tokens: List[StrictInt]
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(OpenAIBase):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any
+from collections.abc import AsyncIterator
 
 from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ from vllm_lite.entrypoints.openai.serving_engine import (
 from vllm_lite.entrypoints.openai.sse import sse_data
 
 
-def conversation(messages: List[ChatMessageParam]) -> List[Dict[str, Any]]:
+def conversation(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
     """The messages as the chat template wants them: text content only."""
     if not messages:
         raise RequestError("messages must not be empty", param="messages")
@@ -48,15 +49,15 @@ def conversation(messages: List[ChatMessageParam]) -> List[Dict[str, Any]]:
                                        "(text only)", param="messages")
                 texts.append(part.text)
             content = "".join(texts)
-        msg: Dict[str, Any] = {"role": m.role, "content": content or ""}
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
         conv.append(msg)
     return conv
 
 
-def apply_chat_template(tokenizer: Any, messages: List[ChatMessageParam],
-                        add_generation_prompt: bool, add_special_tokens: bool) -> Tuple[str, List[int]]:
+def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam],
+                        add_generation_prompt: bool, add_special_tokens: bool) -> tuple[str, list[int]]:
     """(prompt text, prompt ids); the same steps as LLM.chat."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("the model's tokenizer has no chat template", param="messages")
@@ -72,7 +73,7 @@ def apply_chat_template(tokenizer: Any, messages: List[ChatMessageParam],
 
 
 class OpenAIServingChat(OpenAIServing):
-    def prepare(self, req: ChatCompletionRequest) -> Tuple[str, List[int], SamplingParams]:
+    def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
         """Every check, before anything reaches the engine."""
         self.check_model(req.model)
         if req.tools:
@@ -109,7 +110,7 @@ class OpenAIServingChat(OpenAIServing):
         return text, ids, self.sampling_params(req, len(ids), max_tokens, logprobs,
                                                "top_logprobs")
 
-    def _logprobs(self, c: CompletionOutput, start: int, token_ids: List[int], k: int,
+    def _logprobs(self, c: CompletionOutput, start: int, token_ids: list[int], k: int,
                   as_ids: bool) -> ChoiceLogprobs:
         content = []
         for j, tid in enumerate(token_ids):
@@ -123,16 +124,16 @@ class OpenAIServingChat(OpenAIServing):
         return ChoiceLogprobs(content=content)
 
     def _choice_logprobs(self, req: ChatCompletionRequest, c: CompletionOutput, start: int,
-                         token_ids: List[int]) -> Optional[ChoiceLogprobs]:
+                         token_ids: list[int]) -> ChoiceLogprobs | None:
         if not req.logprobs:
             return None
         return self._logprobs(c, start, token_ids, req.top_logprobs or 0,
                               req.return_tokens_as_token_ids)
 
-    async def complete(self, req: ChatCompletionRequest, text: str, ids: List[int],
+    async def complete(self, req: ChatCompletionRequest, text: str, ids: list[int],
                        params: SamplingParams) -> ChatCompletionResponse:
         request_id = random_id("chatcmpl")
-        final: Optional[RequestOutput] = None
+        final: RequestOutput | None = None
         async with aclosing(self.run(request_id, text, ids, params, req.priority)) as outs:
             async for out in outs:
                 final = out
@@ -150,19 +151,19 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=request_id, model=self.served_model, choices=choices,
                                       usage=usage)
 
-    async def stream(self, req: ChatCompletionRequest, text: str, ids: List[int],
+    async def stream(self, req: ChatCompletionRequest, text: str, ids: list[int],
                      params: SamplingParams) -> AsyncIterator[str]:
         request_id = random_id("chatcmpl")
         created = int(time.time())
 
-        def chunk(choices: List[ChatCompletionStreamChoice],
-                  usage: Optional[UsageInfo] = None) -> str:
+        def chunk(choices: list[ChatCompletionStreamChoice],
+                  usage: UsageInfo | None = None) -> str:
             return sse_data(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.served_model, choices=choices,
                 usage=usage))
 
-        states: Dict[int, ChoiceStream] = {}
-        last: Optional[RequestOutput] = None
+        states: dict[int, ChoiceStream] = {}
+        last: RequestOutput | None = None
         yield chunk([ChatCompletionStreamChoice(
             index=i, delta=DeltaMessage(role="assistant", content=""))
             for i in range(params.n)])

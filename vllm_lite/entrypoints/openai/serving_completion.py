@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any
+from collections.abc import AsyncIterator
 
 from vllm_lite.detokenizer import decode
 from vllm_lite.outputs import CompletionOutput, RequestOutput
@@ -27,14 +28,14 @@ from vllm_lite.entrypoints.openai.serving_engine import (
 )
 from vllm_lite.entrypoints.openai.sse import sse_data
 
-Prompt = Tuple[Optional[str], List[int]]
+Prompt = tuple[str | None, list[int]]
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def _prompts(self, req: CompletionRequest) -> List[Prompt]:
+    def _prompts(self, req: CompletionRequest) -> list[Prompt]:
         p = req.prompt
         if isinstance(p, str):
-            items: List[Any] = [p]
+            items: list[Any] = [p]
         elif not p:
             raise RequestError("the prompt is empty", param="prompt")
         elif isinstance(p[0], int):
@@ -48,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for item in items:  # every text checked before any is tokenized
             if isinstance(item, str):
                 self.check_text(item, "prompt")
-        prompts: List[Prompt] = []
+        prompts: list[Prompt] = []
         for item in items:
             if isinstance(item, str):
                 if not item:
@@ -64,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_prompt(ids)
         return prompts
 
-    def prepare(self, req: CompletionRequest) -> Tuple[List[Prompt], List[SamplingParams]]:
+    def prepare(self, req: CompletionRequest) -> tuple[list[Prompt], list[SamplingParams]]:
         """Every check, before anything reaches the engine."""
         self.check_model(req.model)
         if req.suffix:
@@ -85,8 +86,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                                "logprobs", prompt_logprobs))
         return prompts, params
 
-    def _streams(self, req: CompletionRequest, request_id: str, prompts: List[Prompt],
-                 params: List[SamplingParams]) -> List[AsyncIterator[RequestOutput]]:
+    def _streams(self, req: CompletionRequest, request_id: str, prompts: list[Prompt],
+                 params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
         return [self.run(f"{request_id}-{i}", text, ids, p, req.priority)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]
 
@@ -100,8 +101,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return decode(self.tokenizer, ids, skip_special_tokens=False,
                       spaces_between_special_tokens=req.spaces_between_special_tokens)
 
-    def _logprobs(self, lp: CompletionLogProbs, entries: List[Optional[Dict[int, Any]]],
-                  token_ids: List[int], k: int, as_ids: bool, offset: int) -> None:
+    def _logprobs(self, lp: CompletionLogProbs, entries: list[dict[int, Any] | None],
+                  token_ids: list[int], k: int, as_ids: bool, offset: int) -> None:
         """Appends one position per token to ``lp`` (entries[j]: token j's logprobs)."""
         for tid, entry in zip(token_ids, entries):
             tok = self.token_text(tid, as_ids)
@@ -119,8 +120,8 @@ class OpenAIServingCompletion(OpenAIServing):
             lp.top_logprobs.append(top)
 
     def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput,
-                         start: int, new_ids: List[int], with_prompt: bool,
-                         offset: int) -> Optional[CompletionLogProbs]:
+                         start: int, new_ids: list[int], with_prompt: bool,
+                         offset: int) -> CompletionLogProbs | None:
         """Logprobs of the new tokens (from index ``start``), after the prompt's when it
         is echoed; ``offset``: where the new text starts in the choice's text."""
         if req.logprobs is None:
@@ -138,15 +139,15 @@ class OpenAIServingCompletion(OpenAIServing):
         return lp
 
     # -- plain response ----------------------------------------------------------------------
-    async def complete(self, req: CompletionRequest, prompts: List[Prompt],
-                       params: List[SamplingParams]) -> CompletionResponse:
+    async def complete(self, req: CompletionRequest, prompts: list[Prompt],
+                       params: list[SamplingParams]) -> CompletionResponse:
         request_id = random_id("cmpl")
-        finals: Dict[int, RequestOutput] = {}
+        finals: dict[int, RequestOutput] = {}
         async with aclosing(merge(self._streams(req, request_id, prompts, params))) as outs:
             async for i, out in outs:
                 if out.finished:
                     finals[i] = out
-        choices: List[CompletionChoice] = []
+        choices: list[CompletionChoice] = []
         usage = UsageInfo()
         for i, prompt in enumerate(prompts):
             out = finals[i]
@@ -166,7 +167,7 @@ class OpenAIServingCompletion(OpenAIServing):
     # -- server-sent events ------------------------------------------------------------------
     def _stream_choices(self, req: CompletionRequest, i: int, out: RequestOutput,
                         prompt: Prompt, params: SamplingParams,
-                        states: Dict[Tuple[int, int], ChoiceStream]) -> List[CompletionChoice]:
+                        states: dict[tuple[int, int], ChoiceStream]) -> list[CompletionChoice]:
         """The new part of each of prompt i's completions; the first carries the echo."""
         choices = []
         for c in out.outputs:
@@ -187,14 +188,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return choices
 
-    async def stream(self, req: CompletionRequest, prompts: List[Prompt],
-                     params: List[SamplingParams]) -> AsyncIterator[str]:
+    async def stream(self, req: CompletionRequest, prompts: list[Prompt],
+                     params: list[SamplingParams]) -> AsyncIterator[str]:
         request_id = random_id("cmpl")
         created = int(time.time())
-        states: Dict[Tuple[int, int], ChoiceStream] = {}
-        last: Dict[int, RequestOutput] = {}
+        states: dict[tuple[int, int], ChoiceStream] = {}
+        last: dict[int, RequestOutput] = {}
 
-        def chunk(choices: List[CompletionChoice], usage: Optional[UsageInfo] = None) -> str:
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             return sse_data(CompletionResponse(id=request_id, created=created,
                                                model=self.served_model, choices=choices,
                                                usage=usage))
