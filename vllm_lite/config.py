@@ -104,6 +104,23 @@ def _opt(default: Any, help: str, *, type: Any = None, choices: Any = None,
                                             "none_means": none_means, "metavar": metavar})
 
 
+#: The ``quantization`` values the engine implements (None: no quantization); the methods
+#: are in vllm_lite.layers.quantization.
+QUANTIZATION_METHODS = ("int8",)
+#: Asked for, planned, not implemented yet: refused with a clear error.
+_PLANNED_QUANTIZATIONS = ("int4", "gguf", "gptq", "awq")
+
+
+def check_quantization(method: object) -> str | None:
+    """``method`` if the engine implements it (or None); else a ValueError naming the field."""
+    if method is None or method in QUANTIZATION_METHODS:
+        return method  # type: ignore[return-value]
+    planned = (f" ({', '.join(_PLANNED_QUANTIZATIONS)} are not implemented yet)"
+               if method in _PLANNED_QUANTIZATIONS else "")
+    raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None"
+                     f"{planned}, got {method!r}")
+
+
 @dataclass
 class EngineArgs:
     """Every engine option a user can set, with its default: the one place they live.
@@ -151,6 +168,10 @@ class EngineArgs:
         none_means="from --kv-cache-space (CPU) or --gpu-memory-utilization (GPU)")
     max_logprobs: int = _opt(DEFAULT_MAX_LOGPROBS,
                              "the most logprobs / prompt_logprobs one request may ask for")
+    quantization: str | None = _opt(
+        None, "weight-only quantization of the decoder's projections at load: int8 (per "
+        "output channel; embeddings and LM head stay in --dtype)", type=str,
+        choices=QUANTIZATION_METHODS, none_means="none, the checkpoint's weights in --dtype")
 
     # -- the Python API -----------------------------------------------------------------------
     @classmethod
@@ -174,7 +195,8 @@ class EngineArgs:
         resolves device and dtype). ValueError naming the option on bad input."""
         model_config = ModelConfig(model=str(self.model), tokenizer=self.tokenizer,
                                    dtype=self.dtype, max_model_len=self.max_model_len,
-                                   seed=self.seed, max_logprobs=self.max_logprobs)
+                                   seed=self.seed, max_logprobs=self.max_logprobs,
+                                   quantization=self.quantization)
         # Checked here under the user's names: the cache and scheduler configs call them
         # swap_space_gib and policy.
         swap = check_number("swap_space", self.swap_space)
@@ -477,6 +499,8 @@ class ModelConfig:
     seed: int = EngineArgs.seed
     # The most logprobs / prompt_logprobs one request may ask for (vLLM's max_logprobs).
     max_logprobs: int = EngineArgs.max_logprobs
+    # Weight-only quantization applied at load (vllm_lite.layers.quantization), or None.
+    quantization: str | None = EngineArgs.quantization
     hf_config: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -484,6 +508,7 @@ class ModelConfig:
         from vllm_lite.models.loader import read_hf_config
 
         self.max_logprobs = check_int("max_logprobs", self.max_logprobs, 0)
+        self.quantization = check_quantization(self.quantization)
         # An alias (smollm2-135m) or a .gguf file becomes its converted, cached HF folder.
         path = resolve_model(self.model)
         self.model = str(path)

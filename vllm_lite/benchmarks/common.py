@@ -69,7 +69,7 @@ def apply_sizes(args: argparse.Namespace, sizes: dict[str, tuple[Any, Any]]) -> 
 BENCH_ENGINE_OPTIONS = ("model", "dtype", "device", "seed", "kv_cache_space", "block_size",
                         "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
                         "enable_chunked_prefill", "preemption_mode", "scheduling_policy",
-                        "num_gpu_blocks_override")
+                        "num_gpu_blocks_override", "quantization")
 # Those of them handed to LLM as they are (model, dtype, device are resolved in setup()).
 _PASSED_THROUGH = BENCH_ENGINE_OPTIONS[3:]
 
@@ -92,6 +92,8 @@ def add_common_arguments(p: argparse.ArgumentParser, kv_default: str | None = No
                           "memory",
         "max_num_seqs": "vllm_lite's batch limit (and generate_batch's "
                         "max_requests_per_batch)",
+        "quantization": "vllm_lite's weight-only quantization (int8); the HF peers run the "
+                        "checkpoint's weights",
     }
     defaults = {}
     if kv_default is not None:

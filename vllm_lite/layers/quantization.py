@@ -1,0 +1,112 @@
+"""Weight-only quantization of the decoder's projections, applied once at load.
+
+``int8``: per output channel, symmetric: ``scale[n] = max_k |W[n, k]| / 127``,
+``q[n, k] = round(W[n, k] / scale[n])`` in [-127, 127] (round half to even, as
+``torch.round``). The activations stay in the engine's dtype; the GEMM is torch's
+``aten._weight_int8pack_mm(x [T, K], q [N, K] int8, scale [N])`` (x's dtype: float32,
+float16 or bfloat16), which dequantizes inside the kernel, so the weights take a quarter
+of float32's memory (half of bfloat16's) and a memory-bound decode reads that much less.
+Where the op is missing for a device, the layer dequantizes once into a plain weight and
+warns (correct, no memory saving).
+
+The embedding and the LM head stay in the activation dtype (as vLLM's weight-only
+methods do): the head's logits feed the sampler, and a tied head is the embedding.
+
+Other methods (``int4``, ``gguf``, ``gptq``, ``awq``) are not implemented yet: asking for
+one is a ValueError naming the field, never a silently unquantized model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from vllm_lite.config import check_quantization
+
+logger = logging.getLogger(__name__)
+
+_INT8_MAX = 127
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale float32 [N]) with weight ~= q * scale[:, None]. An all-zero row
+    gets scale 1 (q = 0), so no division by zero."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / _INT8_MAX, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 weight [N, K] = q * scale[:, None]."""
+    return q.float() * scale.float()[:, None]
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with an int8 per-channel weight; ``forward`` takes [..., K] in the
+    engine's dtype and returns [..., N] in that dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        dtype, device = linear.weight.dtype, linear.weight.device
+        q, scale = quantize_int8(linear.weight)
+        self.register_buffer("qweight", q.to(device))
+        # The op wants the scales in the activation dtype.
+        self.register_buffer("scales", scale.to(device=device, dtype=dtype))
+        self.bias = linear.bias
+        # Set when the device has no int8 GEMM: the dequantized weight, used by F.linear.
+        self._dequantized: torch.Tensor | None = None
+        if not _int8_mm_works(device, dtype):
+            logger.warning("no int8 weight-only GEMM for %s %s in this torch: dequantizing the "
+                           "weights at load (correct, no memory saving)", device, dtype)
+            self._dequantized = dequantize_int8(q, scale).to(device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dequantized is not None:
+            return nn.functional.linear(x, self._dequantized, self.bias)
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight,
+                                               self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+_PROBED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _int8_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether aten._weight_int8pack_mm runs for this device type and activation dtype
+    (probed once on a tiny problem)."""
+    key = (device.type, dtype)
+    if key not in _PROBED:
+        try:
+            x = torch.ones(1, 32, dtype=dtype, device=device)
+            q = torch.ones(8, 32, dtype=torch.int8, device=device)
+            s = torch.ones(8, dtype=dtype, device=device)
+            _PROBED[key] = bool(torch.ops.aten._weight_int8pack_mm(x, q, s).shape == (1, 8))
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _PROBED[key] = False
+    return _PROBED[key]
+
+
+def quantize_model(model: nn.Module, method: str | None,
+                   skip: tuple[nn.Module, ...] = ()) -> int:
+    """Replaces every nn.Linear of ``model`` but those in ``skip`` (the LM head) by its
+    quantized form, in place; returns how many were replaced. None: nothing changes."""
+    if check_quantization(method) is None:
+        return 0
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and not any(child is s for s in skip)]
+    for parent, name, child in targets:
+        setattr(parent, name, Int8Linear(child))
+    return len(targets)
