@@ -52,6 +52,10 @@ namespace vllm_lite {
 
 namespace cpu {
 VLLM_LITE_DECLARE_OPS
+// int8 weight-only linear (quantization="int8"): y = x @ (qweight * scales[:, None]).T + bias.
+// CPU only; CUDA uses torch's _weight_int8pack_mm (vllm_lite/layers/quantization.py).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias);
 }  // namespace cpu
 
 namespace cuda {

@@ -27,6 +27,7 @@ TORCH_LIBRARY(vllm_lite, m) {
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor! dst, Tensor block_mapping) -> ()");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
 }
 
 #define VLLM_LITE_REGISTER_IMPLS(ns)                                 \
@@ -37,7 +38,10 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.impl("copy_blocks", &vllm_lite::ns::copy_blocks);               \
   m.impl("swap_blocks", &vllm_lite::ns::swap_blocks);
 
-TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) { VLLM_LITE_REGISTER_IMPLS(cpu) }
+TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
+  VLLM_LITE_REGISTER_IMPLS(cpu)
+  m.impl("int8_linear", &vllm_lite::cpu::int8_linear);  // CPU only (ops.h)
+}
 
 #ifdef VLLM_LITE_WITH_CUDA
 TORCH_LIBRARY_IMPL(vllm_lite, CUDA, m) { VLLM_LITE_REGISTER_IMPLS(cuda) }

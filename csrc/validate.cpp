@@ -372,4 +372,31 @@ int64_t check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
   return src.size(0) == 0 ? 0 : src.numel() / src.size(0) * src.element_size();
 }
 
+int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
+                          const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
+  const char* op = "int8_linear";
+  check_dtype(op, x, "x", at::kFloat);
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K], got a scalar");
+  check_dtype(op, qweight, "qweight", at::kChar);
+  check_dim(op, qweight, "qweight", 2, "[N, K]");
+  check_contiguous(op, qweight, "qweight");
+  check_same_device(op, qweight, "qweight", x, "x");
+  const int64_t n = qweight.size(0);
+  TORCH_CHECK(x.size(-1) == qweight.size(1), op, ": x's last dimension (", x.size(-1),
+              ") must equal qweight's K (", qweight.size(1), ")");
+  check_dtype(op, scales, "scales", at::kFloat);
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, op, ": scales must be [N] = [", n,
+              "], got shape ", scales.sizes());
+  check_contiguous(op, scales, "scales");
+  check_same_device(op, scales, "scales", x, "x");
+  if (bias.has_value()) {
+    check_dtype(op, *bias, "bias", at::kFloat);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [N] = [", n,
+                "], got shape ", bias->sizes());
+    check_contiguous(op, *bias, "bias");
+    check_same_device(op, *bias, "bias", x, "x");
+  }
+  return n;
+}
+
 }  // namespace vllm_lite

@@ -200,8 +200,15 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     _ops.swap_blocks(src, dst, block_mapping)
 
 
-# Fake (meta) implementations: every op only mutates its outputs, so tracing needs no
-# shape computation, just the promise that nothing is returned.
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ (qweight [N, K] int8 * scales[:, None]).T + bias, all
+    float32 but the weight; CPU only (quantization="int8", vllm_lite.layers.quantization)."""
+    return _ops.int8_linear(x, qweight, scales, bias)
+
+
+# Fake (meta) implementations: every op but int8_linear only mutates its outputs, so
+# tracing needs no shape computation, just the promise that nothing is returned.
 def _register_fakes() -> None:
     def _none(*args: object, **kwargs: object) -> None:
         return None
@@ -215,6 +222,11 @@ def _register_fakes() -> None:
         "swap_blocks",
     ):
         torch.library.register_fake(f"vllm_lite::{name}")(_none)
+
+    @torch.library.register_fake("vllm_lite::int8_linear")
+    def _int8_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 _register_fakes()

@@ -2,12 +2,15 @@
 
 ``int8``: per output channel, symmetric: ``scale[n] = max_k |W[n, k]| / 127``,
 ``q[n, k] = round(W[n, k] / scale[n])`` in [-127, 127] (round half to even, as
-``torch.round``). The activations stay in the engine's dtype; the GEMM is torch's
-``aten._weight_int8pack_mm(x [T, K], q [N, K] int8, scale [N])`` (x's dtype: float32,
-float16 or bfloat16), which dequantizes inside the kernel, so the weights take a quarter
-of float32's memory (half of bfloat16's) and a memory-bound decode reads that much less.
-Where the op is missing for a device, the layer dequantizes once into a plain weight and
-warns (correct, no memory saving).
+``torch.round``). The weights take a quarter of float32's memory (half of bfloat16's),
+and a memory-bound decode GEMM reads that much less. The GEMM:
+
+- CPU: vllm_lite's own ``torch.ops.vllm_lite.int8_linear`` (csrc/cpu/int8_linear*.cpp;
+  float32 activations: other dtypes are converted to float32 and back). torch's
+  ``_weight_int8pack_mm`` was 5-50x slower than the float32 GEMM on an AVX2 CPU.
+- other devices: torch's ``aten._weight_int8pack_mm(x [T, K], q [N, K], scale [N])``
+  with x in the engine's dtype; where that op is missing for the device and dtype, the
+  layer dequantizes once into a plain weight and warns (correct, no memory saving).
 
 The embedding and the LM head stay in the activation dtype (as vLLM's weight-only
 methods do): the head's logits feed the sampler, and a tied head is the embedding.
@@ -23,6 +26,7 @@ import logging
 import torch
 from torch import nn
 
+from vllm_lite import ops
 from vllm_lite.config import check_quantization
 
 logger = logging.getLogger(__name__)
@@ -56,17 +60,25 @@ class Int8Linear(nn.Module):
         dtype, device = linear.weight.dtype, linear.weight.device
         q, scale = quantize_int8(linear.weight)
         self.register_buffer("qweight", q.to(device))
-        # The op wants the scales in the activation dtype.
-        self.register_buffer("scales", scale.to(device=device, dtype=dtype))
+        self.on_cpu = device.type == "cpu"
+        # vllm_lite's CPU op takes float32 scales and bias; torch's op wants the scales in
+        # the activation dtype.
+        self.register_buffer("scales", scale.to(device=device,
+                                                dtype=torch.float32 if self.on_cpu else dtype))
         self.bias = linear.bias
+        self._bias_f32 = (None if linear.bias is None or not self.on_cpu
+                          else linear.bias.detach().float())
         # Set when the device has no int8 GEMM: the dequantized weight, used by F.linear.
         self._dequantized: torch.Tensor | None = None
-        if not _int8_mm_works(device, dtype):
+        if not self.on_cpu and not _int8_mm_works(device, dtype):
             logger.warning("no int8 weight-only GEMM for %s %s in this torch: dequantizing the "
                            "weights at load (correct, no memory saving)", device, dtype)
             self._dequantized = dequantize_int8(q, scale).to(device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            y = ops.int8_linear(x.float(), self.qweight, self.scales, self._bias_f32)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         if self._dequantized is not None:
             return nn.functional.linear(x, self._dequantized, self.bias)
         shape = x.shape

@@ -42,12 +42,6 @@ class Worker:
             # head is the embedding).
             n = quantize_model(model, mc.quantization, skip=(model.lm_head,))
             logger.info("quantized %d projections to %s", n, mc.quantization)
-            if config.device.type == "cpu":
-                logger.warning(
-                    "quantization=%r on the CPU runs torch's int8 weight-only GEMM, which is "
-                    "much slower than the float GEMMs on many CPUs (about 9x end to end on "
-                    "an AVX2 machine, README): it saves weight memory, not time",
-                    mc.quantization)
         self.model = model
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self.block_size = config.cache_config.block_size

@@ -1,0 +1,21 @@
+// The AVX2 + FMA build of the int8 weight-only linear kernel, chosen at run time on CPUs
+// that have them (the target applies to this file alone; standard headers come first,
+// under the default target).
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC target("avx2,fma")
+#endif
+#define VLLM_LITE_INT8_FN int8_linear_avx2
+#include "cpu/int8_linear_kernel.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#else
+#include "cpu/int8_linear_params.h"
+vllm_lite::cpu::Int8LinearBlockFn vllm_lite::cpu::int8_linear_avx2() { return nullptr; }
+#endif

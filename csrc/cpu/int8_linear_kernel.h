@@ -1,0 +1,113 @@
+// int8 weight-only linear on the CPU, built once per instruction set (like
+// attention_kernel.h): the including file defines VLLM_LITE_INT8_FN, the name of the
+// function that returns this build's block kernel, and sets the target ISA.
+//
+//   y[m, n] = scales[n] * sum_k x[m, k] * q[n, k] (+ bias[n])
+//
+// Layouts: x [M, K] float32, rows contiguous; q [N, K] int8 contiguous (a weight row per
+// output channel, nn.Linear's layout); scales [N], bias [N] (or null) float32; y [M, N]
+// float32 contiguous. One call covers the output channels [n0, n1) for every row of x:
+// kInt8RowsPerPass weight rows are widened to float32 once into `wbuf`
+// (kInt8RowsPerPass x K floats, the caller's) and used by all M rows, so each weight byte is
+// read from memory once per call, a quarter of a float32 weight's traffic; decode GEMMs
+// (few rows) are memory-bound, which is where this wins. The K loops are plain loops under
+// `omp simd` so the compiler vectorizes them for the ISA of the including file (8 floats on
+// AVX2, NEON on aarch64).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu/int8_linear_params.h"
+
+namespace vllm_lite::cpu {
+namespace {
+
+void int8_linear_block(const Int8LinearArgs& a, int64_t n0, int64_t n1, float* wbuf) {
+  const int64_t K = a.K;
+  for (int64_t n = n0; n < n1; n += kInt8RowsPerPass) {
+    const int64_t nb = std::min<int64_t>(kInt8RowsPerPass, n1 - n);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int8_t* qr = a.q + (n + j) * K;
+      float* w = wbuf + j * K;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) w[k] = static_cast<float>(qr[k]);
+    }
+    int64_t m = 0;
+    if (nb == kInt8RowsPerPass) {
+      // Two activation rows per pass over the weights: each widened weight value loaded
+      // from L1 feeds two FMAs (8 accumulators fit the vector registers).
+      const float* w0 = wbuf;
+      const float* w1 = wbuf + K;
+      const float* w2 = wbuf + 2 * K;
+      const float* w3 = wbuf + 3 * K;
+      for (; m + 1 < a.M; m += 2) {
+        const float* xa = a.x + m * a.x_row_stride;
+        const float* xb = xa + a.x_row_stride;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        float b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+        for (int64_t k = 0; k < K; ++k) {
+          const float u = xa[k], v = xb[k];
+          const float c0 = w0[k], c1 = w1[k], c2 = w2[k], c3 = w3[k];
+          a0 += u * c0;
+          a1 += u * c1;
+          a2 += u * c2;
+          a3 += u * c3;
+          b0 += v * c0;
+          b1 += v * c1;
+          b2 += v * c2;
+          b3 += v * c3;
+        }
+        const float ra[kInt8RowsPerPass] = {a0, a1, a2, a3};
+        const float rb[kInt8RowsPerPass] = {b0, b1, b2, b3};
+        float* ya = a.y + m * a.N + n;
+        float* yb = ya + a.N;
+        for (int64_t j = 0; j < kInt8RowsPerPass; ++j) {
+          const float add = a.bias != nullptr ? a.bias[n + j] : 0.f;
+          ya[j] = ra[j] * a.scales[n + j] + add;
+          yb[j] = rb[j] * a.scales[n + j] + add;
+        }
+      }
+    }
+    for (; m < a.M; ++m) {  // the last odd row, or every row of a short pass
+      const float* xr = a.x + m * a.x_row_stride;
+      float acc[kInt8RowsPerPass] = {};
+      if (nb == kInt8RowsPerPass) {
+        // One pass over x's row for all the rows of the pass.
+        const float* w0 = wbuf;
+        const float* w1 = wbuf + K;
+        const float* w2 = wbuf + 2 * K;
+        const float* w3 = wbuf + 3 * K;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t k = 0; k < K; ++k) {
+          const float xv = xr[k];
+          a0 += xv * w0[k];
+          a1 += xv * w1[k];
+          a2 += xv * w2[k];
+          a3 += xv * w3[k];
+        }
+        acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+      } else {
+        for (int64_t j = 0; j < nb; ++j) {
+          const float* w = wbuf + j * K;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t k = 0; k < K; ++k) s += xr[k] * w[k];
+          acc[j] = s;
+        }
+      }
+      float* yr = a.y + m * a.N + n;
+      for (int64_t j = 0; j < nb; ++j) {
+        yr[j] = acc[j] * a.scales[n + j] + (a.bias != nullptr ? a.bias[n + j] : 0.f);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Int8LinearBlockFn VLLM_LITE_INT8_FN() { return &int8_linear_block; }
+
+}  // namespace vllm_lite::cpu

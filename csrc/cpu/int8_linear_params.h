@@ -1,0 +1,34 @@
+// What the int8 weight-only linear kernel builds (int8_linear_kernel.h, one per ISA) and
+// their caller (int8_linear.cpp) share.
+#pragma once
+
+#include <cstdint>
+
+namespace vllm_lite::cpu {
+
+// Weight rows widened to float32 together and reused by every activation row; the kernel
+// keeps one accumulator per row (its fast path is written for exactly 4).
+constexpr int64_t kInt8RowsPerPass = 4;
+// Output channels per parallel task: a multiple of kInt8RowsPerPass.
+constexpr int64_t kInt8ChannelsPerTask = 32;
+static_assert(kInt8ChannelsPerTask % kInt8RowsPerPass == 0);
+// Up to this many activation rows the block kernel runs; more rows (prefills) dequantize
+// the weight once and use the float32 GEMM, which blocks for its caches far better.
+constexpr int64_t kInt8KernelMaxRows = 32;
+
+struct Int8LinearArgs {
+  const float* x;        // [M, K], row stride x_row_stride
+  const int8_t* q;       // [N, K]
+  const float* scales;   // [N]
+  const float* bias;     // [N] or nullptr
+  float* y;              // [M, N]
+  int64_t M, K, N, x_row_stride;
+};
+
+using Int8LinearBlockFn = void (*)(const Int8LinearArgs&, int64_t n0, int64_t n1, float* wbuf);
+
+// Each build's kernel; nullptr where the build was compiled out (another architecture).
+Int8LinearBlockFn int8_linear_generic();
+Int8LinearBlockFn int8_linear_avx2();
+
+}  // namespace vllm_lite::cpu

@@ -1,0 +1,99 @@
+"""torch.ops.vllm_lite.int8_linear (CPU): every build the CPU runs (the block kernel up to
+32 rows, the dequantize + GEMM path above) against a float64 matmul on the dequantized
+weights; shapes that leave partial passes and partial tasks; argument checks; opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_lite import ops
+
+# Relative to the largest |output|: float32 accumulation in another order.
+RTOL = 2e-6
+
+
+def _case(m: int, k: int, n: int, seed: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 0.02 + 1e-4
+    b = torch.randn(n, generator=g) if bias else None
+    return x, q, scales, b
+
+
+def _reference(x, q, scales, b):
+    ref = x.double() @ (q.double() * scales.double()[:, None]).t()
+    return ref + b.double() if b is not None else ref
+
+
+@pytest.fixture(params=ops.cpu_isas())
+def isa(request: pytest.FixtureRequest):
+    """Each CPU build in turn (the int8 kernel follows the attention kernel's switch)."""
+    before = ops.cpu_isa()
+    ops.set_cpu_isa(request.param)
+    yield request.param
+    ops.set_cpu_isa(before)
+
+
+# (rows, K, N): 1..32 rows run the block kernel (odd rows take its one-row tail), 33 and
+# 100 the dequantize path; N not a multiple of 4 (a short pass) or of 32 (a short task).
+SHAPES = [(1, 64, 32), (2, 64, 37), (3, 13, 5), (7, 576, 96), (16, 8, 1), (31, 72, 130),
+          (32, 100, 64), (33, 64, 40), (100, 48, 70)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64(isa: str, m: int, k: int, n: int, bias: bool) -> None:
+    x, q, scales, b = _case(m, k, n, seed=m * 1000 + n, bias=bias)
+    y = ops.int8_linear(x, q, scales, b)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert not torch.isnan(y).any()
+    ref = _reference(x, q, scales, b)
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=RTOL * float(ref.abs().max()) + 1e-7)
+
+
+def test_leading_dims_and_strided_rows(isa: str) -> None:
+    """x [2, 3, K] and x a column slice of a wider, NaN-filled tensor (rows strided):
+    the columns outside the slice are never read."""
+    x, q, scales, b = _case(6, 40, 24, seed=5, bias=True)
+    y = ops.int8_linear(x.reshape(2, 3, 40), q, scales, b)
+    ref = _reference(x, q, scales, b).reshape(2, 3, 24)
+    assert y.shape == (2, 3, 24)
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=RTOL * float(ref.abs().max()))
+    wide = torch.full((6, 100), float("nan"))
+    wide[:, 30:70] = x
+    y = ops.int8_linear(wide[:, 30:70], q, scales, b)
+    torch.testing.assert_close(y.double(), _reference(x, q, scales, b), rtol=0,
+                               atol=RTOL * float(ref.abs().max()))
+
+
+def test_empty_inputs() -> None:
+    x, q, scales, _ = _case(0, 16, 8, seed=1, bias=False)
+    assert ops.int8_linear(x, q, scales).shape == (0, 8)
+
+
+@pytest.mark.parametrize("what,args,match", [
+    ("x dtype", lambda x, q, s, b: (x.double(), q, s, b), "x must be Float"),
+    ("q dtype", lambda x, q, s, b: (x, q.to(torch.uint8), s, b), "qweight must be Char"),
+    ("q dims", lambda x, q, s, b: (x, q[None], s, b), "qweight must be 2-D"),
+    ("q strided", lambda x, q, s, b: (x, q.t().contiguous().t(), s, b), "qweight must be contiguous"),
+    ("K", lambda x, q, s, b: (x[:, :-1], q, s, b), "last dimension"),
+    ("scales shape", lambda x, q, s, b: (x, q, s[:-1], b), "scales must be"),
+    ("scales dtype", lambda x, q, s, b: (x, q, s.half(), b), "scales must be Float"),
+    ("bias shape", lambda x, q, s, b: (x, q, s, b[:-1]), "bias must be"),
+    ("scalar x", lambda x, q, s, b: (x[0, 0], q, s, b), "at least 1 dimension"),
+])
+def test_bad_arguments(what: str, args, match: str) -> None:
+    x, q, scales, b = _case(4, 16, 16, seed=2, bias=True)
+    if what == "q strided":
+        q = torch.randint(-5, 5, (16, 16), dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=match):
+        ops.int8_linear(*args(x, q, scales, b))
+
+
+def test_opcheck() -> None:
+    x, q, scales, b = _case(3, 16, 8, seed=3, bias=True)
+    torch.library.opcheck(torch.ops.vllm_lite.int8_linear.default, (x, q, scales, b),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_static"))
