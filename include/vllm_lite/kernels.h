@@ -4,7 +4,7 @@
 // Linking the library registers the ops vllm_lite::paged_attention_v1, paged_attention_v2,
 // reshape_and_cache, reshape_and_cache_flash, copy_blocks and swap_blocks (the schemas of
 // torch.ops.vllm_lite.*) with torch's dispatcher, with a CPU kernel each and, in a build
-// with CUDA kernels (VLLM_LITE_CUDA_KERNELS), a CUDA one.
+// with CUDA kernels (VLLM_LITE_CUDA_KERNELS), a CUDA one; and int8_linear, CPU only.
 //
 // Call them as
 //   vllm_lite::paged_attention_v1(out, query, key_cache, ...);   // any device
@@ -28,12 +28,12 @@ namespace detail {
 template <const char* Name, class F>
 struct DispatchedOp;
 
-template <const char* Name, class... Args>
-struct DispatchedOp<Name, void(Args...)> {
-  void operator()(Args... args) const {
+template <const char* Name, class R, class... Args>
+struct DispatchedOp<Name, R(Args...)> {
+  R operator()(Args... args) const {
     static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow(Name, "").template typed<void(Args...)>();
-    op.call(args...);
+        c10::Dispatcher::singleton().findSchemaOrThrow(Name, "").template typed<R(Args...)>();
+    return op.call(args...);
   }
 };
 
@@ -43,6 +43,7 @@ inline constexpr char kReshapeAndCache[] = "vllm_lite::reshape_and_cache";
 inline constexpr char kReshapeAndCacheFlash[] = "vllm_lite::reshape_and_cache_flash";
 inline constexpr char kCopyBlocks[] = "vllm_lite::copy_blocks";
 inline constexpr char kSwapBlocks[] = "vllm_lite::swap_blocks";
+inline constexpr char kInt8Linear[] = "vllm_lite::int8_linear";
 
 }  // namespace detail
 
@@ -59,6 +60,9 @@ inline constexpr detail::DispatchedOp<detail::kCopyBlocks, decltype(cpu::copy_bl
     copy_blocks{};
 inline constexpr detail::DispatchedOp<detail::kSwapBlocks, decltype(cpu::swap_blocks)>
     swap_blocks{};
+// CPU tensors only (no CUDA kernel; see ops.h).
+inline constexpr detail::DispatchedOp<detail::kInt8Linear, decltype(cpu::int8_linear)>
+    int8_linear{};
 
 // Elements per 16-byte chunk of the paged key cache (its last dimension, x) for a dtype.
 inline int64_t kv_cache_x(at::ScalarType dtype) {
