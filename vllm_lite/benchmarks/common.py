@@ -159,17 +159,23 @@ def setup(args: argparse.Namespace) -> BenchSetup:
                       progress=not args.no_progress)
 
 
-def run_cli(name: str, run: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> int:
-    """Runs a benchmark from parsed arguments, saves and prints its report; bad arguments
-    give a one-line error and exit status 2."""
-    from vllm_lite.benchmarks.report import print_summary
-
+def run_cli(name: str, run: Callable[[argparse.Namespace], Any], args: argparse.Namespace,
+            finish: Callable[[Any], None] | None = None) -> int:
+    """Runs a benchmark from parsed arguments and hands its report to ``finish`` (default:
+    an engine report, saved and summarized); bad arguments give a one-line error and exit
+    status 2."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         report = run(args)
     except ValueError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
+    (finish or _save_and_summarize)(report)
+    return 0
+
+
+def _save_and_summarize(report: Any) -> None:
+    from vllm_lite.benchmarks.report import print_summary
+
     report.save()
     print_summary(report)
-    return 0
