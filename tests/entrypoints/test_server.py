@@ -171,11 +171,14 @@ def test_streamed_completion_equals_plain(client: Any, server: Any) -> None:
     # A stop string across a chunk boundary of a greedy answer: its first character was
     # sent before the stop is complete, unless the server holds it back.
     stop = None
-    for prompt in _random_prompts(3, [5, 9, 13, 17, 21]):
+    for prompt in _random_prompts(3, [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]):
         pieces = [chunk.choices[0].text for chunk in client.completions.create(
             prompt=prompt, temperature=0, stream=True, timeout=TIMEOUT, **base)]
         pieces = [p for p in pieces if p]
-        if len(pieces) >= 3:
+        # Not U+FFFD on either side: the random model's byte tokens can end a piece in an
+        # incomplete character, which the detokenizer holds back (a stop string made of
+        # held-back text is a different case than this test's).
+        if len(pieces) >= 3 and "\ufffd" not in pieces[1][-1] + pieces[2][0]:
             stop = pieces[1][-1] + pieces[2][0]
             greedy = "".join(pieces)
             cut = greedy.index(stop)
