@@ -18,6 +18,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
 # tests/ is on sys.path (pytest puts the first folder without __init__.py there).
+from entrypoints.utils import make_llm  # noqa: E402
 from models.helpers import make_config, save_hf_model  # noqa: E402
 from models.text_tokenizers import (  # noqa: E402
     NUM_SPECIAL,
@@ -117,16 +118,10 @@ def _checkpoint(folder: Path, make_tokenizer: Any) -> Path:
     return folder
 
 
-def _llm(folder: Path, **kw: Any) -> LLM:
-    kw.setdefault("block_size", 4)
-    kw.setdefault("kv_cache_space", 0.02)
-    kw.setdefault("swap_space", 0.01)
-    return LLM(str(folder), dtype="float32", device="cpu", **kw)
-
-
 @pytest.fixture(scope="module")
 def word_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    return _llm(_checkpoint(tmp_path_factory.mktemp("word_llama"), make_word_tokenizer))
+    return make_llm(_checkpoint(tmp_path_factory.mktemp("word_llama"), make_word_tokenizer),
+                    kv_cache_space=0.02)
 
 
 @pytest.mark.parametrize("skip,spaces", FLAGS)
@@ -158,7 +153,8 @@ def test_generate_text_follows_the_flags(word_llm: LLM, skip: bool, spaces: bool
 # -- LLM: truncate_prompt_tokens ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def byte_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    return _llm(_checkpoint(tmp_path_factory.mktemp("byte_llama"), make_byte_tokenizer))
+    return make_llm(_checkpoint(tmp_path_factory.mktemp("byte_llama"), make_byte_tokenizer),
+                    kv_cache_space=0.02)
 
 
 def _random_ids(seed: int, n: int) -> list[int]:

@@ -527,6 +527,16 @@ def test_logprobs_of_cut_tokens_are_finite(server: ServerThread, offline: Any) -
 
 
 # -- a client that stops reading --------------------------------------------------------------------
+def _assert_drained(llm: Any) -> None:
+    """Within 10 s the engine holds no request and every KV block is free."""
+    deadline = time.monotonic() + 10
+    while llm.llm_engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
+
+
 def test_stream_that_is_never_read_is_aborted(model_dir: Path) -> None:
     """A consumer that takes one output and then reads nothing: its request is aborted
     after stream_timeout and its blocks freed; meanwhile it holds one output, not a queue."""
@@ -558,12 +568,7 @@ def test_stream_that_is_never_read_is_aborted(model_dir: Path) -> None:
         # One cumulative output waited, holding everything generated so far.
         assert pending is not None
         assert len(pending.outputs[0].token_ids) > len(first.outputs[0].token_ids)
-        deadline = time.monotonic() + 10
-        while llm.llm_engine.has_unfinished_requests():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        bm = llm.llm_engine.scheduler.block_manager
-        assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
+        _assert_drained(llm)
     finally:
         engine.shutdown()
 
@@ -581,7 +586,7 @@ def test_multi_prompt_stream_that_is_never_read_is_aborted(model_dir: Path) -> N
     engine.step_callbacks.append(lambda outs: time.sleep(0.02))  # >= 5 s for 250 tokens
     engine.start()
     try:
-        async def run() -> int:
+        async def run() -> tuple[int, int]:
             gens = [engine.generate(f"multi-{i}", prompt_token_ids=[1, 2, 3 + i],
                                     sampling_params=SamplingParams(max_tokens=250,
                                                                    ignore_eos=True))
@@ -590,19 +595,14 @@ def test_multi_prompt_stream_that_is_never_read_is_aborted(model_dir: Path) -> N
             _, first = await merged.__anext__()
             await asyncio.sleep(2.5)  # read nothing
             # Unread for 2.5 s: the engine dropped every request of the stream by now.
-            left = sum(1 for i in range(3) if f"multi-{i}" in llm.llm_engine._requests)
+            left = len(llm.llm_engine.unfinished_request_ids())
             await merged.aclose()
             return left, len(first.outputs[0].token_ids)
 
         left, first_len = asyncio.run(run())
         assert first_len < 250
         assert left == 0
-        deadline = time.monotonic() + 10
-        while llm.llm_engine.has_unfinished_requests():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        bm = llm.llm_engine.scheduler.block_manager
-        assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
+        _assert_drained(llm)
     finally:
         engine.shutdown()
 

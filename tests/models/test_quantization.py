@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from entrypoints.utils import make_llm  # noqa: E402
 from models.helpers import make_config, save_hf_model  # noqa: E402
 from vllm_lite import LLM, SamplingParams  # noqa: E402
 from vllm_lite.layers.quantization import (  # noqa: E402
@@ -93,18 +94,13 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return folder
 
 
-def _llm(folder: Path, **kw: Any) -> LLM:
-    return LLM(str(folder), dtype="float32", device="cpu", block_size=4, kv_cache_space=0.01,
-               swap_space=0.01, **kw)
-
-
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(3)
     return [torch.randint(1, 160, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
 
 
 def test_engine_int8_equals_the_dequantized_model(checkpoint: Path) -> None:
-    quantized = _llm(checkpoint, quantization="int8")
+    quantized = make_llm(checkpoint, quantization="int8")
     model = quantized.llm_engine.model
     int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
     layers = model.config.num_hidden_layers
@@ -112,7 +108,7 @@ def test_engine_int8_equals_the_dequantized_model(checkpoint: Path) -> None:
     assert not isinstance(model.lm_head, Int8Linear)
     # The reference: the same checkpoint unquantized, its projections replaced by the
     # dequantized weights.
-    reference = _llm(checkpoint)
+    reference = make_llm(checkpoint)
     ref_model = reference.llm_engine.model
     ref_linears = {n: m for n, m in ref_model.named_modules()
                    if isinstance(m, torch.nn.Linear) and m is not ref_model.lm_head}
@@ -146,14 +142,14 @@ def test_engine_int8_weights_take_a_quarter_of_float32(checkpoint: Path) -> None
                 total += m.weight.numel() * m.weight.element_size()
         return total
 
-    assert projection_bytes(_llm(checkpoint, quantization="int8")) * 4 == \
-        projection_bytes(_llm(checkpoint))
+    assert projection_bytes(make_llm(checkpoint, quantization="int8")) * 4 == \
+        projection_bytes(make_llm(checkpoint))
 
 
 @pytest.mark.parametrize("bad", ["int4", "gguf", "fp8", 8, True])
 def test_unknown_quantization_is_refused(checkpoint: Path, bad: Any) -> None:
     with pytest.raises(ValueError, match="quantization"):
-        _llm(checkpoint, quantization=bad)
+        make_llm(checkpoint, quantization=bad)
 
 
 def test_cli_quantization_flag(checkpoint: Path) -> None:
