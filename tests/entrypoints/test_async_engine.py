@@ -5,6 +5,7 @@ fails its requests only, and shutdown fails what is left and frees every block."
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
@@ -185,3 +186,93 @@ def test_shutdown_fails_pending_requests(llm: Any) -> None:
 
     asyncio.run(run())
     _assert_all_free(llm.llm_engine)
+
+
+# -- batching delay -----------------------------------------------------------------------------
+
+def _first_step_and_ttft(llm: Any, delay: float, gaps: list[float], max_tokens: int = 4,
+                         busy: bool = False) -> tuple[set[str], list[float], dict[str, list[int]]]:
+    """Sends len(gaps) requests, request i ``gaps[i]`` s after request i-1 (greedy, random
+    prompts): the request ids in the first step that prefilled any of them, each request's
+    time to its first output, and their token ids. ``busy``: a long request is already
+    running when they arrive."""
+    engine = AsyncLLMEngine(llm.llm_engine, batching_delay=delay)
+    steps: list[set[str]] = []
+    engine.step_callbacks.append(lambda outs: steps.append({o.request_id for o in outs}))
+    engine.start()
+    prompts = _prompts(int(delay * 1000) + len(gaps), [5 + 3 * i % 20 for i in range(len(gaps))])
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        async def one(i: int, ttfts: list[float]) -> list[int]:
+            sent = time.monotonic()
+            first = None
+            async for out in engine.generate(f"q{i}", sampling_params=params,
+                                             prompt_token_ids=prompts[i]):
+                if first is None:
+                    first = time.monotonic() - sent
+                last = out
+            ttfts[i] = first
+            return last.outputs[0].token_ids
+
+        async def run() -> tuple[list[float], list[list[int]]]:
+            background = None
+            if busy:
+                background = asyncio.ensure_future(_final(
+                    engine, "busy", [9, 9, 9], SamplingParams(temperature=0, max_tokens=150,
+                                                              ignore_eos=True)))
+                while not steps:
+                    await asyncio.sleep(0.005)
+            ttfts = [0.0] * len(gaps)
+            tasks = []
+            for i, gap in enumerate(gaps):
+                await asyncio.sleep(gap)
+                tasks.append(asyncio.ensure_future(one(i, ttfts)))
+            ids = await asyncio.gather(*tasks)
+            if background is not None:
+                await background
+            return ttfts, ids
+
+        ttfts, ids = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    _assert_all_free(llm.llm_engine)
+    first = next(s for s in steps if any(r.startswith("q") for r in s))
+    refs = {f"q{i}": o.outputs[0].token_ids
+            for i, o in enumerate(llm.generate(prompts, params, use_tqdm=False))}
+    assert {f"q{i}": t for i, t in enumerate(ids)} == refs  # the delay changes no token
+    return {r for r in first if r.startswith("q")}, ttfts, refs
+
+
+def test_batching_delay_gathers_a_burst_into_one_prefill(llm: Any) -> None:
+    gaps = [0.0, 0.03, 0.03, 0.03]
+    # No delay: the first request is prefilled alone, as soon as it arrives.
+    first, ttfts, _ = _first_step_and_ttft(llm, 0.0, gaps)
+    assert first == {"q0"}
+    # A 400 ms delay: all four (sent over 90 ms) share the first step; the first request
+    # waited the delay (its TTFT >= 0.4 s), the last one only what was left of it.
+    first, ttfts, _ = _first_step_and_ttft(llm, 0.4, gaps)
+    assert first == {"q0", "q1", "q2", "q3"}
+    assert ttfts[0] >= 0.4 - 0.01 and ttfts[3] < ttfts[0] - 0.05
+
+
+def test_batching_delay_ends_when_max_num_seqs_wait(model_dir: Path) -> None:
+    llm = make_llm(model_dir, max_num_seqs=5)
+    # max_num_seqs requests at once end a 30 s delay at once.
+    first, ttfts, _ = _first_step_and_ttft(llm, 30.0, [0.0] * 5, max_tokens=2)
+    assert len(first) == 5 and max(ttfts) < 10
+
+
+def test_batching_delay_only_holds_an_idle_engine(llm: Any) -> None:
+    # A request arriving while another runs joins the next step: no delay.
+    _, ttfts, _ = _first_step_and_ttft(llm, 5.0, [0.0], busy=True)
+    assert ttfts[0] < 2.0
+
+
+def test_batching_delay_must_be_a_finite_number() -> None:
+    from vllm_lite.entrypoints.openai.api_server import ServerConfig
+
+    for bad in (-1.0, float("inf"), float("nan"), "5", True):
+        with pytest.raises(ValueError, match="batching_delay_ms"):
+            ServerConfig(batching_delay_ms=bad)
+        with pytest.raises(ValueError, match="drain_timeout_s"):
+            ServerConfig(drain_timeout_s=bad)

@@ -5,68 +5,38 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 import vllm_lite
 
+from entrypoints.utils import MODEL_NAME, ServeProcess, cli_env, free_port  # noqa: E402
+
 TIMEOUT = 30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_subcommand(model_dir: Path, tmp_path: Path) -> None:
-    port = _free_port()
-    # The vllm_lite these tests import (installed, or the checkout), whatever the cwd.
-    home = str(Path(vllm_lite.__file__).resolve().parent.parent)
-    env = {**os.environ, "VLLM_LITE_API_KEY": "k3y",
-           "PYTHONPATH": os.pathsep.join([home] + [p for p in os.environ.get(
-               "PYTHONPATH", "").split(os.pathsep) if p])}
-    cmd = [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", "--model", str(model_dir),
-           "--port", str(port), "--dtype", "float32", "--device", "cpu", "--block-size", "4",
-           "--kv-cache-space", "0.01", "--served-model-name", "tiny", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    srv = ServeProcess(model_dir, tmp_path, env={"VLLM_LITE_API_KEY": "k3y"}).start()
+    url, port = srv.url, srv.port
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        srv.wait_healthy()
         auth = {"Authorization": "Bearer k3y"}
         assert httpx.get(url + "/v1/models", timeout=TIMEOUT).status_code == 401
         models = httpx.get(url + "/v1/models", headers=auth, timeout=TIMEOUT).json()
-        assert [m["id"] for m in models["data"]] == ["tiny"]
+        assert [m["id"] for m in models["data"]] == [MODEL_NAME]
         r = httpx.post(url + "/v1/completions", headers=auth, timeout=TIMEOUT,
-                       json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4,
+                       json={"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 4,
                              "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         if os.path.exists("/proc/net/tcp"):  # loopback only, unless told otherwise
             assert _listening_addresses(port) == ["127.0.0.1"]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out = proc.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out = proc.communicate()[0]
+        rc, out = srv.stop()
     # uvicorn re-raises the signal once it has shut down gracefully.
-    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert rc in (0, -signal.SIGTERM), out
     assert "Traceback" not in out, out
 
 
@@ -85,10 +55,7 @@ def _listening_addresses(port: int) -> list[str]:
 # -- model loading errors: one line on stderr, a non-zero exit, never a traceback ----------
 
 def _cli(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    home = str(Path(vllm_lite.__file__).resolve().parent.parent)
-    env = {**os.environ, "VLLM_LITE_CACHE": str(cwd / "cache"),
-           "PYTHONPATH": os.pathsep.join([home] + [p for p in os.environ.get(
-               "PYTHONPATH", "").split(os.pathsep) if p])}
+    env = cli_env({"VLLM_LITE_CACHE": str(cwd / "cache")})
     return subprocess.run([sys.executable, "-m", "vllm_lite.entrypoints.cli", *args], env=env,
                           cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
@@ -189,7 +156,7 @@ def test_serve_model_loading_errors(model_dir: Path, tmp_path: Path, kind: str,
                                     expect: str) -> None:
     model = _bad_model(model_dir, tmp_path, kind)
     proc = _cli(["serve", "--model", str(model), "--device", "cpu", "--kv-cache-space", "0.01",
-                 "--port", str(_free_port())], tmp_path)
+                 "--port", str(free_port())], tmp_path)
     _assert_clean_error(proc, expect)
 
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import vllm_lite
 
 from vllm_lite import LLM
 from vllm_lite.entrypoints.openai.api_server import ServerConfig, build_app, uvicorn_config
@@ -83,6 +89,89 @@ class ServerThread:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a ``python -m vllm_lite.entrypoints.cli`` child: the vllm_lite
+    these tests import (installed, or the checkout), whatever the cwd."""
+    home = str(Path(vllm_lite.__file__).resolve().parent.parent)
+    return {**os.environ, **(extra or {}),
+            "PYTHONPATH": os.pathsep.join([home] + [p for p in os.environ.get(
+                "PYTHONPATH", "").split(os.pathsep) if p])}
+
+
+class ServeProcess:
+    """``vllm-lite serve`` on the tiny model in a child process (the real entry point:
+    signals, exit status, logs), on 127.0.0.1:``port``.
+
+        proc = ServeProcess(model_dir, tmp_path, port, ["--drain-timeout", "5"]).start()
+        proc.wait_healthy(); ...; rc, log = proc.stop()
+    """
+
+    def __init__(self, model_dir: Path, cwd: Path, port: int | None = None,
+                 args: list[str] = (), env: dict[str, str] | None = None) -> None:
+        self.port = free_port() if port is None else port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = cli_env(env)
+        self.cmd = [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve",
+                    "--model", str(model_dir), "--port", str(self.port), "--dtype", "float32",
+                    "--device", "cpu", "--block-size", "4", "--kv-cache-space", "0.01",
+                    "--served-model-name", MODEL_NAME, "--log-level", "warning",
+                    "--threads", "1", *args]
+        self.cwd = cwd
+        self.log_path = cwd / f"serve_{self.port}_{time.monotonic_ns()}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServeProcess:
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, stdout=self._log,
+                                     stderr=subprocess.STDOUT, text=True)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc is not None and self.proc.poll() is None, self.log()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"{self.url} did not come up\n{self.log()}"
+            time.sleep(0.2)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 30) -> tuple[int, str]:
+        """SIGTERM, then SIGKILL past ``timeout``: (exit status, the log)."""
+        if self.proc is None:
+            return 0, ""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode, self.log()
 
 
 def token_ids(logprobs_tokens: list[str]) -> list[int]:

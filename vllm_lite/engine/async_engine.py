@@ -116,9 +116,15 @@ class _Stream:
 
 class AsyncLLMEngine:
     def __init__(self, engine: Any, metrics: Metrics | None = None,
-                 stream_timeout: float | None = None) -> None:
+                 stream_timeout: float | None = None, batching_delay: float = 0.0) -> None:
         self.engine = engine
         self.metrics = metrics
+        # Seconds an idle engine holds the first request that arrives (or until
+        # max_num_seqs requests wait) so a burst shares its first prefill step.
+        if not 0 <= batching_delay < float("inf"):
+            raise ValueError(f"batching_delay must be >= 0 seconds, got {batching_delay}")
+        self.batching_delay = batching_delay
+        self._max_batch = engine.config.scheduler_config.max_num_seqs
         # Seconds an output may wait unread before its request is aborted (a client that
         # stopped reading must not hold KV blocks forever); None: no limit.
         if stream_timeout is not None and not stream_timeout > 0:
@@ -227,6 +233,11 @@ class AsyncLLMEngine:
                         self._cv.wait()
                     if self._stopping:
                         return
+                    if self.batching_delay > 0 and self._adds and \
+                            not engine.has_unfinished_requests():
+                        self._hold_for_batch()
+                        if self._stopping:
+                            return
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, set()
                 self._apply_aborts(aborts)
@@ -240,6 +251,17 @@ class AsyncLLMEngine:
             with self._cv:
                 self._stopping = True
             self._fail_everything(EngineDeadError(f"the engine thread died: {e!r}"))
+
+    def _hold_for_batch(self) -> None:
+        """Under _cv, the engine idle and a request pending: waits until the batching delay
+        has passed since the first pending request arrived, max_num_seqs requests are
+        pending, every pending one was aborted, or the engine stops."""
+        deadline = self._adds[0].arrival + self.batching_delay
+        while not self._stopping and 0 < len(self._adds) < self._max_batch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cv.wait(left)
 
     def _apply_aborts(self, aborts: set[str]) -> None:
         if not aborts:

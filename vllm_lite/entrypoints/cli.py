@@ -161,6 +161,11 @@ _SERVER_LIMITS = {
     "stream_timeout_s": "seconds a stream's output may wait unread before the request is "
                         "aborted (a client that stopped reading)",
     "tokenizer_threads": "threads that tokenize and apply chat templates off the event loop",
+    "drain_timeout_s": "on SIGTERM / Ctrl-C: stop accepting, give in-flight requests this "
+                       "many seconds to finish, then exit",
+    "batching_delay_ms": "an idle engine waits up to this many ms after a request arrives "
+                         "(or until max_num_seqs wait) before its first prefill, so a burst "
+                         "shares a step (adds up to this much TTFT)",
 }
 
 

@@ -80,8 +80,13 @@ class ServerConfig:
     max_n: int = 16
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     log_level: str = "info"
-    # Seconds uvicorn waits for open requests when stopping.
-    graceful_shutdown_s: float = 5.0
+    # Seconds a stopping server (SIGTERM, Ctrl-C) gives its in-flight requests to finish
+    # once it has stopped accepting connections; then the rest are cut off and it exits.
+    drain_timeout_s: float = 30.0
+    # Milliseconds an idle engine waits after a request arrives before its first prefill
+    # (or until max_num_seqs requests wait), so a burst shares one step: higher throughput
+    # for bursts, up to this much more TTFT for a lone request. 0: no wait.
+    batching_delay_ms: float = 0.0
     # A request body past this is a 413, refused before it is read.
     max_request_bytes: int = 4 * 1024 * 1024
     # Prompts in one /v1/completions request, messages in one chat request.
@@ -125,8 +130,11 @@ class ServerConfig:
                 raise ValueError("api_key must be printable ASCII without spaces")
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
-        if not self.graceful_shutdown_s >= 0:
-            raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
+        for name in ("drain_timeout_s", "batching_delay_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.allowed_hosts is not None:
             hosts = [h.strip() for h in self.allowed_hosts if h.strip()]
             if not hosts:
@@ -190,7 +198,8 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: str | None = No
     served = (config.served_model_name or model_name
               or default_served_name(llm_engine.config.model_config.model))
     metrics = Metrics(served)
-    engine = AsyncLLMEngine(llm_engine, metrics, stream_timeout=config.stream_timeout_s)
+    engine = AsyncLLMEngine(llm_engine, metrics, stream_timeout=config.stream_timeout_s,
+                            batching_delay=config.batching_delay_ms / 1000)
     limits = config.limits
     tokenizers = TokenizerPool(llm_engine.tokenizer, config.tokenizer_threads)
     completion = OpenAIServingCompletion(engine, served, limits, tokenizers)
@@ -211,6 +220,9 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: str | None = No
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.served_model = served
+    # Set when the server starts stopping: /health turns 503 so load balancers that probe
+    # it stop sending while the in-flight requests finish.
+    app.state.draining = False
     # Added innermost first: a request meets the Host check, then the key, then the body
     # limit, then the app.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes,
@@ -250,7 +262,8 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: str | None = No
     # -- endpoints -----------------------------------------------------------------------------
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        ok = engine.is_running and not app.state.draining
+        return Response(status_code=200 if ok else 503)
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -338,7 +351,7 @@ def uvicorn_config(app: FastAPI, config: ServerConfig, **kw: Any) -> Any:
     kw.setdefault("log_level", config.log_level)
     uv = uvicorn.Config(
         app, host=config.host, port=config.port,
-        timeout_graceful_shutdown=config.graceful_shutdown_s,
+        timeout_graceful_shutdown=config.drain_timeout_s,
         timeout_keep_alive=config.keep_alive_timeout_s,
         http=guarded_h11_protocol(max_connections, config.read_timeout_s),
         **kw)
@@ -347,12 +360,29 @@ def uvicorn_config(app: FastAPI, config: ServerConfig, **kw: Any) -> Any:
     return uv
 
 
-def serve(llm_engine: Any, config: ServerConfig, model_name: str | None = None) -> None:
-    """Runs the server until interrupted (Ctrl-C / SIGTERM)."""
+def draining_server(app: FastAPI, uv_config: Any) -> Any:
+    """A uvicorn.Server that drains when stopped (SIGTERM, Ctrl-C): it closes its listening
+    sockets (a load balancer's new connections are refused and go to another replica),
+    turns /health to 503, lets the in-flight requests finish within the drain timeout
+    (uvicorn's graceful shutdown), cuts off what is left, then stops the engine. A second
+    Ctrl-C exits at once."""
     import uvicorn
 
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            app.state.draining = True
+            logger.info("draining: %d request(s) in flight, waiting up to %g s for them",
+                        len(self.server_state.tasks), self.config.timeout_graceful_shutdown)
+            await super().shutdown(sockets)
+            logger.info("drained; stopping the engine")
+
+    return DrainingServer(uv_config)
+
+
+def serve(llm_engine: Any, config: ServerConfig, model_name: str | None = None) -> None:
+    """Runs the server until interrupted (Ctrl-C / SIGTERM: it drains, then exits)."""
     app = build_app(llm_engine, config, model_name)
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s: reachable from other machines%s", config.host,
                        "" if config.api_key else ", and without an API key")
-    uvicorn.Server(uvicorn_config(app, config)).run()
+    draining_server(app, uvicorn_config(app, config)).run()
