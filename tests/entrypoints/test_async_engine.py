@@ -276,3 +276,34 @@ def test_batching_delay_must_be_a_finite_number() -> None:
             ServerConfig(batching_delay_ms=bad)
         with pytest.raises(ValueError, match="drain_timeout_s"):
             ServerConfig(drain_timeout_s=bad)
+
+
+def test_two_engines_step_at_once_in_one_process(model_dir: Path, offline: Any) -> None:
+    """Two engines in one process (two servers, an engine embedded beside another), each
+    stepping in its own thread at the same time: each sees only its own batch."""
+    import threading
+
+    prompts = _prompts(11, [3, 9, 14, 20, 6, 11])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    refs = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
+    llms = [make_llm(model_dir), make_llm(model_dir)]
+    results: list[Any] = [None, None]
+    barrier = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            # Different batches (one reversed), so a mix-up shows in the tokens or raises.
+            ps = prompts if i == 0 else prompts[::-1]
+            results[i] = [o.outputs[0].token_ids
+                          for o in llms[i].generate(ps, params, use_tqdm=False)]
+        except Exception as e:  # noqa: BLE001  (reported below)
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results[0] == refs, results[0]
+    assert results[1] == refs[::-1], results[1]

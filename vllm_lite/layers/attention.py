@@ -13,6 +13,7 @@ paged layouts, see README "Layouts"), assigned by the runner after the model is 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -78,28 +79,31 @@ class AttentionMetadata:
         return self._host
 
 
-_CURRENT: AttentionMetadata | None = None
+# Per thread: two engines stepping in two threads of one process (two servers, or an
+# engine embedded next to another) must each see their own batch.
+_CURRENT = threading.local()
 
 
 def set_attention_metadata(meta: AttentionMetadata | None) -> None:
-    """Installs the metadata every Attention layer reads in the next forward (None clears)."""
-    global _CURRENT
-    _CURRENT = meta
+    """Installs the metadata every Attention layer of this thread reads in the next
+    forward (None clears)."""
+    _CURRENT.meta = meta
 
 
 def get_attention_metadata() -> AttentionMetadata:
-    if _CURRENT is None:
+    meta = getattr(_CURRENT, "meta", None)
+    if meta is None:
         raise RuntimeError(
             "no attention metadata: call set_attention_metadata(meta) (or use the "
             "attention_metadata(meta) context manager) before the model's forward"
         )
-    return _CURRENT
+    return meta
 
 
 @contextlib.contextmanager
 def attention_metadata(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
     """Installs ``meta`` for the duration of the block, restoring the previous one."""
-    previous = _CURRENT
+    previous = getattr(_CURRENT, "meta", None)
     set_attention_metadata(meta)
     try:
         yield meta
