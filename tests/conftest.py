@@ -6,6 +6,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,3 +59,27 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def _seed_torch() -> None:
     """Tests draw from explicit generators; this only pins anything that does not."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server and deployment tests' checkpoint: a tiny random Llama with a tokenizer and
+    a chat template (context 256, vocabulary entrypoints.utils.VOCAB)."""
+    from entrypoints.utils import EOS, VOCAB
+    from models.helpers import make_config, make_tokenizer, save_hf_model
+
+    folder = tmp_path_factory.mktemp("server_llama")
+    config = make_config("llama")  # max_position_embeddings 256: the context
+    config.vocab_size = VOCAB
+    config.eos_token_id = EOS
+    save_hf_model(config, folder)
+    make_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def offline(model_dir: Path) -> Any:
+    """An offline LLM on ``model_dir``: the reference for servers' answers."""
+    from entrypoints.utils import make_llm
+
+    return make_llm(model_dir)

@@ -40,6 +40,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds. TTFT covers queueing plus prefill; TPOT one decode step; e2e a whole request.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# request_success's finished_reason values: the engine's finish reasons, and the requests
+# that left unfinished (aborted by their client, or failed by the engine).
+FINISH_REASONS = ("stop", "length", "abort", "error")
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
@@ -90,6 +93,12 @@ class Metrics:
         self.cpu_blocks_free = gauge("cpu_cache_blocks_free", "CPU swap blocks free.")
         self.prefix_hit_rate = gauge("gpu_prefix_cache_hit_rate",
                                      "Prefix cache hits / full prompt blocks looked up.")
+        # Counters beside the since-start ratio above: a hit rate over a window, and one
+        # summed correctly over replicas, is rate(hits) / rate(queries).
+        self.prefix_queries = counter("gpu_prefix_cache_queries",
+                                      "Full prompt blocks looked up in the prefix cache.")
+        self.prefix_hits = counter("gpu_prefix_cache_hits",
+                                   "Full prompt blocks found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Preemptions (recompute and swap).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -102,8 +111,12 @@ class Metrics:
                              "From arrival to the last output.", _E2E_BUCKETS)
         self._success = Counter(PREFIX + "request_success", "Requests finished, by reason.",
                                 labels + ["finished_reason"], registry=r)
+        # Every reason's series exists from the start (at 0): Prometheus's rate() and
+        # increase() would miss a series' first request otherwise.
+        for reason in FINISH_REASONS:
+            self._success.labels(model_name, reason)
         self._requests: dict[str, _RequestTimes] = {}
-        self._last_preemptions = 0
+        self._last = {"preemptions": 0, "queries": 0, "hits": 0}
 
     # -- fed by the engine thread ------------------------------------------------------------
     def on_request_added(self, request_id: str, num_prompt_tokens: int,
@@ -155,9 +168,12 @@ class Metrics:
         self.cpu_blocks_free.set(stats.cpu_blocks_free)
         q = stats.prefix_cache_queries
         self.prefix_hit_rate.set(stats.prefix_cache_hits / q if q else 0.0)
-        if stats.num_preemptions > self._last_preemptions:
-            self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
-        self._last_preemptions = stats.num_preemptions
+        for key, now, counter in (("preemptions", stats.num_preemptions, self.preemptions),
+                                  ("queries", stats.prefix_cache_queries, self.prefix_queries),
+                                  ("hits", stats.prefix_cache_hits, self.prefix_hits)):
+            if now > self._last[key]:
+                counter.inc(now - self._last[key])
+            self._last[key] = now
 
     # -- read by the HTTP thread -------------------------------------------------------------
     def render(self) -> bytes:

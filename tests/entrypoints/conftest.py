@@ -1,6 +1,6 @@
-"""Fixtures for the server tests: one tiny random Llama checkpoint with a tokenizer and a
-chat template (session), an offline LLM on it for references, and helpers to read the
-server's answers."""
+"""Fixtures for the server tests: a server on the tiny checkpoint (``model_dir`` and the
+``offline`` reference LLM live in tests/conftest.py, shared with tests/deploy), the HF
+model on it, and the openai client."""
 
 from __future__ import annotations
 
@@ -18,20 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 # tests/ is on sys.path (pytest puts the first folder without __init__.py there).
-from models.helpers import make_config, make_tokenizer, save_hf_model  # noqa: E402
-
-from entrypoints.utils import EOS, VOCAB, ServerThread, make_llm  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("server_llama")
-    config = make_config("llama")  # max_position_embeddings 256: the context
-    config.vocab_size = VOCAB
-    config.eos_token_id = EOS
-    save_hf_model(config, folder)
-    make_tokenizer(folder)
-    return folder
+from entrypoints.utils import ServerThread, make_llm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -39,12 +26,6 @@ def hf_model(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(model_dir)).float().eval()
-
-
-@pytest.fixture(scope="session")
-def offline(model_dir: Path) -> Any:
-    """An offline LLM on the same checkpoint: the reference for the server's answers."""
-    return make_llm(model_dir)
 
 
 @pytest.fixture(scope="module")

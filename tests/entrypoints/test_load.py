@@ -5,7 +5,6 @@ afterwards no request is left in the engine and every KV block is free."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from typing import Any
@@ -13,8 +12,8 @@ from typing import Any
 import httpx
 import torch
 
-from entrypoints.utils import MODEL_NAME, read_metrics, token_ids  # noqa: E402
-from vllm_lite import SamplingParams  # noqa: E402
+from entrypoints.utils import (MODEL_NAME, complete_ids, offline_params, read_metrics,  # noqa: E402
+                              stream_ids)
 
 N_GREEDY, N_SAMPLED, N_CANCELLED = 60, 30, 10
 CANCEL_MAX_TOKENS = 200
@@ -43,40 +42,10 @@ def _requests(seed: int) -> list[dict[str, Any]]:
     return reqs
 
 
-def _offline_params(body: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(n=body.get("n", 1), temperature=body["temperature"],
-                          seed=body.get("seed"), max_tokens=body["max_tokens"],
-                          ignore_eos=body.get("ignore_eos", False))
-
-
-async def _plain(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[int, list[int]]:
-    r = await client.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return {c["index"]: token_ids(c["logprobs"]["tokens"]) for c in r.json()["choices"]}
-
-
-async def _streamed(client: httpx.AsyncClient, body: dict[str, Any],
-                    cancel: bool) -> dict[int, list[int]]:
-    got: dict[int, list[int]] = {}
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if not line:
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                break
-            for c in json.loads(data)["choices"]:
-                got.setdefault(c["index"], []).extend(token_ids(c["logprobs"]["tokens"]))
-            if cancel and got.get(0):
-                break  # leaving the block closes the connection mid-stream
-    return got
-
-
 def test_concurrent_load_with_cancellations(server: Any, offline: Any) -> None:
     reqs = _requests(seed=7)
     kept = [b for b in reqs if b["max_tokens"] != CANCEL_MAX_TOKENS]
-    refs = offline.generate([b["prompt"] for b in kept], [_offline_params(b) for b in kept],
+    refs = offline.generate([b["prompt"] for b in kept], [offline_params(b) for b in kept],
                             use_tqdm=False)
     want = {id(b): {c.index: c.token_ids for c in ref.outputs} for b, ref in zip(kept, refs)}
     before = read_metrics(httpx.get(server.url + "/metrics", timeout=TIMEOUT).text)
@@ -87,8 +56,8 @@ def test_concurrent_load_with_cancellations(server: Any, offline: Any) -> None:
             async def one(body: dict[str, Any]) -> tuple[dict[str, Any], dict[int, list[int]]]:
                 cancel = body["max_tokens"] == CANCEL_MAX_TOKENS
                 if body["stream"]:
-                    return body, await _streamed(c, body, cancel)
-                return body, await _plain(c, body)
+                    return body, await stream_ids(c, body, cancel)
+                return body, await complete_ids(c, body)
 
             return await asyncio.wait_for(asyncio.gather(*(one(b) for b in reqs)), 120)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -182,6 +183,50 @@ def token_ids(logprobs_tokens: list[str]) -> list[int]:
         assert m, t
         ids.append(int(m.group(1)))
     return ids
+
+
+def offline_params(body: dict[str, Any]) -> Any:
+    """The offline SamplingParams of a /v1/completions body."""
+    from vllm_lite import SamplingParams
+
+    return SamplingParams(n=body.get("n", 1), temperature=body["temperature"],
+                          seed=body.get("seed"), max_tokens=body["max_tokens"],
+                          ignore_eos=body.get("ignore_eos", False))
+
+
+async def complete_ids(client: Any, body: dict[str, Any]) -> dict[int, list[int]]:
+    """A plain completion (logprobs=0, return_tokens_as_token_ids): index -> token ids."""
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return {c["index"]: token_ids(c["logprobs"]["tokens"]) for c in r.json()["choices"]}
+
+
+class IncompleteStream(Exception):
+    """A stream that ended without ``data: [DONE]``; ``token_ids`` holds what came."""
+
+    def __init__(self, token_ids: dict[int, list[int]]) -> None:
+        super().__init__(f"the stream ended without [DONE] after {token_ids}")
+        self.token_ids = token_ids
+
+
+async def stream_ids(client: Any, body: dict[str, Any],
+                     cancel: bool = False) -> dict[int, list[int]]:
+    """A streamed completion read to ``data: [DONE]`` (or, ``cancel``, left after its first
+    token): index -> token ids. IncompleteStream if it ends early."""
+    got: dict[int, list[int]] = {}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                return got
+            for c in json.loads(data)["choices"]:
+                got.setdefault(c["index"], []).extend(token_ids(c["logprobs"]["tokens"]))
+            if cancel and got.get(0):
+                return got  # leaving the block closes the connection mid-stream
+    raise IncompleteStream(got)
 
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
