@@ -245,3 +245,45 @@ def test_truncate_prompt_helper() -> None:
     assert truncate_prompt("abc", [1, 2, 3], 3) == ("abc", [1, 2, 3])
     assert truncate_prompt(None, [1, 2, 3], 2) == (None, [2, 3])
     assert truncate_prompt("abc", [1, 2, 3], 1) == (None, [3])  # no tokenizer: no text
+
+
+# -- stop strings in the text held back for an incomplete character -------------------------------
+def test_stop_string_in_held_back_text_stops(model_dir: Path) -> None:
+    """A sequence whose last token ends in an incomplete UTF-8 character: its text is held
+    back until it finishes, then flushed; a stop string in that flushed text still stops
+    it (finish_reason "stop", the text cut before the stop string), as it would anywhere
+    else."""
+    llm = make_llm(model_dir)
+    tok = llm.get_tokenizer()
+    # A token that decodes to a complete character followed by an incomplete one.
+    forced = next(i for i in range(tok.vocab_size) if len(tok.decode([i])) > 1
+                  and tok.decode([i]).endswith("\ufffd")
+                  and "\ufffd" not in tok.decode([i])[:-1])
+    head = tok.decode([forced])[:-1]
+    model = llm.llm_engine.runner.model
+    compute_logits = model.compute_logits
+
+    def forcing(hidden: torch.Tensor) -> torch.Tensor:  # every row samples ``forced``
+        logits = compute_logits(hidden)
+        logits[:, forced] = logits.max() + 100
+        return logits
+
+    model.compute_logits = forcing
+    try:
+        prompt = [5, 6, 7]
+        # max_tokens ends it on the token that holds the stop string back.
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1,
+                                                    stop=[head]), use_tqdm=False)[0]
+        c = out.outputs[0]
+        assert c.token_ids == [forced]
+        assert (c.finish_reason, c.stop_reason, c.text) == ("stop", head, ""), c
+        kept = llm.generate([prompt], SamplingParams(
+            temperature=0, max_tokens=1, stop=[head], include_stop_str_in_output=True),
+            use_tqdm=False)[0].outputs[0]
+        assert (kept.finish_reason, kept.text) == ("stop", head), kept
+        # Without a stop string the flushed text is all there (U+FFFD for the partial byte).
+        plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1),
+                             use_tqdm=False)[0].outputs[0]
+        assert (plain.finish_reason, plain.text) == ("length", head + "\ufffd"), plain
+    finally:
+        del model.compute_logits

@@ -318,6 +318,10 @@ class OutputProcessor:
                 det = state.detoks[seq.seq_id] = IncrementalDetokenizer.for_params(
                     self.tokenizer, state.prompt_token_ids, params)
             new_text = det.add_tokens(new_tokens)
+            if seq.is_finished():
+                # The text held back for an incomplete character comes out now, and a
+                # stop string in it counts like one in new text.
+                new_text += det.flush()
             hit = self.stop_checker.check_stop_strings(params, det.text, len(new_text))
             if hit is not None:
                 stop, keep = hit
@@ -329,8 +333,6 @@ class OutputProcessor:
                     self.scheduler.finish_seq(group.request_id, seq.seq_id,
                                               SequenceStatus.FINISHED_STOPPED, stop_reason=stop)
                 continue
-            if seq.is_finished():
-                det.flush()
 
     # -- outputs -------------------------------------------------------------------------------
     def make_output(self, state: RequestState) -> RequestOutput:
