@@ -77,6 +77,8 @@ class RequestResult:
 @dataclass
 class RateResult:
     rate: str
+    # The server's --batching-delay-ms (None: a server not started here, its own setting).
+    batching_delay_ms: float | None
     num_requests: int
     num_failed: int
     duration_s: float
@@ -109,11 +111,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(args: argparse.Namespace,
+                 batching_delay_ms: float) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve",
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-           "--max-num-seqs", str(args.max_num_seqs)]
+           "--max-num-seqs", str(args.max_num_seqs),
+           "--batching-delay-ms", str(batching_delay_ms)]
     if args.model is not None:  # else the server's default model
         cmd += ["--model", args.model]
     if args.threads is not None:
@@ -207,7 +211,7 @@ async def one_request(client: Any, model: str, prompt: list[int],
 
 
 async def run_rate(client: Any, model: str, prompts: list[list[int]], output_len: int,
-                   rate: str, rng: random.Random) -> RateResult:
+                   rate: str, rng: random.Random, delay: float | None) -> RateResult:
     lam = math.inf if rate == "inf" else float(rate)
     tasks = []
     start = time.perf_counter()
@@ -222,7 +226,7 @@ async def run_rate(client: Any, model: str, prompts: list[list[int]], output_len
         if not r.ok:
             log.warning("request failed: %s", r.error)
     return RateResult(
-        rate=rate, num_requests=len(results), num_failed=len(results) - len(ok),
+        rate=rate, batching_delay_ms=delay, num_requests=len(results), num_failed=len(results) - len(ok),
         duration_s=duration, request_throughput=len(ok) / duration,
         output_throughput=sum(r.output_tokens for r in ok) / duration,
         ttft=percentiles([r.ttft for r in ok]), tpot=percentiles([r.tpot for r in ok]),
@@ -254,13 +258,15 @@ def markdown(results: list[RateResult], meta: dict[str, Any]) -> str:
     lines = [f"Serving benchmark, {meta['time']}: model `{meta['model']}`, "
              f"{meta['num_prompts']} requests per rate, {meta['input_len']} prompt tokens, "
              f"{meta['output_len']} output tokens each, {meta['host']}.", "",
-             "| rate (req/s) | ok / sent | req/s | output tok/s | TTFT p50 / p95 / p99 (ms) "
-             "| TPOT p50 / p95 / p99 (ms) | E2E p50 / p99 (s) | preemptions |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| batching delay (ms) | rate (req/s) | ok / sent | req/s | output tok/s "
+             "| TTFT p50 / p95 / p99 (ms) | TPOT p50 / p95 / p99 (ms) | E2E p50 / p99 (s) "
+             "| preemptions |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t, p, e = r.ttft, r.tpot, r.e2e
+        delay = "server's" if r.batching_delay_ms is None else f"{r.batching_delay_ms:g}"
         lines.append(
-            f"| {r.rate} | {r.num_requests - r.num_failed} / {r.num_requests} "
+            f"| {delay} | {r.rate} | {r.num_requests - r.num_failed} / {r.num_requests} "
             f"| {r.request_throughput:.2f} | {r.output_throughput:.1f} "
             f"| {_ms(t['p50'])} / {_ms(t['p95'])} / {_ms(t['p99'])} "
             f"| {_ms(p['p50'])} / {_ms(p['p95'])} / {_ms(p['p99'])} "
@@ -279,16 +285,33 @@ def plot(results: list[RateResult], path: Path, title: str) -> bool:
         return False
     # "inf" is drawn one step to the right of the largest finite rate.
     finite = [float(r.rate) for r in results if r.rate != "inf"]
-    xs = [float(r.rate) if r.rate != "inf" else (max(finite) * 2 if finite else 1.0)
-          for r in results]
-    labels = [r.rate for r in results]
+    far = max(finite) * 2 if finite else 1.0
+
+    def x(r: RateResult) -> float:
+        return float(r.rate) if r.rate != "inf" else far
+
+    rates = list(dict.fromkeys(r.rate for r in results))
+    xs = [far if rate == "inf" else float(rate) for rate in rates]
+    groups: dict[float | None, list[RateResult]] = {}
+    for r in results:
+        groups.setdefault(r.batching_delay_ms, []).append(r)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, key, name in ((axes[0], "ttft", "TTFT (ms)"), (axes[1], "tpot", "TPOT (ms)")):
-        for p in ("p50", "p95", "p99"):
-            ax.plot(xs, [getattr(r, key)[p] * 1000 for r in results], marker="o", label=p)
-        ax.set_ylabel(name)
-    axes[2].plot(xs, [r.output_throughput for r in results], marker="o", color="C3")
+    for i, (delay, rs) in enumerate(groups.items()):
+        name = "" if len(groups) == 1 else f"delay {delay:g} ms " if delay is not None else ""
+        # One delay: every percentile; several: p50 and p99 per delay, one colour each.
+        pcts = ("p50", "p95", "p99") if len(groups) == 1 else ("p50", "p99")
+        for ax, key in ((axes[0], "ttft"), (axes[1], "tpot")):
+            for j, p in enumerate(pcts):
+                style = dict(color=f"C{j}") if len(groups) == 1 else \
+                    dict(color=f"C{i}", linestyle="-" if p == "p50" else "--")
+                ax.plot([x(r) for r in rs], [getattr(r, key)[p] * 1000 for r in rs],
+                        marker="o", label=f"{name}{p}", **style)
+        axes[2].plot([x(r) for r in rs], [r.output_throughput for r in rs], marker="o",
+                     color="C3" if len(groups) == 1 else f"C{i}", label=name or None)
+    axes[0].set_ylabel("TTFT (ms)")
+    axes[1].set_ylabel("TPOT (ms)")
     axes[2].set_ylabel("output tokens/s")
+    labels = rates
     for ax in axes:
         ax.set_xscale("log")
         ax.set_xticks(xs, labels)
@@ -296,6 +319,8 @@ def plot(results: list[RateResult], path: Path, title: str) -> bool:
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
     axes[0].legend()
+    if len(groups) > 1:
+        axes[2].legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -304,8 +329,8 @@ def plot(results: list[RateResult], path: Path, title: str) -> bool:
 
 
 # -- main ----------------------------------------------------------------------------------------
-async def bench(args: argparse.Namespace, base_url: str,
-                proc: subprocess.Popen[bytes] | None) -> tuple[list[RateResult], str]:
+async def bench(args: argparse.Namespace, base_url: str, proc: subprocess.Popen[bytes] | None,
+                delay: float | None) -> tuple[list[RateResult], str]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -322,8 +347,8 @@ async def bench(args: argparse.Namespace, base_url: str,
         results = []
         for rate in args.rates:
             before = await server_metrics(client)
-            log.info("rate %s: %d requests", rate, len(prompts))
-            res = await run_rate(client, model, prompts, args.output_len, rate, rng)
+            log.info("rate %s, batching delay %s ms: %d requests", rate, delay, len(prompts))
+            res = await run_rate(client, model, prompts, args.output_len, rate, rng, delay)
             after = await server_metrics(client)
             res.server = {k: after[k] - before.get(k, 0.0) for k in after
                           if k != "kv_blocks"}
@@ -349,6 +374,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64, help="for the server started here")
+    p.add_argument("--batching-delay-ms", type=float, nargs="+", default=None, metavar="D",
+                   help="one server started here per value, each swept over every rate "
+                        "(default: 0, the server's default; e.g. 0 5 20)")
     p.add_argument("--kv-cache-space", type=float, default=None,
                    help="GiB of KV cache for the server started here (CPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -366,6 +394,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.batching_delay_ms is not None:
+        if args.base_url is not None:
+            p.error("--batching-delay-ms applies to the server started here, not to "
+                    "--base-url (set it on that server)")
+        bad = [d for d in args.batching_delay_ms if not 0 <= d < math.inf]
+        if bad:
+            p.error(f"--batching-delay-ms takes finite numbers >= 0, got {bad[0]}")
     return args
 
 
@@ -382,13 +417,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     args = parse_args(argv)
     proc = None
-    base_url = args.base_url
-    if base_url is None:
-        proc, base_url = start_server(args)
-    try:
-        results, model = asyncio.run(bench(args, base_url.rstrip("/"), proc))
-    finally:
-        if proc is not None:
+    results: list[RateResult] = []
+    if args.base_url is not None:
+        base_url = args.base_url
+        results, model = asyncio.run(bench(args, base_url.rstrip("/"), None, None))
+    # One fresh server per batching delay, so no run inherits another's warm state.
+    for delay in args.batching_delay_ms or ([0.0] if args.base_url is None else []):
+        proc, base_url = start_server(args, delay)
+        try:
+            res, model = asyncio.run(bench(args, base_url.rstrip("/"), proc, delay))
+            results += res
+        finally:
             stop_server(proc)
     stamp = _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
     meta = dict(time=stamp, model=model, num_prompts=args.num_prompts, input_len=args.input_len,
