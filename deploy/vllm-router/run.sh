@@ -32,9 +32,9 @@
 # HEALTH_CHECK_INTERVAL_S; HEALTH_FAILURE_THRESHOLD failures in a row take a replica out
 # (a draining `vllm-lite serve` answers 503), HEALTH_SUCCESS_THRESHOLD successes bring it
 # back. A request whose replica refuses the connection (stopped; or draining: `vllm-lite
-# serve` closes its socket on SIGTERM) or answers a 5xx is retried, up to 5 times, on a
-# replica selected again (a replica SIGTERMed under load lost no request in testing). A
-# stream that has started cannot be retried.
+# serve` closes its socket on SIGTERM) or answers 503 is sent again (5 attempts in all)
+# to a replica selected anew (in testing, requests kept coming for a prefix whose replica
+# was SIGTERMed: none failed, they moved to the other). A started stream cannot move.
 #
 # API keys. The router passes the client's Authorization header through (also on its own
 # /tokenize calls), so replicas started with --api-key keep enforcing it; the router

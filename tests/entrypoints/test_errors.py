@@ -211,6 +211,8 @@ def test_api_key(model_dir: Path) -> None:
     with ServerThread(make_llm(model_dir), config) as srv:
         url = srv.url
         assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
+        # Routers poll the load without credentials.
+        assert httpx.get(url + "/get_load", timeout=TIMEOUT).json() == {"load": 0}
         for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/version"),
                              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                              ("POST", "/tokenize"), ("POST", "/detokenize")]:

@@ -139,3 +139,40 @@ def test_plain_request_is_aborted_when_its_client_leaves(server: Any) -> None:
         server.engine.step_callbacks.clear()
     assert len(seen) < CANCEL_MAX_TOKENS  # stopped well before its last token
     assert m["vllm_lite:gpu_cache_blocks_free"] == m["vllm_lite:gpu_cache_blocks_total"]
+
+
+def test_get_load_counts_requests_in_the_engine(server: Any) -> None:
+    """/get_load (vLLM's router probe) is the number of requests in the engine: k open
+    streams read k, and 0 once they are done or gone."""
+    def load() -> int:
+        return httpx.get(server.url + "/get_load", timeout=TIMEOUT).json()["load"]
+
+    async def run() -> list[int]:
+        seen = []
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
+            streams = []
+            for k in range(1, 4):
+                body = {"model": MODEL_NAME, "prompt": [3, 4, k], "max_tokens": 200,
+                        "ignore_eos": True, "stream": True}
+                cm = client.stream("POST", "/v1/completions", json=body)
+                lines = (await cm.__aenter__()).aiter_lines()
+                await lines.__anext__()  # the request is in the engine
+                # Held: a dropped line iterator would close the response (an abort).
+                streams.append((cm, lines))
+                seen.append(await asyncio.to_thread(load))
+            for cm, _ in streams:
+                await cm.__aexit__(None, None, None)  # the clients leave: aborted
+        return seen
+
+    def slow_step(outs: Any) -> None:  # 200 tokens take 4 s: the streams stay open
+        time.sleep(0.02)
+
+    server.engine.step_callbacks.append(slow_step)
+    try:
+        assert asyncio.run(run()) == [1, 2, 3]
+    finally:
+        server.engine.step_callbacks.remove(slow_step)
+    deadline = time.monotonic() + 10
+    while load() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load() == 0

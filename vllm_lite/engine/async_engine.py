@@ -163,6 +163,12 @@ class AsyncLLMEngine:
         self._fail_everything(EngineDeadError("the engine is shut down"))
 
     @property
+    def num_requests(self) -> int:
+        """Requests in this engine now: waiting to be added, waiting, or running."""
+        with self._cv:
+            return len(self._streams)
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 

@@ -126,7 +126,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=defaults["port"], help="(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_LITE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $VLLM_LITE_API_KEY)")
+                        "and /get_load (default: $VLLM_LITE_API_KEY)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the alias, or the model "
                         "folder's / .gguf file's name; never the path)")

@@ -3,8 +3,9 @@
     vllm-lite serve --model smollm2-135m --host 127.0.0.1 --port 8000 [--api-key KEY]
 
 Endpoints: POST /v1/completions, /v1/chat/completions (``stream=true``: server-sent events
-ending with ``data: [DONE]``), GET /v1/models, /health, /version, /metrics (Prometheus),
-POST /tokenize, /detokenize. With an API key every endpoint but /health wants
+ending with ``data: [DONE]``), GET /v1/models, /health, /get_load (requests in the engine,
+for routers), /version, /metrics (Prometheus),
+POST /tokenize, /detokenize. With an API key every endpoint but /health and /get_load wants
 ``Authorization: Bearer KEY``. A bad request is a 400 with an OpenAI error body and never
 reaches the engine; an engine failure is a 500 for the requests it hit, and the server
 keeps serving.
@@ -60,8 +61,9 @@ from vllm_lite.entrypoints.openai.sse import SSEResponse, run_unless_disconnecte
 
 logger = logging.getLogger(__name__)
 
-# Not behind the API key: load balancers probe it.
-_OPEN_PATHS = frozenset({"/health"})
+# Not behind the API key: load balancers probe them (vllm-router polls /get_load for its
+# power_of_two policy without credentials).
+_OPEN_PATHS = frozenset({"/health", "/get_load"})
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowed", 408: "RequestTimeout", 413: "RequestEntityTooLarge",
                 500: "InternalServerError", 503: "ServiceUnavailable"}
@@ -264,6 +266,11 @@ def build_app(llm_engine: Any, config: ServerConfig, model_name: str | None = No
     async def health() -> Response:
         ok = engine.is_running and not app.state.draining
         return Response(status_code=200 if ok else 503)
+
+    @app.get("/get_load")
+    async def get_load() -> JSONResponse:
+        # vLLM's load probe: requests in the engine now (routers balance on it).
+        return JSONResponse({"load": engine.num_requests})
 
     @app.get("/version")
     async def version() -> JSONResponse:
