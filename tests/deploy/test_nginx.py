@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -275,8 +276,6 @@ def _load(url: str, offline: Any, stop_at: list[float], seed: int,
 
 
 def _in_thread(fn: Any, *args: Any) -> tuple[Any, Any]:
-    import threading
-
     box: dict[str, Any] = {}
     t = threading.Thread(target=lambda: box.setdefault("out", fn(*args)))
     t.start()

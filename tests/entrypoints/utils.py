@@ -222,7 +222,9 @@ async def stream_ids(client: Any, body: dict[str, Any],
             data = line[len("data: "):]
             if data == "[DONE]":
                 return got
-            for c in json.loads(data)["choices"]:
+            event = json.loads(data)
+            assert "error" not in event, event
+            for c in event["choices"]:
                 got.setdefault(c["index"], []).extend(token_ids(c["logprobs"]["tokens"]))
             if cancel and got.get(0):
                 return got  # leaving the block closes the connection mid-stream
