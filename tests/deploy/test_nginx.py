@@ -145,6 +145,18 @@ class Cluster:
         self.replicas[i] = self._replica(self.ports[i]).start()
         self.replicas[i].wait_healthy()
 
+    def wait_taken_back(self, i: int) -> None:
+        """The rolling-restart step the README documents: after a restarted replica's
+        /health answers, wait until nginx has routed it a request that succeeded (nginx
+        keeps a replica that failed max_fails times out for fail_timeout, counted in whole
+        seconds, and then forgives its failures only once a response from it completes;
+        until then a second replica going down leaves no live upstream: 502)."""
+        deadline = time.monotonic() + FAIL_TIMEOUT + 60
+        while _finished(self.metrics(i)) < 1:
+            assert time.monotonic() < deadline, "nginx did not take the replica back"
+            time.sleep(0.1)
+        time.sleep(0.5)  # nginx frees the peer just after the replica counts the request
+
     def metrics(self, i: int) -> dict[str, float]:
         r = httpx.get(self.replicas[i].url + "/metrics", timeout=10)
         return read_metrics(r.text)
@@ -294,8 +306,7 @@ def test_rolling_restart_loses_nothing(cluster: Cluster, offline: Any) -> None:
             assert rc in (0, -signal.SIGTERM), cluster.replicas[i].log()
             restarted_at.append(time.monotonic())
             cluster.restart(i)  # while the other one serves everything
-            # The documented procedure: nginx takes a replica back only after fail_timeout.
-            time.sleep(FAIL_TIMEOUT + 0.5)
+            cluster.wait_taken_back(i)  # the documented procedure, before the next one
     finally:
         stop_at[0] = 0
         t.join(120)

@@ -215,7 +215,9 @@ async def stream_ids(client: Any, body: dict[str, Any],
     token): index -> token ids. IncompleteStream if it ends early."""
     got: dict[int, list[int]] = {}
     async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
+        if r.status_code != 200:
+            raise AssertionError(f"HTTP {r.status_code} {r.headers.get('x-upstream', '')}: "
+                                 f"{(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
             if not line:
                 continue

@@ -88,6 +88,9 @@ _CAPACITY_REQUESTS = 256
 # Virtual nodes per replica on prefix_aware's hash ring: enough that the replicas' arcs
 # are close to equal (the spread of arc lengths shrinks as 1/sqrt(nodes)).
 _RING_NODES = 64
+# prefix_aware's defaults (the CLI and the simulator's keywords read these).
+DEFAULT_LOAD_BOUND = 1.25
+DEFAULT_ROUTE_BLOCKS = 1
 CALIBRATION_VERSION = 1
 
 
@@ -651,8 +654,8 @@ class PrefixAware(Router):
 
     name = "prefix_aware"
 
-    def __init__(self, replicas: list[Replica], block_size: int = 16, load_bound: float = 1.25,
-                 route_blocks: int = 1, **kw: Any) -> None:
+    def __init__(self, replicas: list[Replica], *, block_size: int, load_bound: float,
+                 route_blocks: int, **kw: Any) -> None:
         super().__init__(replicas)
         self.block_size, self.load_bound, self.route_blocks = block_size, load_bound, route_blocks
         ring = sorted((self._point(f"replica-{r}-{v}".encode()), r)
@@ -752,7 +755,8 @@ class ClusterSim:
 
     def __init__(self, num_replicas: int, policy: str, cost: CostModel,
                  scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 load_bound: float = 1.25, route_blocks: int = 1, bar: Any = None) -> None:
+                 load_bound: float = DEFAULT_LOAD_BOUND,
+                 route_blocks: int = DEFAULT_ROUTE_BLOCKS, bar: Any = None) -> None:
         if policy not in ROUTERS:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy, self.cost = policy, cost
@@ -902,8 +906,9 @@ class ClusterSim:
 
 def simulate(requests: Sequence[BenchRequest], arrivals: Sequence[float], num_replicas: int,
              policy: str, cost: CostModel, scheduler_config: SchedulerConfig,
-             cache_config: CacheConfig, rate: float | None = None, load_bound: float = 1.25,
-             route_blocks: int = 1, bar: Any = None) -> SimResult:
+             cache_config: CacheConfig, rate: float | None = None,
+             load_bound: float = DEFAULT_LOAD_BOUND, route_blocks: int = DEFAULT_ROUTE_BLOCKS,
+             bar: Any = None) -> SimResult:
     """Replays ``requests`` arriving at ``arrivals`` (seconds, non-decreasing) on
     ``num_replicas`` replicas behind ``policy``. ``rate``: the trace's arrival rate, for
     the report only (default: requests over the arrival span)."""
@@ -973,10 +978,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prefixes", type=int, default=16,
                    help="distinct shared prefixes (default: %(default)s)")
     p.add_argument("--prefix-len", type=int, help=f"shared prefix tokens {both('prefix_len')}")
-    p.add_argument("--load-bound", type=float, default=1.25,
+    p.add_argument("--load-bound", type=float, default=DEFAULT_LOAD_BOUND,
                    help="prefix_aware: a replica takes a request while it has fewer than this "
                         "times the average outstanding requests (default: %(default)s)")
-    p.add_argument("--route-blocks", type=int, default=1,
+    p.add_argument("--route-blocks", type=int, default=DEFAULT_ROUTE_BLOCKS,
                    help="prefix_aware: leading KV blocks of the prompt hashed to pick the "
                         "replica (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
