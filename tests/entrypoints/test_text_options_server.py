@@ -138,9 +138,12 @@ def word_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     config.eos_token_id = 0
     save_hf_model(config, folder)
     make_word_tokenizer(folder)
-    llm = make_llm(folder, kv_cache_space=0.02)
-    with ServerThread(llm) as srv:
-        yield srv, llm
+    # The references come from a second engine: an engine has one driver, and the served
+    # one's thread may still be stepping when a response has arrived (CI saw an offline
+    # generate on the served LLM step concurrently with it and break the scheduler).
+    offline = make_llm(folder, kv_cache_space=0.02)
+    with ServerThread(make_llm(folder, kv_cache_space=0.02)) as srv:
+        yield srv, offline
 
 
 @pytest.mark.parametrize("skip,spaces", [(False, True), (False, False), (True, True),
