@@ -322,7 +322,10 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
         lg[t] = e;
         sum += e;
       }
-      sum = warp_sum(sum);  // also orders every lane's read of m_s[h] before the write
+      sum = warp_sum(sum);
+      // Every lane read m_s[h] above; a shuffle exchanges registers but orders no memory
+      // accesses, so the warp meets here before lane 0 overwrites it.
+      __syncwarp();
       if (lane == 0) {
         const float alpha = __expf(m_old - m_new);  // first chunk: exp(-huge) = 0
         alpha_s[h] = alpha;
