@@ -32,13 +32,52 @@ void check_contiguous(const char* op, const at::Tensor& t, const char* name) {
               " with strides ", t.strides());
 }
 
-void check_kv_cache_dtype(const char* op, const std::string& kv_cache_dtype, double k_scale,
-                          double v_scale) {
-  TORCH_CHECK(kv_cache_dtype == "auto", op, ": kv_cache_dtype '", kv_cache_dtype,
-              "' is not supported; only 'auto' (the cache holds the model dtype) is");
+KvCacheDType check_kv_cache_dtype(const char* op, const std::string& kv_cache_dtype,
+                                  double k_scale, double v_scale) {
+  KvCacheDType kind;
+  if (kv_cache_dtype == "auto") {
+    kind = KvCacheDType::kAuto;
+  } else if (kv_cache_dtype == "fp8" || kv_cache_dtype == "fp8_e4m3") {
+    kind = KvCacheDType::kFp8E4M3;
+  } else if (kv_cache_dtype == "fp8_e5m2") {
+    kind = KvCacheDType::kFp8E5M2;
+  } else {
+    TORCH_CHECK(false, op, ": kv_cache_dtype '", kv_cache_dtype, "' is not supported; use "
+                "'auto' (the cache holds the model dtype), 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2'");
+  }
   TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
               op, ": k_scale and v_scale must be finite and positive, got ", k_scale, " and ",
               v_scale);
+  return kind;
+}
+
+// The caches hold the model dtype (`model`, kv_cache_dtype "auto") or fp8 bytes (uint8).
+void check_cache_dtype(const char* op, const at::Tensor& t, const char* name,
+                       at::ScalarType model, KvCacheDType kind) {
+  if (kind == KvCacheDType::kAuto) {
+    TORCH_CHECK(t.scalar_type() == model, op, ": ", name, " must be ", model,
+                " for kv_cache_dtype 'auto', got ", t.scalar_type(),
+                t.scalar_type() == at::kByte ? " (a uint8 cache holds fp8: pass kv_cache_dtype "
+                                               "'fp8', 'fp8_e4m3' or 'fp8_e5m2')"
+                                             : "");
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kByte, op, ": ", name,
+                " must be uint8 (Byte) for an fp8 kv_cache_dtype, as in vLLM, got ",
+                t.scalar_type());
+  }
+}
+
+// The paged key cache splits head_size into chunks of x elements (16 bytes): an fp8 cache
+// (x = 16) needs head_size to be a multiple of 16, as in vLLM.
+void check_head_size_fits_x(const char* op, int64_t head_size, int64_t x,
+                            const std::string& kv_cache_dtype) {
+  TORCH_CHECK(head_size % x == 0, op, ": head_size ", head_size, " must be a multiple of ", x,
+              " (the key cache's 16-byte chunk) for kv_cache_dtype '", kv_cache_dtype, "'");
+}
+
+// Elements per 16-byte chunk of the paged key cache.
+int64_t key_chunk_elems(at::ScalarType model, KvCacheDType kind) {
+  return kind == KvCacheDType::kAuto ? 16 / static_cast<int64_t>(c10::elementSize(model)) : 16;
 }
 
 void check_float_dtype(const char* op, const at::Tensor& t, const char* name) {
@@ -64,7 +103,7 @@ PagedAttentionDims check_paged_attention(
     const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
     double k_scale, double v_scale) {
   constexpr const char* op = "paged_attention";
-  check_kv_cache_dtype(op, kv_cache_dtype, k_scale, v_scale);
+  const KvCacheDType kind = check_kv_cache_dtype(op, kv_cache_dtype, k_scale, v_scale);
 
   check_dim(op, query, "query", 3, "[num_seqs, num_heads, head_size]");
   check_float_dtype(op, query, "query");
@@ -91,14 +130,15 @@ PagedAttentionDims check_paged_attention(
     check_same_device(op, t, name, query, "query");
   }
 
-  const auto elem = query.element_size();
-  d.x = 16 / elem;
+  d.cache_dtype = kind;
+  d.x = key_chunk_elems(query.scalar_type(), kind);
+  check_head_size_fits_x(op, d.head_size, d.x, kv_cache_dtype);
   check_dim(op, key_cache, "key_cache", 5,
             "[num_blocks, num_kv_heads, head_size / x, block_size, x]");
   check_dim(op, value_cache, "value_cache", 4,
             "[num_blocks, num_kv_heads, head_size, block_size]");
-  check_dtype(op, key_cache, "key_cache", query.scalar_type());
-  check_dtype(op, value_cache, "value_cache", query.scalar_type());
+  check_cache_dtype(op, key_cache, "key_cache", query.scalar_type(), kind);
+  check_cache_dtype(op, value_cache, "value_cache", query.scalar_type(), kind);
   check_contiguous(op, key_cache, "key_cache");
   check_contiguous(op, value_cache, "value_cache");
 
@@ -221,14 +261,14 @@ CacheWriteDims check_reshape_and_cache(
     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
     const std::string& kv_cache_dtype, double k_scale, double v_scale, bool flash_layout) {
   const char* op = flash_layout ? "reshape_and_cache_flash" : "reshape_and_cache";
-  check_kv_cache_dtype(op, kv_cache_dtype, k_scale, v_scale);
+  const KvCacheDType kind = check_kv_cache_dtype(op, kv_cache_dtype, k_scale, v_scale);
   check_dim(op, key, "key", 3, "[num_tokens, num_kv_heads, head_size]");
   check_float_dtype(op, key, "key");
   TORCH_CHECK(value.sizes() == key.sizes(), op, ": value must have key's shape ", key.sizes(),
               ", got ", value.sizes());
   check_dtype(op, value, "value", key.scalar_type());
-  check_dtype(op, key_cache, "key_cache", key.scalar_type());
-  check_dtype(op, value_cache, "value_cache", key.scalar_type());
+  check_cache_dtype(op, key_cache, "key_cache", key.scalar_type(), kind);
+  check_cache_dtype(op, value_cache, "value_cache", key.scalar_type(), kind);
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{value, "value"},
                                 {key_cache, "key_cache"},
                                 {value_cache, "value_cache"},
@@ -252,7 +292,9 @@ CacheWriteDims check_reshape_and_cache(
   d.value_stride = value.stride(0);
   check_contiguous(op, key_cache, "key_cache");
   check_contiguous(op, value_cache, "value_cache");
-  d.x = 16 / key.element_size();
+  d.cache_dtype = kind;
+  d.x = key_chunk_elems(key.scalar_type(), kind);
+  if (!flash_layout) check_head_size_fits_x(op, d.head_size, d.x, kv_cache_dtype);
   if (flash_layout) {
     check_dim(op, key_cache, "key_cache", 4, "[num_blocks, block_size, num_kv_heads, head_size]");
     d.num_blocks = key_cache.size(0);

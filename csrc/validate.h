@@ -13,6 +13,12 @@
 
 namespace vllm_lite {
 
+// What the caches hold (the ops' kv_cache_dtype string): "auto" = the model dtype (the
+// query's / key's), else fp8 bytes in a uint8 tensor, as in vLLM: "fp8" = "fp8_e4m3"
+// (OCP e4m3fn) or "fp8_e5m2"; they store key / k_scale and value / v_scale, rounded to
+// nearest even exactly as torch's float8_e4m3fn / float8_e5m2 casts.
+enum class KvCacheDType { kAuto, kFp8E4M3, kFp8E5M2 };
+
 struct PagedAttentionDims {
   int64_t num_seqs;
   int64_t num_heads;
@@ -22,6 +28,7 @@ struct PagedAttentionDims {
   int64_t num_blocks;
   int64_t max_blocks_per_seq;
   int64_t x;  // elements per 16-byte chunk of the key cache
+  KvCacheDType cache_dtype;
   int64_t q_stride_seq;
   int64_t q_stride_head;
 };
@@ -54,6 +61,7 @@ struct CacheWriteDims {
   int64_t block_size;
   int64_t num_blocks;
   int64_t x;  // paged layout only
+  KvCacheDType cache_dtype;
   int64_t key_stride;    // between tokens, in elements
   int64_t value_stride;
 };

@@ -179,6 +179,7 @@ def _non_defaults(model_dir: Path) -> dict[str, Any]:
         "swap_space": 0.02, "enable_prefix_caching": True, "enable_chunked_prefill": True,
         "preemption_mode": "swap", "scheduling_policy": "priority", "seed": 7,
         "num_gpu_blocks_override": 12, "max_logprobs": 5, "quantization": "int8",
+        "kv_cache_dtype": "fp8_e5m2",
     }
 
 
@@ -200,7 +201,7 @@ def test_serve_accepts_every_engine_option(model_dir: Path) -> None:
     assert Path(mc.model) == model_dir and Path(mc.tokenizer) == model_dir
     assert mc.dtype == torch.bfloat16 and config.device == torch.device("cpu")
     assert (cc.block_size, cc.gpu_memory_utilization, cc.swap_space_gib,
-            cc.enable_prefix_caching) == (8, 0.5, 0.02, True)
+            cc.enable_prefix_caching, cc.cache_dtype) == (8, 0.5, 0.02, True, "fp8_e5m2")
     assert (sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len,
             sc.enable_chunked_prefill, sc.preemption_mode, sc.policy) == (
         4, 4096, 128, True, "swap", "priority")

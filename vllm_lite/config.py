@@ -107,6 +107,9 @@ def _opt(default: Any, help: str, *, type: Any = None, choices: Any = None,
 #: The ``quantization`` values the engine implements (None: no quantization); the methods
 #: are in vllm_lite.layers.quantization.
 QUANTIZATION_METHODS = ("int8",)
+#: What the KV cache stores (vLLM's kv_cache_dtype values): "auto" = the model dtype; the
+#: fp8 ones ("fp8" = "fp8_e4m3") 1 byte per element, in uint8 caches.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 #: Asked for, planned, not implemented yet: refused with a clear error.
 _PLANNED_QUANTIZATIONS = ("int4", "gguf", "gptq", "awq")
 
@@ -153,6 +156,10 @@ class EngineArgs:
     swap_space: float = _opt(4.0, "GiB of CPU memory for KV blocks swapped out of the "
                                   "device's cache (0: no swapping)")
     enable_prefix_caching: bool = _opt(False, "reuse the KV blocks of prompts' shared prefixes")
+    kv_cache_dtype: str = _opt(
+        "auto", "what the KV cache stores: auto (the --dtype) or fp8 (= fp8_e4m3) / fp8_e5m2: "
+        "1 byte per element, so 2x the blocks of bfloat16 and 4x those of float32 in the same "
+        "memory, at fp8 precision (scales 1.0); CPU kernels only so far", choices=KV_CACHE_DTYPES)
     enable_chunked_prefill: bool = _opt(
         False, "split long prompts across steps, mixed with decodes")
     preemption_mode: str | None = _opt(
@@ -208,7 +215,12 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size, swap_space_gib=swap,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_prefix_caching=self.enable_prefix_caching)
+            enable_prefix_caching=self.enable_prefix_caching, cache_dtype=self.kv_cache_dtype)
+        device = resolve_device(self.device)
+        if cache_config.cache_dtype != "auto" and device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype {cache_config.cache_dtype!r}: an fp8 KV cache is "
+                             f"implemented by the CPU kernels only so far, not on {device}; "
+                             "use 'auto'")
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_model_len=model_config.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -218,7 +230,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
-            device=resolve_device(self.device),
+            device=device,
             kv_cache_space=self.kv_cache_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
         )
@@ -314,6 +326,8 @@ class CacheConfig:
     swap_space_gib: float = EngineArgs.swap_space
     gpu_memory_utilization: float = EngineArgs.gpu_memory_utilization
     enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
+    # kv_cache_dtype: what the cache stores ("auto" = the model dtype, or fp8).
+    cache_dtype: str = EngineArgs.kv_cache_dtype
     # Fraction of device blocks new prompts may not take, so running sequences can grow.
     watermark: float = 0.01
 
@@ -335,6 +349,9 @@ class CacheConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if not isinstance(self.cache_dtype, str) or self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.cache_dtype!r}")
         self.watermark = check_number("watermark", self.watermark)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")

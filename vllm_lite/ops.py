@@ -24,6 +24,30 @@ _ops = torch.ops.vllm_lite
 PARTITION_SIZE = 512
 
 
+_FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                     "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the cache tensors: the model ``dtype`` for kv_cache_dtype "auto",
+    uint8 for the fp8 ones (as vLLM)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype in _FP8_CACHE_DTYPES:
+        return torch.uint8
+    raise ValueError(f"kv_cache_dtype must be 'auto' or one of {', '.join(_FP8_CACHE_DTYPES)}, "
+                     f"got {kv_cache_dtype!r}")
+
+
+def fp8_cache_dtype(kv_cache_dtype: str) -> torch.dtype:
+    """The torch float8 dtype whose bits an fp8 cache (uint8) holds: view the cache as it
+    and multiply by the scale to read it."""
+    if kv_cache_dtype not in _FP8_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not an fp8 one "
+                         f"({', '.join(_FP8_CACHE_DTYPES)})")
+    return _FP8_CACHE_DTYPES[kv_cache_dtype]
+
+
 def kv_cache_x(dtype: torch.dtype) -> int:
     """Elements per 16-byte chunk of the key cache's last dimension."""
     return 16 // torch.tensor([], dtype=dtype).element_size()
@@ -32,7 +56,8 @@ def kv_cache_x(dtype: torch.dtype) -> int:
 def kv_cache_shapes(
     num_blocks: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of the paged key and value caches for one layer."""
+    """Shapes of the paged key and value caches for one layer; ``dtype`` is the cache
+    tensors' (``kv_cache_storage_dtype``: uint8 for fp8, so x = 16)."""
     x = kv_cache_x(dtype)
     return (
         (num_blocks, num_kv_heads, head_size // x, block_size, x),
@@ -160,7 +185,9 @@ def reshape_and_cache(
     """Writes key/value [num_tokens, num_kv_heads, head_size] into the paged caches.
 
     ``slot_mapping`` int64 [num_tokens]: slot = block * block_size + offset; a negative
-    slot is padding and is skipped. The cache stores key / k_scale and value / v_scale.
+    slot is padding and is skipped. The cache stores key / k_scale and value / v_scale:
+    in the key's dtype for kv_cache_dtype "auto", else rounded to fp8 ("fp8" =
+    "fp8_e4m3", "fp8_e5m2"; uint8 caches) bit for bit as torch's float8 casts.
     """
     _ops.reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale

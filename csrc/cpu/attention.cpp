@@ -160,7 +160,12 @@ AttentionParams make_params(const PagedAttentionDims& d, const at::Tensor& query
                             const std::optional<at::Tensor>& alibi_slopes, double k_scale,
                             double v_scale, int64_t num_partitions) {
   AttentionParams p{};
-  p.dtype = kv_dtype(query.scalar_type());
+  p.q_dtype = kv_dtype(query.scalar_type());
+  switch (d.cache_dtype) {
+    case KvCacheDType::kAuto: p.cache_dtype = p.q_dtype; break;
+    case KvCacheDType::kFp8E4M3: p.cache_dtype = KvDType::kFp8E4M3; break;
+    case KvCacheDType::kFp8E5M2: p.cache_dtype = KvDType::kFp8E5M2; break;
+  }
   p.query = query.data_ptr();
   p.q_stride_seq = d.q_stride_seq;
   p.q_stride_head = d.q_stride_head;

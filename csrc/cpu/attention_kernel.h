@@ -4,8 +4,11 @@
 // for generic, AVX2+FMA, AVX-512) with no intrinsics, so every build stays portable.
 //
 // Layouts (vLLM v0.6): key_cache [num_blocks, num_kv_heads, head_size / x, block_size, x]
-// with x = 16 bytes / element; value_cache [num_blocks, num_kv_heads, head_size,
+// with x = 16 bytes / cache element; value_cache [num_blocks, num_kv_heads, head_size,
 // block_size]; query [num_seqs, num_heads, head_size] (strided rows allowed).
+// Cache elements: the query's dtype, or fp8 (e4m3fn / e5m2 bytes, x = 16) holding
+// key / k_scale and value / v_scale: converted exactly to float32 as they are loaded, with
+// k_scale folded into the query and v_scale into the output.
 //
 // Grid: one task per (sequence, KV head, partition of partition_size tokens); the caller
 // runs tasks in parallel. A task serves all num_heads / num_kv_heads query heads of its KV
@@ -88,6 +91,9 @@ VLLM_LITE_VEC(int32_t, 16)
 VLLM_LITE_VEC(uint16_t, 4)
 VLLM_LITE_VEC(uint16_t, 8)
 VLLM_LITE_VEC(uint16_t, 16)
+VLLM_LITE_VEC(uint8_t, 4)
+VLLM_LITE_VEC(uint8_t, 8)
+VLLM_LITE_VEC(uint8_t, 16)
 #undef VLLM_LITE_VEC
 template <typename T, int64_t N>
 using Vec = typename VecOf<T, N>::type;
@@ -115,24 +121,91 @@ struct Elem<KvDType::kFloat32> {
     return load_vec<Vec<float, N>>(p);
   }
 };
+// The branchless half_to_float, lane-wise, on half bit patterns widened to 32 bits.
+template <int64_t N>
+VLLM_LITE_INLINE Vec<float, N> half_lanes_to_float(Vec<uint32_t, N> h) {
+  using U = Vec<uint32_t, N>;
+  const U sign = (h & 0x8000u) << 16;
+  const U em = h & 0x7fffu;
+  U bits = (em << 13) + ((127u - 15u) << 23);
+  bits = em >= 0x7c00u ? bits + ((128u - 16u) << 23) : bits;
+  const Vec<float, N> sub = __builtin_convertvector(em, Vec<float, N>) * 5.9604644775390625e-08f;
+  bits = em < 0x400u ? (U)sub : bits;
+  return (Vec<float, N>)(bits | sign);
+}
+
 template <>
 struct Elem<KvDType::kFloat16> {
   using T = uint16_t;
   VLLM_LITE_INLINE static float to_float(uint16_t v) { return half_to_float(v); }
-  // The branchless half_to_float, lane-wise.
   template <int64_t N>
   VLLM_LITE_INLINE static Vec<float, N> load(const uint16_t* p) {
-    using U = Vec<uint32_t, N>;
-    const U h = __builtin_convertvector(load_vec<Vec<uint16_t, N>>(p), U);
-    const U sign = (h & 0x8000u) << 16;
-    const U em = h & 0x7fffu;
-    U bits = (em << 13) + ((127u - 15u) << 23);
-    bits = em >= 0x7c00u ? bits + ((128u - 16u) << 23) : bits;
-    const Vec<float, N> sub = __builtin_convertvector(em, Vec<float, N>) * 5.9604644775390625e-08f;
-    bits = em < 0x400u ? (U)sub : bits;
-    return (Vec<float, N>)(bits | sign);
+    return half_lanes_to_float<N>(
+        __builtin_convertvector(load_vec<Vec<uint16_t, N>>(p), Vec<uint32_t, N>));
   }
 };
+
+// fp8 e4m3fn -> float, exact and branchless (so it vectorizes): exponent field 0 is
+// subnormal (m * 2^-9), S.1111.111 is NaN, everything else 2^(e - 7) * (1 + m / 8). The
+// caller multiplies by the cache's scale.
+template <>
+struct Elem<KvDType::kFp8E4M3> {
+  using T = uint8_t;
+  VLLM_LITE_INLINE static float to_float(uint8_t v) {
+    const uint32_t em = v & 0x7fu;
+    uint32_t bits = (em << 20) + ((127u - 7u) << 23);
+    bits = em == 0x7fu ? 0x7fc00000u : bits;
+    bits = em < 0x8u ? float_to_bits(static_cast<float>(em) * 0.001953125f) : bits;
+    return bits_to_float(bits | (static_cast<uint32_t>(v & 0x80u) << 24));
+  }
+  template <int64_t N>
+  VLLM_LITE_INLINE static Vec<float, N> load(const uint8_t* p) {
+    using U = Vec<uint32_t, N>;
+    const U b = __builtin_convertvector(load_vec<Vec<uint8_t, N>>(p), U);
+    const U em = b & 0x7fu;
+    U bits = (em << 20) + ((127u - 7u) << 23);
+    bits = em == 0x7fu ? U{} + 0x7fc00000u : bits;
+    const Vec<float, N> sub = __builtin_convertvector(em, Vec<float, N>) * 0.001953125f;
+    bits = em < 0x8u ? (U)sub : bits;
+    return (Vec<float, N>)(bits | ((b & 0x80u) << 24));
+  }
+};
+
+// fp8 e5m2 is the high byte of an IEEE half.
+template <>
+struct Elem<KvDType::kFp8E5M2> {
+  using T = uint8_t;
+  VLLM_LITE_INLINE static float to_float(uint8_t v) {
+    return half_to_float(static_cast<uint16_t>(v << 8));
+  }
+  template <int64_t N>
+  VLLM_LITE_INLINE static Vec<float, N> load(const uint8_t* p) {
+    return half_lanes_to_float<N>(
+        __builtin_convertvector(load_vec<Vec<uint8_t, N>>(p), Vec<uint32_t, N>) << 8);
+  }
+};
+
+// One query row in float32 times `scale`, whatever the query's dtype (read once per task,
+// so a runtime switch costs nothing).
+VLLM_LITE_INLINE void load_query_row(KvDType dt, const void* row, int64_t n, float scale,
+                                     float* dst) {
+  switch (dt) {
+    case KvDType::kFloat32:
+      for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<const float*>(row)[d] * scale;
+      return;
+    case KvDType::kFloat16:
+      for (int64_t d = 0; d < n; ++d) {
+        dst[d] = half_to_float(static_cast<const uint16_t*>(row)[d]) * scale;
+      }
+      return;
+    default:  // bfloat16 (validate.cpp allows no other query dtype)
+      for (int64_t d = 0; d < n; ++d) {
+        dst[d] = bits_to_float(static_cast<uint32_t>(static_cast<const uint16_t*>(row)[d]) << 16) *
+                 scale;
+      }
+      return;
+  }
+}
 template <>
 struct Elem<KvDType::kBFloat16> {
   using T = uint16_t;
@@ -419,10 +492,11 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   float* kbuf = q + G * Dp;
   float* logits = kbuf + Dp;
 
-  const T* qs = static_cast<const T*>(p.query) + k.s * p.q_stride_seq;
+  const int64_t q_elem = p.q_dtype == KvDType::kFloat32 ? 4 : 2;
   for (int64_t g = 0; g < G; ++g) {
-    const T* qg = qs + (k.h0 + g) * p.q_stride_head;
-    for (int64_t d = 0; d < D; ++d) q[g * Dp + d] = E::to_float(qg[d]) * p.scale;
+    const int64_t off = k.s * p.q_stride_seq + (k.h0 + g) * p.q_stride_head;
+    load_query_row(p.q_dtype, static_cast<const char*>(p.query) + off * q_elem, D, p.scale,
+                   q + g * Dp);
     for (int64_t d = D; d < Dp; ++d) q[g * Dp + d] = 0.0f;
   }
   for (int64_t d = D; d < Dp; ++d) kbuf[d] = 0.0f;
@@ -476,7 +550,9 @@ namespace vllm_lite::cpu {
 namespace {
 
 void run_task(const AttentionParams& p, int64_t task, float* scratch) {
-  switch (p.dtype) {
+  switch (p.cache_dtype) {
+    case KvDType::kFp8E4M3: return attention_task<KvDType::kFp8E4M3>(p, task, scratch);
+    case KvDType::kFp8E5M2: return attention_task<KvDType::kFp8E5M2>(p, task, scratch);
     case KvDType::kFloat32: return attention_task<KvDType::kFloat32>(p, task, scratch);
     case KvDType::kFloat16: return attention_task<KvDType::kFloat16>(p, task, scratch);
     case KvDType::kBFloat16:

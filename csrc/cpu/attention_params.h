@@ -8,10 +8,14 @@
 
 namespace vllm_lite::cpu {
 
-enum class KvDType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// Element types of the query and of the caches. The fp8 ones (OCP e4m3fn: bias 7, no
+// infinities, S.1111.111 = NaN; e5m2: IEEE-style, bias 15) are cache types only, stored as
+// uint8 as in vLLM; the query is always one of the first three.
+enum class KvDType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFp8E4M3 = 3, kFp8E5M2 = 4 };
 
 struct AttentionParams {
-  KvDType dtype;
+  KvDType q_dtype;      // query
+  KvDType cache_dtype;  // key_cache / value_cache: q_dtype, or fp8 ("fp8*" kv_cache_dtype)
   const void* query;  // [num_seqs, num_heads, head_size] with the strides below
   int64_t q_stride_seq;
   int64_t q_stride_head;
@@ -26,8 +30,8 @@ struct AttentionParams {
   int64_t head_size;
   int64_t block_size;
   int64_t max_blocks_per_seq;
-  float scale;    // softmax scale times k_scale
-  float v_scale;
+  float scale;    // softmax scale times k_scale (the cache holds key / k_scale)
+  float v_scale;  // the cache holds value / v_scale
   int64_t partition_size;
   int64_t num_partitions;  // partition slots per (seq, head) in the outputs below
   // Per (seq, head, partition): the partition's max logit, sum of exp(logit - max), and its

@@ -1,6 +1,7 @@
 // CPU cache ops: reshape_and_cache (+ flash layout), copy_blocks, swap_blocks.
-// Layouts as in csrc/ops.h. Memory-bound copies parallelized over tokens or blocks with
-// ATen's parallel_for; a negative slot is padding and writes nothing.
+// Layouts as in csrc/ops.h; an fp8 cache (kv_cache_dtype "fp8*") is uint8 with x = 16.
+// Memory-bound copies parallelized over tokens or blocks with ATen's parallel_for; a
+// negative slot is padding and writes nothing.
 #include <cstring>
 
 #include <ATen/Dispatch.h>
@@ -28,16 +29,69 @@ inline void store_scaled(T* dst, const T* src, int64_t n, float inv_scale, int64
   }
 }
 
-template <typename T>
+inline uint32_t float_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+inline float bits_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+// float -> fp8 with M mantissa bits and exponent bias BIAS, rounded to nearest even, bit
+// for bit as torch's casts (checked against torch 2.14): NaN stays NaN (S.111..1) in both;
+// e4m3fn (M 3, BIAS 7) has no infinity and saturates: magnitudes that round past 448
+// (>= 464, infinity included) become +-448; e5m2 (M 2, BIAS 15) turns magnitudes >= 65536
+// into infinity (and >= 61440 rounds there).
+template <int M, int BIAS>
+inline uint8_t float_to_fp8(float f) {
+  constexpr bool kFn = M == 3;  // e4m3fn
+  const uint32_t bits = float_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t a = bits & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7f;  // NaN
+  // Overflow threshold: e4m3fn 464 = 448 + half its ulp; e5m2 2^16 (the infinity exponent).
+  constexpr uint32_t kOverflow = kFn ? 0x43e80000u : 0x47800000u;
+  if (a >= kOverflow) return sign | (kFn ? 0x7e : 0x7c);  // e4m3fn: 448; e5m2: infinity
+  // Smallest normal: 2^(1 - BIAS). Below it the value is a multiple of 2^(1 - BIAS - M):
+  // scale to an integer count of those and round half to even (the 2^23 trick is exact
+  // for counts below 2^22).
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + 1 - BIAS) << 23;
+  if (a < kMinNormal) {
+    const float units = bits_float(a) * bits_float(static_cast<uint32_t>(127 + BIAS - 1 + M) << 23);
+    return sign | static_cast<uint8_t>((units + 8388608.0f) - 8388608.0f);
+  }
+  // Normal: drop 23 - M mantissa bits, rounding half to even (a carry moves the exponent,
+  // which is right), then rebias the exponent.
+  constexpr int kDrop = 23 - M;
+  const uint32_t odd = (a >> kDrop) & 1u;
+  const uint32_t rounded = (a + ((1u << (kDrop - 1)) - 1u) + odd) >> kDrop;
+  return sign | static_cast<uint8_t>(rounded - (static_cast<uint32_t>(127 - BIAS) << M));
+}
+
+// Copies n elements into fp8: element / scale in float32 (a true division, as a float32
+// tensor divided by the scale), then rounded to fp8.
+template <typename T, int M, int BIAS>
+inline void store_fp8(uint8_t* dst, const T* src, int64_t n, float scale, int64_t dst_stride) {
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i * dst_stride] = float_to_fp8<M, BIAS>(static_cast<float>(src[i]) / scale);
+  }
+}
+
+// Writes the tokens' keys and values into the caches; C is the cache element (T for
+// kv_cache_dtype "auto", uint8 for fp8) and Store(dst, src, n, scale, dst_stride) converts.
+template <typename T, typename C, typename Store>
 void write_cache(const CacheWriteDims& d, const at::Tensor& key, const at::Tensor& value,
                  at::Tensor& key_cache, at::Tensor& value_cache, const int64_t* slots,
-                 float k_scale, float v_scale, bool flash) {
+                 float k_scale, float v_scale, bool flash, Store&& store) {
   const T* k = key.data_ptr<T>();
   const T* v = value.data_ptr<T>();
-  T* kc = key_cache.data_ptr<T>();
-  T* vc = value_cache.data_ptr<T>();
+  C* kc = static_cast<C*>(key_cache.data_ptr());
+  C* vc = static_cast<C*>(value_cache.data_ptr());
   const int64_t H = d.num_kv_heads, D = d.head_size, bs = d.block_size, x = d.x;
-  const float inv_k = 1.0f / k_scale, inv_v = 1.0f / v_scale;
   at::parallel_for(0, d.num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i];
@@ -48,17 +102,17 @@ void write_cache(const CacheWriteDims& d, const at::Tensor& key, const at::Tenso
       if (flash) {
         // [num_blocks, block_size, H, D]: a token's heads are one contiguous row.
         const int64_t base = (block * bs + off) * H * D;
-        store_scaled(kc + base, ki, H * D, inv_k, 1);
-        store_scaled(vc + base, vi, H * D, inv_v, 1);
+        store(kc + base, ki, H * D, k_scale, 1);
+        store(vc + base, vi, H * D, v_scale, 1);
         continue;
       }
       for (int64_t h = 0; h < H; ++h) {
         // key: [num_blocks, H, D/x, bs, x]; value: [num_blocks, H, D, bs].
-        T* kdst = kc + ((block * H + h) * (D / x) * bs + off) * x;
+        C* kdst = kc + ((block * H + h) * (D / x) * bs + off) * x;
         for (int64_t c = 0; c < D / x; ++c) {
-          store_scaled(kdst + c * bs * x, ki + h * D + c * x, x, inv_k, 1);
+          store(kdst + c * bs * x, ki + h * D + c * x, x, k_scale, 1);
         }
-        store_scaled(vc + (block * H + h) * D * bs + off, vi + h * D, D, inv_v, bs);
+        store(vc + (block * H + h) * D * bs + off, vi + h * D, D, v_scale, bs);
       }
     }
   });
@@ -71,11 +125,27 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value,
   const auto d = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
                                          kv_cache_dtype, k_scale, v_scale, flash);
   check_slot_mapping_values(d, slot_mapping);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(),
                                   "reshape_and_cache", [&] {
-    write_cache<scalar_t>(d, key, value, key_cache, value_cache,
-                          slot_mapping.data_ptr<int64_t>(), static_cast<float>(k_scale),
-                          static_cast<float>(v_scale), flash);
+    using T = scalar_t;
+    switch (d.cache_dtype) {
+      case KvCacheDType::kAuto:
+        write_cache<T, T>(d, key, value, key_cache, value_cache, slots, ks, vs, flash,
+                          [](T* dst, const T* src, int64_t n, float scale, int64_t stride) {
+                            store_scaled(dst, src, n, 1.0f / scale, stride);
+                          });
+        break;
+      case KvCacheDType::kFp8E4M3:
+        write_cache<T, uint8_t>(d, key, value, key_cache, value_cache, slots, ks, vs, flash,
+                                &store_fp8<T, 3, 7>);
+        break;
+      case KvCacheDType::kFp8E5M2:
+        write_cache<T, uint8_t>(d, key, value, key_cache, value_cache, slots, ks, vs, flash,
+                                &store_fp8<T, 2, 15>);
+        break;
+    }
   });
 }
 

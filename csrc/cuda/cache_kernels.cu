@@ -48,6 +48,9 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value,
                                                    v_scale, flash);
   TORCH_CHECK(key.is_cuda(), op, ": the CUDA kernel needs CUDA tensors, got key on ",
               key.device());
+  TORCH_CHECK(d.cache_dtype == KvCacheDType::kAuto, op, ": kv_cache_dtype '", kv_cache_dtype,
+              "' (an fp8 KV cache) is implemented by the CPU kernels only so far; use 'auto' "
+              "on CUDA");
   const c10::cuda::CUDAGuard device_guard(key.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (should_check_values(stream)) check_slot_mapping_values(d, slot_mapping);

@@ -56,8 +56,14 @@ VLLM_TEST(attention_valid_base_call_passes) {
 VLLM_TEST(attention_errors) {
   {
     Attn a;
+    a.kv_cache_dtype = "fp8_e4m3fnuz";
+    TEST_CHECK_ATTN_ERROR(a, "paged_attention: kv_cache_dtype 'fp8_e4m3fnuz' is not supported");
+  }
+  {
+    Attn a;  // an fp8 kv_cache_dtype needs uint8 caches
     a.kv_cache_dtype = "fp8";
-    TEST_CHECK_ATTN_ERROR(a, "paged_attention: kv_cache_dtype 'fp8' is not supported");
+    TEST_CHECK_ATTN_ERROR(a, "paged_attention: key_cache must be uint8 (Byte) for an fp8 "
+                             "kv_cache_dtype");
   }
   {
     Attn a;
@@ -121,7 +127,10 @@ VLLM_TEST(cache_write_errors) {
     TEST_CHECK_THROWS_WITH(call(at::tensor({3L, -1L, 160L, 159L, 40L}, at::kLong), "auto"),
                       "slot_mapping holds slot 160 but the cache has only 160 slots "
                       "(10 blocks of 16)");
-    TEST_CHECK_THROWS_WITH(call(good, "fp8"), op + ": kv_cache_dtype 'fp8' is not supported");
+    TEST_CHECK_THROWS_WITH(call(good, "fp8_e4m3fnuz"),
+                           op + ": kv_cache_dtype 'fp8_e4m3fnuz' is not supported");
+    TEST_CHECK_THROWS_WITH(call(good, "fp8"),
+                           op + ": key_cache must be uint8 (Byte) for an fp8 kv_cache_dtype");
     TEST_CHECK_THROWS_WITH(call(good.to(at::kInt), "auto"), op + ": slot_mapping must be Long, got Int");
     TEST_CHECK_THROWS_WITH(call(good.slice(0, 0, 4), "auto"),
                       op + ": slot_mapping has 4 entries but key has 5 tokens");

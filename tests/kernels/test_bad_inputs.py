@@ -104,9 +104,23 @@ def test_valid_base_calls_pass(device):
 # --- paged attention -------------------------------------------------------------------
 
 
-def test_kv_cache_dtype_fp8(device):
+def test_kv_cache_dtype(device):
+    expect_error(replace(attn(device), kv_cache_dtype="fp8_e4m3fnuz"),
+                 r"paged_attention: kv_cache_dtype 'fp8_e4m3fnuz' is not supported; use 'auto'")
+    # fp8 caches are uint8 (tests/kernels/test_fp8_kv.py runs them); float ones are refused.
     expect_error(replace(attn(device), kv_cache_dtype="fp8"),
-                 r"paged_attention: kv_cache_dtype 'fp8' is not supported; only 'auto'")
+                 re.escape("paged_attention: key_cache must be uint8 (Byte) for an fp8 "
+                           "kv_cache_dtype"))
+    a = attn(device)
+    u8 = dict(key_cache=torch.zeros(a.key_cache.shape[:2] + (4, 16, 16), dtype=torch.uint8,
+                                    device=device),
+              value_cache=torch.zeros(a.value_cache.shape, dtype=torch.uint8, device=device))
+    if device == "cuda":
+        expect_error(replace(a, kv_cache_dtype="fp8", **u8),
+                     r"paged_attention: kv_cache_dtype 'fp8' \(an fp8 KV cache\) is implemented "
+                     r"by the CPU kernels only")
+    expect_error(replace(a, **u8), r"paged_attention: key_cache must be Float for kv_cache_dtype "
+                                   r"'auto', got Byte \(a uint8 cache holds fp8")
 
 
 @pytest.mark.parametrize("k_scale,v_scale", [(0.0, 1.0), (1.0, -2.0), (float("nan"), 1.0),
@@ -161,9 +175,10 @@ def test_non_contiguous_cache(device, which):
 def test_cache_dtype_and_shape(device):
     a = attn(device)
     expect_error(replace(a, key_cache=a.key_cache.half()),
-                 r"paged_attention: key_cache must be Float, got Half")
+                 r"paged_attention: key_cache must be Float for kv_cache_dtype 'auto', got Half")
     expect_error(replace(a, value_cache=a.value_cache.bfloat16()),
-                 r"paged_attention: value_cache must be Float, got BFloat16")
+                 r"paged_attention: value_cache must be Float for kv_cache_dtype 'auto', "
+                 r"got BFloat16")
     # A key cache with the fp16 x (8) for a float32 query (x = 4).
     wrong_x = torch.zeros(10, 2, 8, 16, 8, device=device)
     expect_error(replace(a, key_cache=wrong_x), re.escape(
@@ -339,8 +354,11 @@ def test_write_valid_base_passes(device, flash):
 
 @flash_param
 def test_write_kv_cache_dtype_fp8(device, flash):
+    w = replace(write(device, flash), kv_cache_dtype="fp8_e5m3")
+    expect_write_error(w, rf"{w.name}: kv_cache_dtype 'fp8_e5m3' is not supported")
     w = replace(write(device, flash), kv_cache_dtype="fp8")
-    expect_write_error(w, rf"{w.name}: kv_cache_dtype 'fp8' is not supported")
+    expect_write_error(w, rf"{w.name}: key_cache must be uint8 \(Byte\) for an fp8 "
+                          r"kv_cache_dtype")
     w = replace(write(device, flash), v_scale=0.0)
     expect_write_error(w, rf"{w.name}: k_scale and v_scale must be finite and positive")
 
@@ -383,7 +401,7 @@ def test_write_dtypes_and_shapes(device, flash):
     expect_write_error(replace(w, value=w.value.half()),
                        rf"{w.name}: value must be Float, got Half")
     expect_write_error(replace(w, key_cache=w.key_cache.half()),
-                       rf"{w.name}: key_cache must be Float, got Half")
+                       rf"{w.name}: key_cache must be Float for kv_cache_dtype 'auto', got Half")
     expect_write_error(replace(w, value=w.value[:, :1]),
                        re.escape(f"{w.name}: value must have key's shape [5, 2, 64], got "
                                  f"[5, 1, 64]"))

@@ -233,7 +233,9 @@ def run_vllm_lite(llm: Any, requests: Sequence[BenchRequest], track_kv: bool = T
     """
     engine = llm.llm_engine
     device = engine.config.device
-    bytes_per_slot = kv_bytes_per_token(engine.config.model_config.hf_config, engine.dtype)
+    # The cache's own element size (1 byte for an fp8 kv_cache_dtype), not the model's.
+    bytes_per_slot = kv_bytes_per_token(engine.config.model_config.hf_config,
+                                        engine.cache_engine.dtype)
     kv = KVStats(bytes_per_slot) if track_kv else None
     before = engine.stats()  # counters are cumulative over the engine's life
     run = next(_run_ids)

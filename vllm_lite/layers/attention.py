@@ -129,13 +129,19 @@ class Attention(nn.Module):
         # Assigned by the model runner; None = no cache (pure prefill, nothing stored).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # What the caches hold (assigned with them): "auto" = this layer's dtype, or fp8
+        # bytes of key / k_scale and value / v_scale. No calibrated scales yet: 1.0.
+        self.kv_cache_dtype = "auto"
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
         if self.k_cache is not None and self.v_cache is not None:
             from vllm_lite import ops  # the native ops; only needed once a cache exists
 
-            ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                  self.kv_cache_dtype, self.k_scale, self.v_scale)
         if meta.is_prompt:
             out = self._prefill(q, k, v, meta)
         else:
@@ -156,7 +162,8 @@ class Attention(nn.Module):
         # The new token was just written to the cache, so the kernel sees the whole context.
         return ops.paged_attention(
             q, self.k_cache, self.v_cache, self.num_kv_heads, self.scale, meta.block_tables,
-            meta.seq_lens, meta.block_size, meta.max_seq_len,
+            meta.seq_lens, meta.block_size, meta.max_seq_len, None, self.kv_cache_dtype,
+            self.k_scale, self.v_scale,
         )
 
     def _prefill(
@@ -182,7 +189,8 @@ class Attention(nn.Module):
             if prefix_len > 0:
                 # Prefix caching or a later chunk of a chunked prefill: the earlier tokens'
                 # K/V are only in the paged cache.
-                pk, pv = self._gather_prefix(meta.block_tables[i], prefix_len, meta.block_size)
+                pk, pv = self._gather_prefix(meta.block_tables[i], prefix_len,
+                                             meta.block_size, ki.dtype)
                 ki = torch.cat((pk, ki), dim=0)
                 vi = torch.cat((pv, vi), dim=0)
                 # New token j sits at position prefix_len + j: it sees every prefix token
@@ -222,14 +230,14 @@ class Attention(nn.Module):
         out.index_copy_(0, tokens, ops.paged_attention(
             q.index_select(0, tokens), self.k_cache, self.v_cache, self.num_kv_heads,
             self.scale, meta.block_tables.index_select(0, index), seq_lens, meta.block_size,
-            max_len,
+            max_len, None, self.kv_cache_dtype, self.k_scale, self.v_scale,
         ))
 
     def _gather_prefix(
-        self, block_table: torch.Tensor, prefix_len: int, block_size: int
+        self, block_table: torch.Tensor, prefix_len: int, block_size: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the first ``prefix_len`` tokens from the paged cache, [prefix_len,
-        num_kv_heads, head_size] each."""
+        num_kv_heads, head_size] each, in ``dtype``."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError(
                 "a prefill with a cached prefix (seq_len > new tokens) needs the KV cache"
@@ -242,7 +250,19 @@ class Attention(nn.Module):
         # value_cache [blocks, kv_heads, head_size, block_size] -> [tokens, kv_heads, head_size]
         v = self.v_cache.index_select(0, blocks).permute(0, 3, 1, 2)
         v = v.reshape(num_blocks * block_size, self.num_kv_heads, self.head_size)
-        return k[:prefix_len], v[:prefix_len]
+        k, v = k[:prefix_len], v[:prefix_len]
+        if self.kv_cache_dtype != "auto":
+            # fp8 bytes -> the stored float8 values (exact in every activation dtype) x scale.
+            from vllm_lite import ops
+
+            fp8 = ops.fp8_cache_dtype(self.kv_cache_dtype)
+            k = k.view(fp8).to(dtype)
+            v = v.view(fp8).to(dtype)
+            if self.k_scale != 1.0:
+                k = k * self.k_scale
+            if self.v_scale != 1.0:
+                v = v * self.v_scale
+        return k, v
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "

@@ -99,14 +99,19 @@ def profile_num_gpu_blocks(model: nn.Module, block_size: int, dtype: torch.dtype
 
 
 class CacheEngine:
-    """Owns the device caches (bound to the model's attention layers) and the CPU pool."""
+    """Owns the device caches (bound to the model's attention layers) and the CPU pool.
+
+    ``dtype`` is the cache tensors' (``ops.kv_cache_storage_dtype``: the model's, or uint8
+    for an fp8 ``kv_cache_dtype``), which the layers are told along with the caches."""
 
     def __init__(self, model: nn.Module, block_size: int, num_gpu_blocks: int,
-                 num_cpu_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
+                 num_cpu_blocks: int, dtype: torch.dtype, device: torch.device,
+                 kv_cache_dtype: str = "auto") -> None:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         self.device = torch.device(device)
         self.layers = model.attention_layers()
         pin = self.device.type == "cuda"
@@ -122,6 +127,7 @@ class CacheEngine:
             v = torch.empty(v_shape, dtype=dtype, device=self.device)
             self.gpu_cache.append((k, v))
             attn.k_cache, attn.v_cache = k, v
+            attn.kv_cache_dtype = kv_cache_dtype
             if num_cpu_blocks > 0:
                 ck_shape, cv_shape = ops.kv_cache_shapes(
                     num_cpu_blocks, attn.num_kv_heads, attn.head_size, block_size, dtype

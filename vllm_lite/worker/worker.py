@@ -44,6 +44,11 @@ class Worker:
             logger.info("quantized %d projections to %s", n, mc.quantization)
         self.model = model
         self.dtype: torch.dtype = next(model.parameters()).dtype
+        self.kv_cache_dtype = config.cache_config.cache_dtype
+        # The cache tensors' dtype (uint8 for fp8): what a block's bytes are counted in.
+        from vllm_lite import ops
+
+        self.cache_dtype = ops.kv_cache_storage_dtype(self.kv_cache_dtype, self.dtype)
         self.block_size = config.cache_config.block_size
         self.sampler = Sampler(seed=mc.seed)
         self.runner = ModelRunner(model, self.block_size, config.device, self.sampler)
@@ -57,20 +62,21 @@ class Worker:
         if config.num_gpu_blocks_override is not None:
             num_gpu_blocks = config.num_gpu_blocks_override
         elif self.device.type == "cpu":
-            num_gpu_blocks = num_blocks_for_cpu(self.model, self.block_size, self.dtype,
+            num_gpu_blocks = num_blocks_for_cpu(self.model, self.block_size, self.cache_dtype,
                                                 config.kv_cache_space)
         else:
             num_gpu_blocks = profile_num_gpu_blocks(
-                self.model, self.block_size, self.dtype, self.device,
+                self.model, self.block_size, self.cache_dtype, self.device,
                 config.scheduler_config.max_num_batched_tokens,
                 config.scheduler_config.max_num_seqs, cc.gpu_memory_utilization)
-        block_bytes = cache_block_bytes(self.model, self.block_size, self.dtype)
+        block_bytes = cache_block_bytes(self.model, self.block_size, self.cache_dtype)
         num_cpu_blocks = cc.cpu_blocks_for(block_bytes) if cc.swap_space_gib > 0 else 0
         return num_gpu_blocks, num_cpu_blocks
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_engine = CacheEngine(self.model, self.block_size, num_gpu_blocks,
-                                        num_cpu_blocks, self.dtype, self.device)
+                                        num_cpu_blocks, self.cache_dtype, self.device,
+                                        self.kv_cache_dtype)
 
     def execute_cache_ops(self, out: SchedulerOutput) -> None:
         """The step's swap-out, swap-in and copy-on-write block operations, in that order."""

@@ -45,6 +45,9 @@ PagedAttentionCall::PagedAttentionCall(
                                                              *tmp_out, max_seq_len)) {
   TORCH_CHECK(query.is_cuda(), op, ": the CUDA kernel needs CUDA tensors, got query on ",
               query.device());
+  TORCH_CHECK(d_.cache_dtype == KvCacheDType::kAuto, op, ": kv_cache_dtype '", kv_cache_dtype,
+              "' (an fp8 KV cache) is implemented by the CPU kernels only so far; use 'auto' "
+              "on CUDA");
   check_cuda_block_size(block_size);
   device_guard_.set_device(query.device());
   stream_ = at::cuda::getCurrentCUDAStream();
