@@ -2,6 +2,7 @@
 // Layouts as in csrc/ops.h; an fp8 cache (kv_cache_dtype "fp8*") is uint8 with x = 16.
 // Memory-bound copies parallelized over tokens or blocks with ATen's parallel_for; a
 // negative slot is padding and writes nothing.
+#include <bit>
 #include <cstring>
 
 #include <ATen/Dispatch.h>
@@ -29,18 +30,6 @@ inline void store_scaled(T* dst, const T* src, int64_t n, float inv_scale, int64
   }
 }
 
-inline uint32_t float_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  return b;
-}
-
-inline float bits_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
 // float -> fp8 with M mantissa bits and exponent bias BIAS, rounded to nearest even, bit
 // for bit as torch's casts (checked against torch 2.14): NaN stays NaN (S.111..1) in both;
 // e4m3fn (M 3, BIAS 7) has no infinity and saturates: magnitudes that round past 448
@@ -49,7 +38,7 @@ inline float bits_float(uint32_t b) {
 template <int M, int BIAS>
 inline uint8_t float_to_fp8(float f) {
   constexpr bool kFn = M == 3;  // e4m3fn
-  const uint32_t bits = float_bits(f);
+  const uint32_t bits = std::bit_cast<uint32_t>(f);
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
   const uint32_t a = bits & 0x7fffffffu;
   if (a > 0x7f800000u) return sign | 0x7f;  // NaN
@@ -61,7 +50,8 @@ inline uint8_t float_to_fp8(float f) {
   // for counts below 2^22).
   constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + 1 - BIAS) << 23;
   if (a < kMinNormal) {
-    const float units = bits_float(a) * bits_float(static_cast<uint32_t>(127 + BIAS - 1 + M) << 23);
+    constexpr float kUnitsPerOne = static_cast<float>(1u << (BIAS - 1 + M));  // 2^(BIAS-1+M)
+    const float units = std::bit_cast<float>(a) * kUnitsPerOne;
     return sign | static_cast<uint8_t>((units + 8388608.0f) - 8388608.0f);
   }
   // Normal: drop 23 - M mantissa bits, rounding half to even (a carry moves the exponent,

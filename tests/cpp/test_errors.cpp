@@ -103,7 +103,7 @@ VLLM_TEST(attention_errors) {
   {
     Attn a;
     a.key_cache = a.key_cache.to(at::kHalf);
-    TEST_CHECK_ATTN_ERROR(a, "key_cache must be Float, got Half");
+    TEST_CHECK_ATTN_ERROR(a, "key_cache must be Float for kv_cache_dtype 'auto', got Half");
   }
 }
 

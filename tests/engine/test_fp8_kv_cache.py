@@ -15,21 +15,16 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+# The HF-equality prompts of test_llm.py, and its end-of-run check.
+from engine.test_llm import VOCAB, _assert_all_free, _prompts  # noqa: E402
 from models.helpers import make_config, save_hf_model  # noqa: E402
 from vllm_lite import LLM, SamplingParams  # noqa: E402
 
-VOCAB = 320
 MAX_TOKENS = 10
-PROMPT_LENS = [3, 9, 17, 30]  # test_llm.py's HF-equality prompts
 # Teacher-forced next-token agreement with the model-dtype cache: the issue asks >= 90% for
 # "fp8" (e4m3, 3 mantissa bits); e5m2 keeps 2 mantissa bits and does measurably worse.
 MIN_AGREEMENT = {"fp8": 0.9, "fp8_e5m2": 0.75}
 FORCED_TOKENS = 30  # continuation length of the teacher-forced comparison
-
-
-def _prompts(seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 300, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +56,6 @@ def _agreement(got: list[list[int]], ref: list[list[int]]) -> float:
     agreed = sum(next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r))
                  for g, r in zip(got, ref))
     return agreed / sum(len(r) for r in ref)
-
-
-def _assert_all_free(llm: LLM) -> None:
-    sched = llm.llm_engine.scheduler
-    bm = sched.block_manager
-    assert not sched.has_unfinished_seqs()
-    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
-    assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2"])
