@@ -1,0 +1,235 @@
+"""Engine step profile: where one step's time goes, prefill steps and decode steps apart.
+
+Runs one seeded workload (all requests queued at once, greedy, ignore_eos) through
+``LLM``'s engine on the CPU and times, per step, with ``time.perf_counter`` around the
+engine's own functions and forward hooks on the model's modules:
+
+- ``schedule``: the scheduler and block manager (``Scheduler.schedule``);
+- ``prepare inputs``: building the step's tensors and metadata (``ModelRunner.prepare_input``);
+- ``linear``: the decoder's projections (qkv, o, gate_up, down: every ``nn.Linear`` /
+  ``Int8Linear`` but the LM head);
+- ``attention``: the attention layers (cache write, the paged kernel or SDPA);
+- ``other model ops``: the rest of the forward (embedding, norms, rotary, activations,
+  residuals);
+- ``lm_head``: the logits of the sampled rows;
+- ``sampler``: ``Sampler``;
+- ``output processing``: appending tokens, stop checks, detokenizing, outputs;
+- ``rest``: whatever else the step spends (cache ops, bookkeeping, hook overhead).
+
+A step is a "prefill" step when it holds any prompt tokens. The hooks cost a few
+microseconds per module call; the table gives the instrumented total, and a second,
+uninstrumented run of the same workload gives the plain throughput beside it.
+Writes ``step_profile.md`` to --out and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from vllm_lite.benchmarks import RESULTS_DIR
+from vllm_lite.config import KV_CACHE_DTYPES, THREADS_HELP, EngineArgs, set_threads
+
+log = logging.getLogger(__name__)
+
+PHASES = ("schedule", "prepare inputs", "linear", "attention", "other model ops", "lm_head",
+          "sampler", "output processing", "rest")
+KINDS = ("prefill", "decode")
+FULL = dict(num_requests=32, input_len=128, output_len=64)
+QUICK = dict(num_requests=8, input_len=64, output_len=16)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help=f"a small workload (seconds on 2 cores): {QUICK}")
+    p.add_argument("--model", default=EngineArgs.model, help="(default: %(default)s)")
+    p.add_argument("--dtype", default=EngineArgs.dtype, help="(default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default=EngineArgs.kv_cache_dtype,
+                   choices=KV_CACHE_DTYPES, help="(default: %(default)s)")
+    p.add_argument("--quantization", default=EngineArgs.quantization,
+                   help="(default: none)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help=f"(default {FULL['num_requests']})")
+    p.add_argument("--input-len", type=int, default=None,
+                   help=f"prompt tokens per request (default {FULL['input_len']})")
+    p.add_argument("--output-len", type=int, default=None,
+                   help=f"output tokens per request (default {FULL['output_len']})")
+    p.add_argument("--kv-cache-space", type=float, default=1.0,
+                   help="GiB of KV cache (default: %(default)s, so nothing is preempted)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR,
+                   help="results folder (default: %(default)s)")
+
+
+class _Clock:
+    """Seconds per (kind, phase); ``kind`` is set by the step being run."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.steps: dict[str, int] = defaultdict(int)
+        self.tokens: dict[str, int] = defaultdict(int)
+        self.kind = "decode"
+
+    def wrap(self, obj: Any, name: str, phase: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[self.kind, phase] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    def hook(self, module: Any, phase: str) -> None:
+        starts: list[float] = []
+
+        def pre(*_: Any) -> None:
+            starts.append(time.perf_counter())
+
+        def post(*_: Any) -> None:
+            self.seconds[self.kind, phase] += time.perf_counter() - starts.pop()
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+
+def _workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(args.seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(args.input_len)]
+            for _ in range(args.num_requests)]
+
+
+def _run(llm: Any, prompts: list[list[int]], output_len: int) -> float:
+    from vllm_lite import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def _instrument(llm: Any, clock: _Clock) -> None:
+    from torch import nn
+
+    from vllm_lite.layers.attention import Attention
+    from vllm_lite.layers.quantization import Int8Linear
+
+    engine = llm.llm_engine
+    runner = engine.runner
+    model = engine.model
+    schedule = engine.scheduler.schedule
+
+    def schedule_step() -> Any:
+        t = time.perf_counter()
+        out = schedule()
+        # The step's kind, known once it is scheduled: any prompt tokens make it a prefill.
+        clock.kind = "prefill" if any(g.is_prompt for g in out.scheduled_seq_groups) else "decode"
+        clock.steps[clock.kind] += 1
+        clock.tokens[clock.kind] += out.num_batched_tokens
+        clock.seconds[clock.kind, "schedule"] += time.perf_counter() - t
+        return out
+
+    engine.scheduler.schedule = schedule_step
+    clock.wrap(engine.output_processor, "process", "output processing")
+    clock.wrap(runner, "sampler", "sampler")
+    clock.wrap(runner, "prepare_input", "prepare inputs")
+    clock.wrap(engine, "step", "step")
+    clock.hook(model.model, "forward")  # the decoder stack (not the LM head)
+    clock.hook(model.lm_head, "lm_head")
+    for m in model.model.modules():
+        if isinstance(m, (nn.Linear, Int8Linear)):
+            clock.hook(m, "linear")
+        elif isinstance(m, Attention):
+            clock.hook(m, "attention")
+
+
+def _table(clock: _Clock) -> list[str]:
+    s = clock.seconds
+    rows = ["| phase | " + " | ".join(f"{k}: ms per step (share)" for k in KINDS) + " |",
+            "|---|" + "---|" * len(KINDS)]
+    per_kind: dict[str, dict[str, float]] = {}
+    for k in KINDS:
+        v = {p: s[k, p] for p in PHASES}
+        v["other model ops"] = s[k, "forward"] - s[k, "linear"] - s[k, "attention"]
+        v["rest"] = s[k, "step"] - sum(x for p, x in v.items() if p != "rest")
+        per_kind[k] = v
+    for p in PHASES:
+        cells = []
+        for k in KINDS:
+            n, total = clock.steps[k], s[k, "step"]
+            cells.append("-" if not n else
+                         f"{per_kind[k][p] / n * 1e3:.2f} ({per_kind[k][p] / total:.0%})")
+        rows.append(f"| {p} | " + " | ".join(cells) + " |")
+    cells = [f"**{s[k, 'step'] / clock.steps[k] * 1e3:.2f}** ({clock.steps[k]} steps, "
+             f"{clock.tokens[k] / clock.steps[k]:.0f} tokens each)" if clock.steps[k] else "-"
+             for k in KINDS]
+    rows.append("| step | " + " | ".join(cells) + " |")
+    return rows
+
+
+def run(args: argparse.Namespace) -> str:
+    """The report (markdown) of one run."""
+    import torch
+
+    from vllm_lite import LLM
+
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for name in ("num_requests", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    set_threads(args.threads)
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", seed=args.seed,
+              kv_cache_space=args.kv_cache_space, kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization,
+              max_model_len=args.input_len + args.output_len + 16)
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    prompts = _workload(args, vocab)
+    _run(llm, prompts[:2], 4)  # warm-up
+    # The faster of two plain runs (the first still pays one-time costs of new GEMM shapes).
+    plain = min(_run(llm, prompts, args.output_len) for _ in range(2))
+    clock = _Clock()
+    _instrument(llm, clock)
+    timed = _run(llm, prompts, args.output_len)
+    out_tokens = args.num_requests * args.output_len
+    lines = [
+        f"Engine step profile, {time.strftime('%Y-%m-%d %H:%M')}: model `{args.model}`, "
+        f"{llm.llm_engine.dtype}, KV cache {args.kv_cache_dtype}, quantization "
+        f"{args.quantization or 'none'}, {args.num_requests} requests x {args.input_len} "
+        f"prompt + {args.output_len} output tokens, {torch.get_num_threads()} threads.",
+        "",
+        f"Uninstrumented: {plain:.2f} s, {out_tokens / plain:.1f} output tok/s; "
+        f"instrumented: {timed:.2f} s (the hooks' cost).",
+        "",
+        *_table(clock),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vllm-lite bench profile",
+                                description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run_args(p.parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
+    from vllm_lite.benchmarks.common import run_cli
+
+    def finish(report: str) -> None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "step_profile.md").write_text(report)
+        print(report)
+
+    return run_cli("vllm-lite bench profile", run, args, finish)
