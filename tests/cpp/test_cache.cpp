@@ -112,3 +112,91 @@ VLLM_TEST(swap_blocks_cpu) {
   vllm_lite::swap_blocks(src, dst, mapping);
   vt::check_bitwise_equal(dst, expected, "swap_blocks");
 }
+
+namespace {
+
+// An fp8 kv_cache_dtype: the caches are uint8 and hold ATen's float8 cast of the float32
+// quotient key / k_scale, bit for bit; padding slots and the rest keep their bytes.
+void run_reshape_and_cache_fp8(bool flash, const std::string& fmt, at::ScalarType fp8,
+                               at::ScalarType dtype, double k_scale, double v_scale) {
+  auto gen = vt::make_gen(flash ? 21 : 22);
+  const int64_t n = 9, kvh = 2, d = 64, bs = 16, nb = 6, x = 16;
+  // Values over many binades: subnormal to saturating after the scale.
+  const auto key = (at::randn({n, kvh, d}, gen) *
+                    at::exp2(at::randint(-14, 10, {n, kvh, d}, gen).to(at::kFloat)))
+                       .to(dtype);
+  const auto value = at::randn({n, 3, kvh, d}, gen).to(dtype).select(1, 1);
+  auto slots = at::randperm(nb * bs, gen, at::kLong).slice(0, 0, n).clone();
+  slots.index_put_({at::tensor({2, 5})}, at::tensor({-1L, -3L}));
+  const auto k_shape = flash ? std::vector<int64_t>{nb, bs, kvh, d}
+                             : std::vector<int64_t>{nb, kvh, d / x, bs, x};
+  const auto v_shape = flash ? std::vector<int64_t>{nb, bs, kvh, d}
+                             : std::vector<int64_t>{nb, kvh, d, bs};
+  auto kc = at::full(k_shape, 0x7F, at::kByte), vc = at::full(v_shape, 0x7F, at::kByte);
+  auto ek = kc.clone(), ev = vc.clone();
+  auto cast = [&](const at::Tensor& t, double scale) {
+    return (t.to(at::kFloat) / at::scalar_tensor(scale, at::kFloat)).to(fp8).view(at::kByte);
+  };
+  const auto* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (s[i] < 0) continue;
+    const int64_t blk = s[i] / bs, off = s[i] % bs;
+    const auto k = cast(key[i], k_scale), v = cast(value[i], v_scale);
+    if (flash) {
+      ek[blk][off].copy_(k);
+      ev[blk][off].copy_(v);
+    } else {
+      ek[blk].select(2, off).copy_(k.view({kvh, d / x, x}));
+      ev[blk].select(2, off).copy_(v);
+    }
+  }
+  const std::string what = std::string(flash ? "reshape_and_cache_flash " : "reshape_and_cache ") +
+                           fmt + " " + c10::toString(dtype);
+  if (flash) {
+    vllm_lite::reshape_and_cache_flash(key, value, kc, vc, slots, fmt, k_scale, v_scale);
+  } else {
+    vllm_lite::reshape_and_cache(key, value, kc, vc, slots, fmt, k_scale, v_scale);
+  }
+  vt::check_bitwise_equal(kc, ek, what + ": key_cache");
+  vt::check_bitwise_equal(vc, ev, what + ": value_cache");
+}
+
+}  // namespace
+
+VLLM_TEST(reshape_and_cache_fp8_matches_aten_casts) {
+  for (bool flash : {false, true}) {
+    for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      run_reshape_and_cache_fp8(flash, "fp8", at::kFloat8_e4m3fn, dtype, 1.0, 1.0);
+      run_reshape_and_cache_fp8(flash, "fp8_e4m3", at::kFloat8_e4m3fn, dtype, 0.37, 2.5);
+      run_reshape_and_cache_fp8(flash, "fp8_e5m2", at::kFloat8_e5m2, dtype, 1e-3, 30.0);
+    }
+  }
+}
+
+// Paged attention over fp8 caches equals the float64 reference on the dequantized cache
+// (stored value x scale); the unused slots hold NaN bytes.
+VLLM_TEST(paged_attention_fp8_matches_reference) {
+  auto gen = vt::make_gen(23);
+  const int64_t kvh = 2, group = 4, d = 64, bs = 16;
+  for (const auto& [fmt, fp8] : {std::pair<std::string, at::ScalarType>{"fp8", at::kFloat8_e4m3fn},
+                                 {"fp8_e5m2", at::kFloat8_e5m2}}) {
+    auto kv = vt::make_paged_kv({37, 600, 1}, kvh, d, bs, at::kFloat, gen);
+    const int64_t nb = kv.key_cache.size(0);
+    // The float32 caches (x = 4) in the fp8 layout (x = 16), as bytes of value / scale.
+    const double k_scale = 0.05, v_scale = 0.5;
+    const auto rows = kv.key_cache.permute({0, 1, 3, 2, 4}).reshape({nb, kvh, bs, d});
+    const auto k16 = rows.reshape({nb, kvh, bs, d / 16, 16}).permute({0, 1, 3, 2, 4}).contiguous();
+    const auto k8 = (k16 / k_scale).to(fp8).view(at::kByte);
+    const auto v8 = (kv.value_cache / v_scale).to(fp8).view(at::kByte);
+    vt::PagedKV deq = kv;
+    deq.key_cache = k8.view(fp8).to(at::kDouble) * k_scale;
+    deq.value_cache = v8.view(fp8).to(at::kDouble) * v_scale;
+    const auto query = at::randn({3, kvh * group, d}, gen);
+    const double scale = 0.125;
+    const auto expected = vt::ref_paged_attention(query, deq, scale, std::nullopt);
+    auto out = at::full_like(query, kNaN);
+    vllm_lite::paged_attention_v1(out, query, k8, v8, kvh, scale, kv.block_tables, kv.seq_lens,
+                                  bs, 600, std::nullopt, fmt, k_scale, v_scale);
+    vt::check_close(out, expected, at::kFloat, "paged_attention_v1 " + fmt);
+  }
+}
