@@ -1,6 +1,8 @@
 // The cache ops are exact: every written element holds the source's bits, every other
 // element keeps its own (NaN) bits.
+#include <functional>
 #include <limits>
+#include <utility>
 
 #include <vllm_lite/kernels.h>
 
@@ -12,6 +14,30 @@ namespace vt = vllm_lite::test;
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Copies of the caches kc / vc after writing token i's key_of(i) / value_of(i) ([kvh, d],
+// already in the cache's dtype) at slots[i]; negative slots are skipped.
+std::pair<at::Tensor, at::Tensor> expected_caches(
+    const at::Tensor& slots, const at::Tensor& kc, const at::Tensor& vc, bool flash,
+    const std::function<at::Tensor(int64_t)>& key_of,
+    const std::function<at::Tensor(int64_t)>& value_of) {
+  auto ek = kc.clone(), ev = vc.clone();
+  const int64_t bs = flash ? kc.size(1) : kc.size(3);
+  const auto* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.size(0); ++i) {
+    if (s[i] < 0) continue;
+    const int64_t blk = s[i] / bs, off = s[i] % bs;
+    const auto k = key_of(i), v = value_of(i);
+    if (flash) {
+      ek[blk][off].copy_(k);
+      ev[blk][off].copy_(v);
+    } else {
+      ek[blk].select(2, off).copy_(k.view({kc.size(1), kc.size(2), kc.size(4)}));
+      ev[blk].select(2, off).copy_(v);
+    }
+  }
+  return {ek, ev};
+}
 
 // reshape_and_cache(_flash) of n tokens into NaN caches; slots are distinct, some negative.
 void run_reshape_and_cache(bool flash, at::ScalarType dtype, double k_scale, double v_scale) {
@@ -27,22 +53,11 @@ void run_reshape_and_cache(bool flash, at::ScalarType dtype, double k_scale, dou
   const auto v_shape = flash ? std::vector<int64_t>{nb, bs, kvh, d}
                              : std::vector<int64_t>{nb, kvh, d, bs};
   auto kc = at::full(k_shape, kNaN, dtype), vc = at::full(v_shape, kNaN, dtype);
-  auto ek = kc.clone(), ev = vc.clone();
-  const auto* s = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    if (s[i] < 0) continue;
-    const int64_t blk = s[i] / bs, off = s[i] % bs;
-    // Scales are powers of two, so key / k_scale is exact in every dtype.
-    const auto k = (key[i].to(at::kDouble) / k_scale).to(dtype);
-    const auto v = (value[i].to(at::kDouble) / v_scale).to(dtype);
-    if (flash) {
-      ek[blk][off].copy_(k);
-      ev[blk][off].copy_(v);
-    } else {
-      ek[blk].select(2, off).copy_(k.view({kvh, d / x, x}));
-      ev[blk].select(2, off).copy_(v);
-    }
-  }
+  // Scales are powers of two, so key / k_scale is exact in every dtype.
+  const auto [ek, ev] = expected_caches(
+      slots, kc, vc, flash,
+      [&](int64_t i) { return (key[i].to(at::kDouble) / k_scale).to(dtype); },
+      [&](int64_t i) { return (value[i].to(at::kDouble) / v_scale).to(dtype); });
   const std::string what = std::string(flash ? "reshape_and_cache_flash " : "reshape_and_cache ") +
                            c10::toString(dtype);
   if (flash) {
@@ -133,23 +148,12 @@ void run_reshape_and_cache_fp8(bool flash, const std::string& fmt, at::ScalarTyp
   const auto v_shape = flash ? std::vector<int64_t>{nb, bs, kvh, d}
                              : std::vector<int64_t>{nb, kvh, d, bs};
   auto kc = at::full(k_shape, 0x7F, at::kByte), vc = at::full(v_shape, 0x7F, at::kByte);
-  auto ek = kc.clone(), ev = vc.clone();
   auto cast = [&](const at::Tensor& t, double scale) {
     return (t.to(at::kFloat) / at::scalar_tensor(scale, at::kFloat)).to(fp8).view(at::kByte);
   };
-  const auto* s = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    if (s[i] < 0) continue;
-    const int64_t blk = s[i] / bs, off = s[i] % bs;
-    const auto k = cast(key[i], k_scale), v = cast(value[i], v_scale);
-    if (flash) {
-      ek[blk][off].copy_(k);
-      ev[blk][off].copy_(v);
-    } else {
-      ek[blk].select(2, off).copy_(k.view({kvh, d / x, x}));
-      ev[blk].select(2, off).copy_(v);
-    }
-  }
+  const auto [ek, ev] = expected_caches(
+      slots, kc, vc, flash, [&](int64_t i) { return cast(key[i], k_scale); },
+      [&](int64_t i) { return cast(value[i], v_scale); });
   const std::string what = std::string(flash ? "reshape_and_cache_flash " : "reshape_and_cache ") +
                            fmt + " " + c10::toString(dtype);
   if (flash) {

@@ -174,6 +174,18 @@ def run_cli(name: str, run: Callable[[argparse.Namespace], Any], args: argparse.
     return 0
 
 
+def run_markdown_report(name: str, run: Callable[[argparse.Namespace], str],
+                        args: argparse.Namespace, filename: str) -> int:
+    """run_cli for a benchmark whose report is one markdown text: written to
+    ``args.out / filename`` and printed."""
+    def finish(report: str) -> None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / filename).write_text(report)
+        print(report)
+
+    return run_cli(name, run, args, finish)
+
+
 def _save_and_summarize(report: Any) -> None:
     from vllm_lite.benchmarks.report import print_summary
 

@@ -225,11 +225,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_args(args: argparse.Namespace) -> int:
-    from vllm_lite.benchmarks.common import run_cli
+    from vllm_lite.benchmarks.common import run_markdown_report
 
-    def finish(report: str) -> None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "step_profile.md").write_text(report)
-        print(report)
-
-    return run_cli("vllm-lite bench profile", run, args, finish)
+    return run_markdown_report("vllm-lite bench profile", run, args, "step_profile.md")
