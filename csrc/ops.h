@@ -9,6 +9,9 @@
 //   flash layout    [num_blocks, block_size, num_kv_heads, head_size] (both K and V)
 //   block_tables    int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 //   slot_mapping    int64 [num_tokens], slot = block * block_size + offset, negative = padding
+//   varlen query/out [num_tokens, num_heads, head_size], flat over sequences: sequence i's
+//                   rows are query_start_loc[i] .. query_start_loc[i + 1] (int32 [num_seqs + 1]),
+//                   its last new tokens, bottom-right causal over its seq_lens[i] context
 //   v2 scratch      exp_sums, max_logits float32 [num_seqs, num_heads, max_num_partitions];
 //                   tmp_out (query dtype) [num_seqs, num_heads, max_num_partitions, head_size]
 #pragma once
@@ -48,7 +51,14 @@ namespace vllm_lite {
   void copy_blocks(                                                                        \
       const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches, \
       const at::Tensor& block_mapping);                                                    \
-  void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping);
+  void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping); \
+  void varlen_paged_attention(                                                             \
+      at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,               \
+      const at::Tensor& value_cache, int64_t num_kv_heads, double scale,                   \
+      const at::Tensor& block_tables, const at::Tensor& seq_lens,                          \
+      const at::Tensor& query_start_loc, int64_t block_size, int64_t max_query_len,        \
+      int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,                  \
+      const std::string& kv_cache_dtype, double k_scale, double v_scale);
 
 namespace cpu {
 VLLM_LITE_DECLARE_OPS

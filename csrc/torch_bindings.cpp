@@ -27,6 +27,13 @@ TORCH_LIBRARY(vllm_lite, m) {
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor! dst, Tensor block_mapping) -> ()");
+  // Prefill over the paged cache (vllm_lite's own; vLLM v0.6 has no such op).
+  m.def(
+      "varlen_paged_attention(Tensor! out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, int num_kv_heads, float scale, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, int block_size, int max_query_len, "
+      "int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, float k_scale, "
+      "float v_scale) -> ()");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
 }
 
@@ -36,7 +43,8 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.impl("reshape_and_cache", &vllm_lite::ns::reshape_and_cache);   \
   m.impl("reshape_and_cache_flash", &vllm_lite::ns::reshape_and_cache_flash); \
   m.impl("copy_blocks", &vllm_lite::ns::copy_blocks);               \
-  m.impl("swap_blocks", &vllm_lite::ns::swap_blocks);
+  m.impl("swap_blocks", &vllm_lite::ns::swap_blocks);               \
+  m.impl("varlen_paged_attention", &vllm_lite::ns::varlen_paged_attention);
 
 TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   VLLM_LITE_REGISTER_IMPLS(cpu)

@@ -96,19 +96,25 @@ bool on_cpu(const at::Tensor& t) { return t.device().is_cpu(); }
 
 }  // namespace
 
-PagedAttentionDims check_paged_attention(
-    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+namespace {
+
+// paged_attention (one query row per sequence: num_seqs = query rows) and
+// varlen_paged_attention (query rows flat over sequences: num_seqs = seq_lens entries).
+PagedAttentionDims check_attention_common(
+    const char* op, const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, int64_t num_kv_heads, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
     const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
-    double k_scale, double v_scale) {
-  constexpr const char* op = "paged_attention";
+    double k_scale, double v_scale, bool varlen) {
   const KvCacheDType kind = check_kv_cache_dtype(op, kv_cache_dtype, k_scale, v_scale);
 
-  check_dim(op, query, "query", 3, "[num_seqs, num_heads, head_size]");
+  check_dim(op, query, "query", 3,
+            varlen ? "[num_tokens, num_heads, head_size]" : "[num_seqs, num_heads, head_size]");
   check_float_dtype(op, query, "query");
   PagedAttentionDims d{};
-  d.num_seqs = query.size(0);
+  d.num_tokens = query.size(0);
+  check_dim(op, seq_lens, "seq_lens", 1, "[num_seqs]");
+  d.num_seqs = varlen ? seq_lens.size(0) : query.size(0);
   d.num_heads = query.size(1);
   d.head_size = query.size(2);
   check_head_size(op, d.head_size);
@@ -168,9 +174,9 @@ PagedAttentionDims check_paged_attention(
   check_dtype(op, block_tables, "block_tables", at::kInt);
   check_contiguous(op, block_tables, "block_tables");
   TORCH_CHECK(block_tables.size(0) == d.num_seqs, op, ": block_tables has ",
-              block_tables.size(0), " rows but query has ", d.num_seqs, " sequences");
+              block_tables.size(0), " rows but ", varlen ? "seq_lens" : "query", " has ",
+              d.num_seqs, " sequences");
   d.max_blocks_per_seq = block_tables.size(1);
-  check_dim(op, seq_lens, "seq_lens", 1, "[num_seqs]");
   check_dtype(op, seq_lens, "seq_lens", at::kInt);
   check_contiguous(op, seq_lens, "seq_lens");
   TORCH_CHECK(seq_lens.size(0) == d.num_seqs, op, ": seq_lens has ", seq_lens.size(0),
@@ -191,6 +197,80 @@ PagedAttentionDims check_paged_attention(
                 "] tensor, got shape ", a.sizes());
   }
   return d;
+}
+
+}  // namespace
+
+PagedAttentionDims check_paged_attention(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, int64_t num_kv_heads, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, int64_t block_size, int64_t max_seq_len,
+    const std::optional<at::Tensor>& alibi_slopes, const std::string& kv_cache_dtype,
+    double k_scale, double v_scale) {
+  return check_attention_common("paged_attention", out, query, key_cache, value_cache,
+                                num_kv_heads, block_tables, seq_lens, block_size, max_seq_len,
+                                alibi_slopes, kv_cache_dtype, k_scale, v_scale, false);
+}
+
+PagedAttentionDims check_varlen_paged_attention(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, int64_t num_kv_heads, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t block_size,
+    int64_t max_query_len, int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+    const std::string& kv_cache_dtype, double k_scale, double v_scale) {
+  constexpr const char* op = "varlen_paged_attention";
+  const auto d = check_attention_common(op, out, query, key_cache, value_cache, num_kv_heads,
+                                        block_tables, seq_lens, block_size, max_seq_len,
+                                        alibi_slopes, kv_cache_dtype, k_scale, v_scale, true);
+  check_same_device(op, query_start_loc, "query_start_loc", query, "query");
+  check_dim(op, query_start_loc, "query_start_loc", 1, "[num_seqs + 1]");
+  check_dtype(op, query_start_loc, "query_start_loc", at::kInt);
+  check_contiguous(op, query_start_loc, "query_start_loc");
+  TORCH_CHECK(query_start_loc.size(0) == d.num_seqs + 1, op, ": query_start_loc must have ",
+              "num_seqs + 1 = ", d.num_seqs + 1, " entries, got ", query_start_loc.size(0));
+  TORCH_CHECK(max_query_len >= 0, op, ": max_query_len must be non-negative, got ",
+              max_query_len);
+  TORCH_CHECK(max_query_len <= max_seq_len || d.num_tokens == 0, op, ": max_query_len (",
+              max_query_len, ") exceeds max_seq_len (", max_seq_len,
+              "): a sequence's new tokens are part of its context");
+  return d;
+}
+
+void check_varlen_paged_attention_values(const PagedAttentionDims& d,
+                                         const at::Tensor& block_tables,
+                                         const at::Tensor& seq_lens,
+                                         const at::Tensor& query_start_loc,
+                                         int64_t max_query_len, int64_t max_seq_len) {
+  constexpr const char* op = "varlen_paged_attention";
+  check_attention_values(op, d, block_tables, seq_lens, max_seq_len);
+  if (on_cpu(query_start_loc)) {
+    const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    TORCH_CHECK(qsl[0] == 0, op, ": query_start_loc[0] must be 0, got ", qsl[0]);
+    for (int64_t s = 0; s < d.num_seqs; ++s) {
+      const int64_t n = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
+      TORCH_CHECK(n >= 0 && n <= max_query_len, op, ": sequence ", s, " has ", n,
+                  " query tokens (query_start_loc[", s + 1, "] - query_start_loc[", s,
+                  "]), outside [0, max_query_len=", max_query_len, "]");
+      TORCH_CHECK(n <= lens[s], op, ": sequence ", s, " has ", n, " query tokens but seq_lens[",
+                  s, "] = ", lens[s], " (seq_lens counts the cached context plus the new tokens)");
+    }
+    TORCH_CHECK(qsl[d.num_seqs] == d.num_tokens, op, ": query_start_loc[", d.num_seqs, "] = ",
+                qsl[d.num_seqs], " must equal query's ", d.num_tokens, " tokens");
+    return;
+  }
+  // One round trip for all checks.
+  const auto q = query_start_loc.to(at::kLong);
+  const auto n = q.slice(0, 1) - q.slice(0, 0, d.num_seqs);
+  const auto bad = (n < 0) | (n > max_query_len) | (n > seq_lens.to(at::kLong));
+  const auto stats =
+      at::stack({q[0], q[d.num_seqs], bad.any().to(at::kLong)}).cpu();
+  const int64_t* v = stats.data_ptr<int64_t>();
+  TORCH_CHECK(v[0] == 0 && v[1] == d.num_tokens, op, ": query_start_loc must start at 0 and ",
+              "end at query's ", d.num_tokens, " tokens, got ", v[0], " and ", v[1]);
+  TORCH_CHECK(v[2] == 0, op, ": some sequence's query token count (query_start_loc[i + 1] - ",
+              "query_start_loc[i]) is negative, exceeds max_query_len=", max_query_len,
+              " or exceeds its seq_lens entry");
 }
 
 int64_t check_paged_attention_v2_scratch(
@@ -223,7 +303,12 @@ int64_t check_paged_attention_v2_scratch(
 void check_paged_attention_values(
     const PagedAttentionDims& d, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     int64_t max_seq_len) {
-  constexpr const char* op = "paged_attention";
+  check_attention_values("paged_attention", d, block_tables, seq_lens, max_seq_len);
+}
+
+void check_attention_values(const char* op, const PagedAttentionDims& d,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            int64_t max_seq_len) {
   if (d.num_seqs == 0) return;
   if (on_cpu(seq_lens)) {
     const int32_t* lens = seq_lens.data_ptr<int32_t>();

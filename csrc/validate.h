@@ -21,6 +21,7 @@ enum class KvCacheDType { kAuto, kFp8E4M3, kFp8E5M2 };
 
 struct PagedAttentionDims {
   int64_t num_seqs;
+  int64_t num_tokens;  // query rows: num_seqs for paged_attention, flat for varlen
   int64_t num_heads;
   int64_t num_kv_heads;
   int64_t head_size;
@@ -52,6 +53,28 @@ int64_t check_paged_attention_v2_scratch(
 void check_paged_attention_values(
     const PagedAttentionDims& d, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     int64_t max_seq_len);
+
+// varlen_paged_attention: query/out [num_tokens, num_heads, head_size], query_start_loc
+// int32 [num_seqs + 1]; the rest as paged_attention (num_seqs = seq_lens' entries).
+PagedAttentionDims check_varlen_paged_attention(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, int64_t num_kv_heads, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t block_size,
+    int64_t max_query_len, int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,
+    const std::string& kv_cache_dtype, double k_scale, double v_scale);
+
+// paged_attention's value checks, plus: query_start_loc starts at 0, ends at num_tokens and
+// gives every sequence between 0 and min(max_query_len, seq_lens[i]) query tokens.
+void check_varlen_paged_attention_values(const PagedAttentionDims& d,
+                                         const at::Tensor& block_tables,
+                                         const at::Tensor& seq_lens,
+                                         const at::Tensor& query_start_loc,
+                                         int64_t max_query_len, int64_t max_seq_len);
+
+// The shared part of both: seq_lens in [0, max_seq_len], block ids in the pool.
+void check_attention_values(const char* op, const PagedAttentionDims& d,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            int64_t max_seq_len);
 
 struct CacheWriteDims {
   const char* op;  // for messages: reshape_and_cache or reshape_and_cache_flash

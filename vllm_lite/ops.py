@@ -172,6 +172,46 @@ def paged_attention(
     return out
 
 
+def varlen_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    max_query_len: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill attention over the paged cache; returns ``out`` [num_tokens, num_heads,
+    head_size] (allocated when None).
+
+    ``query`` [num_tokens, num_heads, head_size] holds every sequence's new tokens, flat:
+    sequence i's are rows ``query_start_loc[i]:query_start_loc[i + 1]`` (int32
+    [num_seqs + 1]); they are the last of its ``seq_lens[i]`` context tokens, whose K/V
+    (the new ones too: call reshape_and_cache first) are in the paged caches. Query j of n
+    attends to context positions 0 .. seq_lens[i] - n + j (bottom-right causal), so a
+    sequence with one query token gets what paged_attention gives it. ``max_query_len`` /
+    ``max_seq_len`` bound the per-sequence query counts and lengths. The other arguments
+    are paged_attention's.
+    """
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    _ops.varlen_paged_attention(
+        out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+        query_start_loc, block_size, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype,
+        k_scale, v_scale,
+    )
+    return out
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -247,6 +287,7 @@ def _register_fakes() -> None:
         "reshape_and_cache_flash",
         "copy_blocks",
         "swap_blocks",
+        "varlen_paged_attention",
     ):
         torch.library.register_fake(f"vllm_lite::{name}")(_none)
 

@@ -27,6 +27,7 @@ namespace {
 struct IsaBuild {
   const char* name;
   AttentionTaskFn fn;
+  VarlenTaskFn varlen;
 };
 
 bool cpu_supports(const char* name) {
@@ -49,10 +50,11 @@ bool cpu_supports(const char* name) {
 
 const std::vector<IsaBuild>& available_builds() {
   static const std::vector<IsaBuild> builds = [] {
-    std::vector<IsaBuild> all{{"avx512bf16", attention_task_avx512bf16()},
-                              {"avx512", attention_task_avx512()},
-                              {"avx2", attention_task_avx2()},
-                              {"generic", attention_task_generic()}};
+    std::vector<IsaBuild> all{
+        {"avx512bf16", attention_task_avx512bf16(), varlen_task_avx512bf16()},
+        {"avx512", attention_task_avx512(), varlen_task_avx512()},
+        {"avx2", attention_task_avx2(), varlen_task_avx2()},
+        {"generic", attention_task_generic(), varlen_task_generic()}};
     std::vector<IsaBuild> ok;
     for (const auto& b : all) {
       if (b.fn != nullptr && cpu_supports(b.name)) ok.push_back(b);
@@ -208,6 +210,8 @@ std::vector<std::string> cpu_isas() {
 }
 
 std::string cpu_isa() { return selected_build().name; }
+
+VarlenTaskFn selected_varlen_task() { return selected_build().varlen; }
 
 void set_cpu_isa(const std::string& name) {
   g_selected.store(find_build(name), std::memory_order_relaxed);

@@ -1,7 +1,8 @@
-// The AVX2 + FMA build of the CPU attention kernel, chosen at run time on CPUs that have
-// them. The target applies to this file alone, so the library still loads on any x86-64.
+// The AVX2 + FMA build of the CPU attention kernels (paged decode and varlen prefill),
+// chosen at run time on CPUs that have them. The target applies to this file alone, so the library still loads on any x86-64.
 // Standard headers first, under the default target: only this file's own functions get the
 // wider instruction set.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -12,12 +13,15 @@
 #pragma GCC target("avx2,fma,f16c")
 #endif
 #define VLLM_LITE_ISA_FN attention_task_avx2
+#define VLLM_LITE_VARLEN_ISA_FN varlen_task_avx2
 #define VLLM_LITE_VEC_WIDTH 8
 #include "cpu/attention_kernel.h"
+#include "cpu/varlen_attention_kernel.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
 #else
 #include "cpu/attention_params.h"
 vllm_lite::cpu::AttentionTaskFn vllm_lite::cpu::attention_task_avx2() { return nullptr; }
+vllm_lite::cpu::VarlenTaskFn vllm_lite::cpu::varlen_task_avx2() { return nullptr; }
 #endif

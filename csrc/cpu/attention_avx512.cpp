@@ -1,7 +1,9 @@
-// The AVX-512 build of the CPU attention kernel (512-bit vectors), chosen at run time on
-// CPUs that have AVX-512F/BW/VL/DQ. The target applies to this file alone.
+// The AVX-512 build (512-bit vectors) of the CPU attention kernels (paged decode and varlen
+// prefill), chosen at run time on CPUs that have AVX-512F/BW/VL/DQ. The target applies to
+// this file alone.
 // Standard headers first, under the default target: only this file's own functions get the
 // wider instruction set.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -14,12 +16,15 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
 #endif
 #define VLLM_LITE_ISA_FN attention_task_avx512
+#define VLLM_LITE_VARLEN_ISA_FN varlen_task_avx512
 #define VLLM_LITE_VEC_WIDTH 16
 #include "cpu/attention_kernel.h"
+#include "cpu/varlen_attention_kernel.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
 #else
 #include "cpu/attention_params.h"
 vllm_lite::cpu::AttentionTaskFn vllm_lite::cpu::attention_task_avx512() { return nullptr; }
+vllm_lite::cpu::VarlenTaskFn vllm_lite::cpu::varlen_task_avx512() { return nullptr; }
 #endif

@@ -42,6 +42,49 @@ struct AttentionParams {
   float* part_out;  // [num_seqs, num_heads, num_partitions, head_size]
 };
 
+// varlen_paged_attention (prefill over the paged cache). Tokens of the KV context per step
+// of the online softmax: the task converts that many keys and values to float32 once and
+// reuses them for all its query rows. A multiple of 32 (two vectors of the widest build).
+constexpr int64_t kVarlenKvChunk = 128;
+// Query rows (query tokens x query heads of one KV head) per task, at most: a task serves
+// max(1, kVarlenRows / group) query tokens, so its rows' queries and accumulators stay in
+// L1/L2 and K/V converted once feed ~64 rows.
+constexpr int64_t kVarlenRows = 64;
+
+struct VarlenParams {
+  KvDType q_dtype;
+  KvDType cache_dtype;
+  const void* query;  // [num_tokens, num_heads, head_size] with the strides below
+  int64_t q_stride_token;
+  int64_t q_stride_head;
+  const void* key_cache;    // as AttentionParams
+  const void* value_cache;
+  const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq]
+  const int32_t* seq_lens;         // [num_seqs], context including the new tokens
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  const float* alibi_slopes;       // [num_heads] or null
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  int64_t max_blocks_per_seq;
+  float scale;    // softmax scale times k_scale
+  float v_scale;
+  int64_t query_tile;  // query tokens per task
+  // The tasks' query tiles: sequence and first query token (within the sequence) of tile
+  // i; task = tile * num_kv_heads + KV head.
+  const int32_t* tile_seq;
+  const int32_t* tile_start;
+  int64_t num_tiles;
+  float* out;  // [num_tokens, num_heads, head_size], float32, contiguous
+};
+
+// Floats of per-thread scratch one varlen task needs: q [rows, Dp] | K^T [Dp, chunk] |
+// V [chunk, Dp] | logits [rows, chunk] | acc [rows, Dp] | max, sum, alpha [rows].
+inline int64_t varlen_rows(const VarlenParams& p) {
+  return p.query_tile * (p.num_heads / p.num_kv_heads);
+}
+
 // Head size rounded up to a multiple of 16, so dot products need no tail loop at any
 // vector width.
 inline int64_t padded_head_size(int64_t head_size) { return (head_size + 15) / 16 * 16; }
@@ -56,6 +99,12 @@ inline int64_t attention_scratch_floats(const AttentionParams& p) {
   return group * dp + dp + 2 * group * p.partition_size + 2 * group * dp;
 }
 
+inline int64_t varlen_scratch_floats(const VarlenParams& p) {
+  const int64_t rows = varlen_rows(p);
+  const int64_t dp = padded_head_size(p.head_size);
+  return rows * dp + 2 * dp * kVarlenKvChunk + rows * kVarlenKvChunk + rows * dp + 3 * rows;
+}
+
 // One task: sequence s, KV head kh, partition part, for all the query heads of kh.
 // Task index = (s * num_kv_heads + kh) * num_partitions + part.
 using AttentionTaskFn = void (*)(const AttentionParams& p, int64_t task, float* scratch);
@@ -65,5 +114,12 @@ AttentionTaskFn attention_task_generic();
 AttentionTaskFn attention_task_avx2();
 AttentionTaskFn attention_task_avx512();
 AttentionTaskFn attention_task_avx512bf16();
+
+// One varlen task: query tile task / num_kv_heads, KV head task % num_kv_heads.
+using VarlenTaskFn = void (*)(const VarlenParams& p, int64_t task, float* scratch);
+VarlenTaskFn varlen_task_generic();
+VarlenTaskFn varlen_task_avx2();
+VarlenTaskFn varlen_task_avx512();
+VarlenTaskFn varlen_task_avx512bf16();
 
 }  // namespace vllm_lite::cpu

@@ -206,6 +206,60 @@ def _ref_paged_attention(
     return out, stats
 
 
+def ref_varlen_paged_attention(*args, **kwargs) -> torch.Tensor:
+    with single_thread():
+        return _ref_varlen_paged_attention(*args, **kwargs)
+
+
+def _ref_varlen_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """out [num_tokens, num_heads, head_size] (float64) of varlen_paged_attention.
+
+    Sequence i's queries are rows query_start_loc[i]:query_start_loc[i + 1]; query j of n
+    sits at position p = seq_len - n + j and attends to positions 0..p: logit[t] = scale *
+    k_scale * q . K[t] + slope * (t - p); out = softmax @ V * v_scale. Computed as a full
+    [n, seq_len] logit matrix with masked entries -inf, per KV head group.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    group = num_heads // num_kv_heads
+    q_all = query.detach().cpu().to(torch.float64)
+    starts = [int(x) for x in query_start_loc.cpu()]
+    slopes = None if alibi_slopes is None else alibi_slopes.cpu().to(torch.float64)
+    out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float64)
+    for s in range(len(starts) - 1):
+        lo, hi = starts[s], starts[s + 1]
+        n, seq_len = hi - lo, int(seq_lens[s])
+        if n == 0:
+            continue
+        k, v = ref_gather_kv(key_cache, value_cache, block_tables[s], seq_len, block_size)
+        k, v = k.to(torch.float64), v.to(torch.float64)
+        q = q_all[lo:hi].view(n, num_kv_heads, group, head_size)
+        logits = torch.einsum("nkgd,tkd->nkgt", q, k) * (scale * k_scale)
+        qpos = torch.arange(n, dtype=torch.float64) + (seq_len - n)
+        tpos = torch.arange(seq_len, dtype=torch.float64)
+        if slopes is not None:
+            bias = tpos[None, :] - qpos[:, None]  # [n, t]
+            logits = logits + slopes.view(num_kv_heads, group)[None, :, :, None] * bias[:, None, None, :]
+        masked = (tpos[None, :] > qpos[:, None])[:, None, None, :]
+        logits = logits.masked_fill(masked, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        o = torch.einsum("nkgt,tkd->nkgd", probs, v) * v_scale
+        out[lo:hi] = o.reshape(n, num_heads, head_size)
+    return out
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """The ALiBi paper's geometric slopes (as vLLM computes them), float32."""
     closest = 2 ** math.floor(math.log2(num_heads))
