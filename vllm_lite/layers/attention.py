@@ -41,6 +41,7 @@ class AttentionMetadata:
         block_tables: int32 [num_seqs, max_blocks], physical block ids per sequence.
         max_seq_len: max(seq_lens).
         block_size: tokens per cache block.
+        max_query_len: max new tokens of one sequence (set by the runner; 0 = derive it).
     """
 
     is_prompt: bool
@@ -50,9 +51,16 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_seq_len: int
     block_size: int
-    # Host copies of seq_lens / query_start_loc for the prefill loop, read once per step
-    # (not once per layer: on a GPU every .tolist() is a device sync).
+    # max of the per-sequence new-token counts (0: computed from query_start_loc).
+    max_query_len: int = 0
+    # Host copies of seq_lens / query_start_loc for the cache-less prefill loop, read once
+    # per step (not once per layer: on a GPU every .tolist() is a device sync).
     _host: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_query_len == 0 and self.num_seqs > 0:
+            starts = self.host_lists()[1]
+            self.max_query_len = max(b - a for a, b in zip(starts, starts[1:]))
 
     @property
     def num_seqs(self) -> int:
@@ -169,100 +177,41 @@ class Attention(nn.Module):
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        # One SDPA call per sequence (a Python loop over sequences, never over tokens).
-        # TODO(engine): a varlen kernel (flash-attn varlen / a paged prefill kernel) would
-        # replace this loop and the prefix gather.
+        if self.k_cache is not None and self.v_cache is not None:
+            # Every row of the step (fresh prompts, chunks after earlier chunks or a cached
+            # prefix, the decodes of a mixed step) in one kernel call over the paged cache,
+            # where forward just wrote the new tokens' K/V.
+            from vllm_lite import ops
+
+            return ops.varlen_paged_attention(
+                q, self.k_cache, self.v_cache, self.num_kv_heads, self.scale,
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.block_size,
+                meta.max_query_len, meta.max_seq_len, None, self.kv_cache_dtype, self.k_scale,
+                self.v_scale,
+            )
+        # No cache (the CUDA memory-profiling pass, or a model run on its own): each
+        # sequence's new tokens are its whole context; one causal SDPA per sequence.
         seq_lens, starts = meta.host_lists()
         out = torch.empty_like(q)
-        single = self._single_token_rows(seq_lens, starts)
-        if single:
-            self._decode_rows(q, out, meta, single, starts)
-        done = set(single)
         for i, seq_len in enumerate(seq_lens):
             start, end = starts[i], starts[i + 1]
-            num_new = end - start
-            if num_new == 0 or i in done:
+            if end - start != seq_len:
+                raise RuntimeError(
+                    f"sequence {i} has a {seq_len - (end - start)}-token prefix but there is "
+                    "no KV cache to read it from (k_cache/v_cache are None)"
+                )
+            if seq_len == 0:
                 continue
-            prefix_len = seq_len - num_new
-            qi, ki, vi = q[start:end], k[start:end], v[start:end]
-            mask: torch.Tensor | None = None
-            if prefix_len > 0:
-                # Prefix caching or a later chunk of a chunked prefill: the earlier tokens'
-                # K/V are only in the paged cache.
-                pk, pv = self._gather_prefix(meta.block_tables[i], prefix_len,
-                                             meta.block_size, ki.dtype)
-                ki = torch.cat((pk, ki), dim=0)
-                vi = torch.cat((pv, vi), dim=0)
-                # New token j sits at position prefix_len + j: it sees every prefix token
-                # and the new tokens up to itself (bottom-right aligned causal mask).
-                rows = torch.arange(num_new, device=q.device)[:, None] + prefix_len
-                cols = torch.arange(seq_len, device=q.device)[None, :]
-                mask = cols <= rows
             o = F.scaled_dot_product_attention(
-                qi.transpose(0, 1).unsqueeze(0),
-                ki.transpose(0, 1).unsqueeze(0),
-                vi.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
+                q[start:end].transpose(0, 1).unsqueeze(0),
+                k[start:end].transpose(0, 1).unsqueeze(0),
+                v[start:end].transpose(0, 1).unsqueeze(0),
+                is_causal=True,
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
             out[start:end] = o[0].transpose(0, 1)
         return out
-
-    def _single_token_rows(self, seq_lens: list[int], starts: list[int]) -> list[int]:
-        """Sequences contributing one token after a cached context: the decodes of a mixed
-        prefill + decode step. The decode kernel serves them all in one call, instead of a
-        gather of each one's whole context and an SDPA per sequence and layer."""
-        if self.k_cache is None or self.v_cache is None:
-            return []
-        return [i for i, n in enumerate(seq_lens) if starts[i + 1] - starts[i] == 1 and n > 1]
-
-    def _decode_rows(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
-                     rows: list[int], starts: list[int]) -> None:
-        from vllm_lite import ops
-
-        # Their new K/V are already in the cache (forward writes them first).
-        tokens = torch.tensor([starts[i] for i in rows], dtype=torch.long, device=q.device)
-        index = torch.tensor(rows, dtype=torch.long, device=q.device)
-        seq_lens = meta.seq_lens.index_select(0, index)
-        max_len = max(meta.host_lists()[0][i] for i in rows)
-        out.index_copy_(0, tokens, ops.paged_attention(
-            q.index_select(0, tokens), self.k_cache, self.v_cache, self.num_kv_heads,
-            self.scale, meta.block_tables.index_select(0, index), seq_lens, meta.block_size,
-            max_len, None, self.kv_cache_dtype, self.k_scale, self.v_scale,
-        ))
-
-    def _gather_prefix(
-        self, block_table: torch.Tensor, prefix_len: int, block_size: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the first ``prefix_len`` tokens from the paged cache, [prefix_len,
-        num_kv_heads, head_size] each, in ``dtype``."""
-        if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError(
-                "a prefill with a cached prefix (seq_len > new tokens) needs the KV cache"
-            )
-        num_blocks = (prefix_len + block_size - 1) // block_size
-        blocks = block_table[:num_blocks].to(torch.long)
-        # key_cache [blocks, kv_heads, head_size / x, block_size, x] -> [tokens, kv_heads, head_size]
-        k = self.k_cache.index_select(0, blocks).permute(0, 3, 1, 2, 4)
-        k = k.reshape(num_blocks * block_size, self.num_kv_heads, self.head_size)
-        # value_cache [blocks, kv_heads, head_size, block_size] -> [tokens, kv_heads, head_size]
-        v = self.v_cache.index_select(0, blocks).permute(0, 3, 1, 2)
-        v = v.reshape(num_blocks * block_size, self.num_kv_heads, self.head_size)
-        k, v = k[:prefix_len], v[:prefix_len]
-        if self.kv_cache_dtype != "auto":
-            # fp8 bytes -> the stored float8 values (exact in every activation dtype) x scale.
-            from vllm_lite import ops
-
-            fp8 = ops.fp8_cache_dtype(self.kv_cache_dtype)
-            k = k.view(fp8).to(dtype)
-            v = v.view(fp8).to(dtype)
-            if self.k_scale != 1.0:
-                k = k * self.k_scale
-            if self.v_scale != 1.0:
-                v = v * self.v_scale
-        return k, v
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "

@@ -72,6 +72,7 @@ def profile_num_gpu_blocks(model: nn.Module, block_size: int, dtype: torch.dtype
         block_tables=torch.zeros((num_seqs, 1), dtype=torch.int32, device=device),
         max_seq_len=max(lens),
         block_size=block_size,
+        max_query_len=max(lens),
     )
     saved = [(a.k_cache, a.v_cache) for a in model.attention_layers()]
     for a in model.attention_layers():

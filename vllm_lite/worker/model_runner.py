@@ -122,6 +122,7 @@ class ModelRunner:
             block_tables=block_tables.to(dev, non_blocking=True),
             max_seq_len=max(seq_lens),
             block_size=bs,
+            max_query_len=max(counts),
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
