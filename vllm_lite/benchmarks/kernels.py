@@ -32,6 +32,7 @@ Prints a markdown table and writes <out>/kernels_<device>_<timestamp>.md and .js
     vllm-lite bench kernels --quick                       # the same
     python3 bench/kernels.py --device cuda                # the issue's CUDA grid
     python3 bench/kernels.py --contexts 1024 4096 --batches 1 8 32
+    python3 bench/kernels.py --prefill --heads 9/3x64 32/8x128   # prefill: see prefill_kernels.py
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
-from vllm_lite.benchmarks import RESULTS_DIR
+from vllm_lite.benchmarks import RESULTS_DIR, prefill_kernels
 from vllm_lite.config import THREADS_HELP, EngineArgs
 
 log = logging.getLogger("bench.kernels")
@@ -155,6 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fraction), GiB (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true")
+    prefill_kernels.add_arguments(p)
 
 
 def finish_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -1059,7 +1061,7 @@ def run_args(args: argparse.Namespace) -> int:
                   torch.__version__, torch.version.cuda or "no")
         return 2
     try:
-        import vllm_lite.ops  # noqa: F401
+        import vllm_lite.ops
     except ImportError as e:
         log.error("cannot import vllm_lite.ops: %s\nBuild the extension first, e.g. "
                   "`VLLM_LITE_TARGET=%s python setup.py build_ext --inplace`", e, args.device)
@@ -1074,6 +1076,17 @@ def run_args(args: argparse.Namespace) -> int:
             log.error("vllm_lite was built without CUDA kernels (no CUDA implementation of "
                       "paged_attention_v1); rebuild with VLLM_LITE_TARGET=cuda")
             return 2
+    if args.prefill:
+        if args.cpu_isa:
+            vllm_lite.ops.set_cpu_isa(args.cpu_isa)
+        md = prefill_kernels.run(args, Timer)
+        print(md)
+        args.out.mkdir(parents=True, exist_ok=True)
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = args.out / f"prefill_kernels_{args.device}_{stamp}.md"
+        path.write_text(md + "\n")
+        log.info("wrote %s", path)
+        return 0 if "WRONG" not in md and "error" not in md else 1
     try:
         bench = Bench(args)
     except ValueError as e:  # --cpu-isa this CPU cannot run
