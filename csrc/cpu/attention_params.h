@@ -44,7 +44,7 @@ struct AttentionParams {
 
 // varlen_paged_attention (prefill over the paged cache). Tokens of the KV context per step
 // of the online softmax: the task converts that many keys and values to float32 once and
-// reuses them for all its query rows. A multiple of 32 (two vectors of the widest build).
+// reuses them for all its query rows. A multiple of 64 (four vectors of the widest build).
 constexpr int64_t kVarlenKvChunk = 128;
 // Query rows (query tokens x query heads of one KV head) per task, at most: a task serves
 // max(1, kVarlenRows / group) query tokens, so its rows' queries and accumulators stay in
@@ -79,10 +79,11 @@ struct VarlenParams {
   float* out;  // [num_tokens, num_heads, head_size], float32, contiguous
 };
 
-// Floats of per-thread scratch one varlen task needs: q [rows, Dp] | K^T [Dp, chunk] |
-// V [chunk, Dp] | logits [rows, chunk] | acc [rows, Dp] | max, sum, alpha [rows].
-inline int64_t varlen_rows(const VarlenParams& p) {
-  return p.query_tile * (p.num_heads / p.num_kv_heads);
+// Query rows of a task padded to whole vectors of any build (16 floats): the kernel keeps
+// rows across the vector lanes.
+inline int64_t varlen_rows_padded(const VarlenParams& p) {
+  const int64_t rows = p.query_tile * (p.num_heads / p.num_kv_heads);
+  return (rows + 15) / 16 * 16;
 }
 
 // Head size rounded up to a multiple of 16, so dot products need no tail loop at any
@@ -99,10 +100,13 @@ inline int64_t attention_scratch_floats(const AttentionParams& p) {
   return group * dp + dp + 2 * group * p.partition_size + 2 * group * dp;
 }
 
+// Floats of per-thread scratch one varlen task needs (rp = varlen_rows_padded):
+// q^T [Dp, rp] | K [chunk, Dp] | V [Dp, chunk] | P^T [chunk, rp] | acc^T [Dp, rp] |
+// max, sum, rescale, position [rp] | one query row [Dp].
 inline int64_t varlen_scratch_floats(const VarlenParams& p) {
-  const int64_t rows = varlen_rows(p);
+  const int64_t rp = varlen_rows_padded(p);
   const int64_t dp = padded_head_size(p.head_size);
-  return rows * dp + 2 * dp * kVarlenKvChunk + rows * kVarlenKvChunk + rows * dp + 3 * rows;
+  return 2 * dp * rp + 2 * kVarlenKvChunk * dp + kVarlenKvChunk * rp + 4 * rp + dp;
 }
 
 // One task: sequence s, KV head kh, partition part, for all the query heads of kh.

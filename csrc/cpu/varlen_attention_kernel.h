@@ -8,85 +8,82 @@
 // with n new tokens and context length L sits at position L - n + j and sees positions
 // 0 .. L - n + j (bottom-right causal).
 //
-// Grid: one task per (query tile of up to query_tile tokens of one sequence, KV head); a
+// Grid: one task per (query tile of up to query_tile tokens of one sequence, KV head). A
 // task's rows are its tokens x the KV head's query heads (row = token * group + head), at
-// most kVarlenRows. It walks the tile's visible context in chunks of kVarlenKvChunk
-// tokens with an online softmax:
-//   1. gather the chunk's keys as K^T [head, token] and values as V [token, head] in
-//      float32 (each cache element converted once per task, then reused by every row);
-//   2. logits [rows, chunk] = q K^T by register-blocked outer products (4 rows x 2
-//      vectors of tokens), scaled, ALiBi added, positions past each row's causal limit
-//      excluded;
-//   3. per row: new running max, rescale factor, probabilities, running sum;
-//   4. acc [rows, head] = acc * rescale + P V, again 4 rows x a few vectors of head dims.
-// Output: acc / sum * v_scale in float32 (the caller casts to the query dtype). Limits as
-// paged attention (attention_limits.h); rows per task <= kVarlenRows (attention_params.h)
-// except when one KV head has more query heads than that, then one token per task.
+// most kVarlenRows, padded to whole vectors: every per-row quantity lives across the vector
+// lanes, so the task never transposes K or V and never reduces across lanes. It walks the
+// tile's visible context in chunks of kVarlenKvChunk tokens with an online softmax:
+//   1. convert the chunk's keys to float32 as K [token, head dim] (the cache's 16-byte
+//      chunks, vectorized) and its values as V [head dim, token] (the cache's rows,
+//      vectorized): each element once per task, reused by every row;
+//   2. P^T [token, row] = K q^T: 4 tokens x a few row vectors of accumulators, one
+//      broadcast key element per row vector FMA;
+//   3. ALiBi, the causal limit per lane (a row's position), running max, rescale factor,
+//      probabilities and running sum, all lane-wise;
+//   4. acc^T [head dim, row] = acc^T * rescale + V P^T: 4 dims x a few row vectors.
+// Output: acc^T / sum * v_scale, transposed into out in float32 (the caller casts to the
+// query dtype). Limits as paged attention (attention_limits.h); rows per task <=
+// kVarlenRows (attention_params.h).
 #pragma once
 
 namespace vllm_lite::cpu {
 namespace {
 
-// Register blocks: rows per block, and vectors per block of tokens (logits) or head dims
-// (accumulators). 4 x 2 (or 4 x 4 with 32 AVX-512 registers) accumulators stay in registers.
-constexpr int64_t kRowBlock = 4;  // the remainder switches below cover 1-3 rows
-constexpr int64_t kHeadVecs = VW >= 16 ? 4 : 2;
-static_assert(kVarlenKvChunk % (2 * 16) == 0, "a chunk is whole pairs of the widest vectors");
+// Register blocks: 4 tokens (P^T) or head dims (acc^T) x kRowVecs row vectors: 16
+// accumulators with 32 AVX-512 registers, 8 with 16 AVX2 / SSE registers.
+constexpr int64_t kBlock4 = 4;
+constexpr int64_t kRowVecs = VW >= 16 ? 4 : 2;
+static_assert(kVarlenKvChunk % kBlock4 == 0, "a chunk is whole token blocks");
 
-// logits[r, t] = sum_d q[r, d] * kt[d, t] for RB rows and tokens [0, ntok), ntok a multiple
-// of 2 * VW; kt rows are kVarlenKvChunk floats apart.
-template <int64_t RB>
-VLLM_LITE_INLINE void qk_rows(const float* q, int64_t dp, const float* kt, int64_t ntok,
-                              float* logits) {
-  constexpr int64_t C = kVarlenKvChunk;
-  for (int64_t t = 0; t < ntok; t += 2 * VW) {
-    FV acc[RB][2] = {};
-    for (int64_t d = 0; d < dp; ++d) {
-      const FV k0 = load_vec<FV>(kt + d * C + t);
-      const FV k1 = load_vec<FV>(kt + d * C + t + VW);
-      for (int64_t r = 0; r < RB; ++r) {
-        const float qv = q[r * dp + d];
-        acc[r][0] += qv * k0;
-        acc[r][1] += qv * k1;
-      }
+// pt[t + i, r..] = sum_d k[t + i, d] * qt[d, r..] for i < 4 and NR row vectors from r.
+template <int64_t NR>
+VLLM_LITE_INLINE void scores_block(const float* k, const float* qt, int64_t dp, int64_t rp,
+                                   float* pt, int64_t t, int64_t r) {
+  FV acc[kBlock4][NR] = {};
+  for (int64_t d = 0; d < dp; ++d) {
+    FV q[NR];
+    for (int64_t j = 0; j < NR; ++j) q[j] = load_vec<FV>(qt + d * rp + r + j * VW);
+    for (int64_t i = 0; i < kBlock4; ++i) {
+      const float kv = k[(t + i) * dp + d];
+      for (int64_t j = 0; j < NR; ++j) acc[i][j] += kv * q[j];
     }
-    for (int64_t r = 0; r < RB; ++r) {
-      store_vec(logits + r * C + t, acc[r][0]);
-      store_vec(logits + r * C + t + VW, acc[r][1]);
-    }
+  }
+  for (int64_t i = 0; i < kBlock4; ++i) {
+    for (int64_t j = 0; j < NR; ++j) store_vec(pt + (t + i) * rp + r + j * VW, acc[i][j]);
   }
 }
 
-// acc[r, d..d + NV * VW) = acc * alpha[r] + sum_{t < ntok} p[r, t] * v[t, d..] for RB rows.
-template <int64_t RB, int64_t NV>
-VLLM_LITE_INLINE void pv_rows(const float* probs, const float* v, int64_t dp, int64_t ntok,
-                              const float* alpha, float* acc, int64_t d) {
+// acct[d + i, r..] = acct * alpha[r..] + sum_{t < ntok} v[d + i, t] * pt[t, r..], i < 4.
+template <int64_t NR>
+VLLM_LITE_INLINE void values_block(const float* v, const float* pt, const float* alpha,
+                                   int64_t rp, int64_t ntok, float* acct, int64_t d, int64_t r) {
   constexpr int64_t C = kVarlenKvChunk;
-  FV a[RB][NV];
-  for (int64_t r = 0; r < RB; ++r) {
-    for (int64_t j = 0; j < NV; ++j) a[r][j] = load_vec<FV>(acc + r * dp + d + j * VW) * alpha[r];
+  FV acc[kBlock4][NR];
+  for (int64_t j = 0; j < NR; ++j) {
+    const FV a = load_vec<FV>(alpha + r + j * VW);
+    for (int64_t i = 0; i < kBlock4; ++i) {
+      acc[i][j] = load_vec<FV>(acct + (d + i) * rp + r + j * VW) * a;
+    }
   }
   for (int64_t t = 0; t < ntok; ++t) {
-    FV vv[NV];
-    for (int64_t j = 0; j < NV; ++j) vv[j] = load_vec<FV>(v + t * dp + d + j * VW);
-    for (int64_t r = 0; r < RB; ++r) {
-      const float pr = probs[r * C + t];
-      for (int64_t j = 0; j < NV; ++j) a[r][j] += pr * vv[j];
+    FV p[NR];
+    for (int64_t j = 0; j < NR; ++j) p[j] = load_vec<FV>(pt + t * rp + r + j * VW);
+    for (int64_t i = 0; i < kBlock4; ++i) {
+      const float vv = v[(d + i) * C + t];
+      for (int64_t j = 0; j < NR; ++j) acc[i][j] += vv * p[j];
     }
   }
-  for (int64_t r = 0; r < RB; ++r) {
-    for (int64_t j = 0; j < NV; ++j) store_vec(acc + r * dp + d + j * VW, a[r][j]);
+  for (int64_t i = 0; i < kBlock4; ++i) {
+    for (int64_t j = 0; j < NR; ++j) store_vec(acct + (d + i) * rp + r + j * VW, acc[i][j]);
   }
 }
 
-template <int64_t RB>
-VLLM_LITE_INLINE void pv_block(const float* probs, const float* v, int64_t dp, int64_t ntok,
-                               const float* alpha, float* acc) {
-  int64_t d = 0;
-  for (; d + kHeadVecs * VW <= dp; d += kHeadVecs * VW) {
-    pv_rows<RB, kHeadVecs>(probs, v, dp, ntok, alpha, acc, d);
-  }
-  for (; d < dp; d += VW) pv_rows<RB, 1>(probs, v, dp, ntok, alpha, acc, d);
+// Converts n contiguous cache elements to float32, whole vectors first.
+template <typename E>
+VLLM_LITE_INLINE void convert_run(const typename E::T* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) store_vec(dst + i, E::template load<VW>(src + i));
+  for (; i < n; ++i) dst[i] = E::to_float(src[i]);
 }
 
 template <KvDType DT>
@@ -94,6 +91,7 @@ void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
   using E = Elem<DT>;
   using T = typename E::T;
   constexpr int64_t X = 16 / sizeof(T);
+  constexpr int64_t CW = X < VW ? X : VW;
   constexpr int64_t C = kVarlenKvChunk;
 
   const int64_t tile = task / p.num_kv_heads, kh = task % p.num_kv_heads;
@@ -106,42 +104,52 @@ void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
   const int64_t G = p.num_heads / p.num_kv_heads, h0 = kh * G;
   const int64_t D = p.head_size, Dp = padded_head_size(D), bs = p.block_size;
   const int64_t rows = nq * G;
-  const int64_t pos0 = L - n + j0;     // position of the tile's first query token
-  const int64_t ctx_end = pos0 + nq;   // the tile sees positions [0, ctx_end)
+  const int64_t rp = (rows + VW - 1) / VW * VW;  // <= varlen_rows_padded(p)
+  const int64_t pos0 = L - n + j0;    // position of the tile's first query token
+  const int64_t ctx_end = pos0 + nq;  // the tile sees positions [0, ctx_end)
   const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
   const int64_t block_stride = p.num_kv_heads * D * bs;
   const T* kc = static_cast<const T*>(p.key_cache) + kh * D * bs;
   const T* vc = static_cast<const T*>(p.value_cache) + kh * D * bs;
 
-  // Scratch (varlen_scratch_floats): q | kt | v | logits | acc | m | l | alpha.
-  float* q = scratch;
-  float* kt = q + rows * Dp;
-  float* v = kt + Dp * C;
-  float* logits = v + C * Dp;
-  float* acc = logits + rows * C;
-  float* m = acc + rows * Dp;
-  float* l = m + rows;
-  float* alpha = l + rows;
+  // Scratch (varlen_scratch_floats): qt | k | v | pt | acct | m | l | alpha | qpos | row.
+  const int64_t rmax = varlen_rows_padded(p);
+  float* qt = scratch;
+  float* k = qt + Dp * rmax;
+  float* v = k + C * Dp;
+  float* pt = v + Dp * C;
+  float* acct = pt + C * rmax;
+  float* m = acct + Dp * rmax;
+  float* l = m + rmax;
+  float* alpha = l + rmax;
+  float* qpos = alpha + rmax;
+  float* row = qpos + rmax;
 
+  // q^T scaled; padding lanes get zero queries and the last row's position, so their
+  // (discarded) lanes stay finite.
   const int64_t q_elem = p.q_dtype == KvDType::kFloat32 ? 4 : 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = q_first + j0 + r / G, h = h0 + r % G;
-    const int64_t off = tok * p.q_stride_token + h * p.q_stride_head;
-    load_query_row(p.q_dtype, static_cast<const char*>(p.query) + off * q_elem, D, p.scale,
-                   q + r * Dp);
-    for (int64_t d = D; d < Dp; ++d) q[r * Dp + d] = 0.0f;
-    for (int64_t d = 0; d < Dp; ++d) acc[r * Dp + d] = 0.0f;
+  for (int64_t r = 0; r < rp; ++r) {
+    if (r < rows) {
+      const int64_t tok = q_first + j0 + r / G, h = h0 + r % G;
+      const int64_t off = tok * p.q_stride_token + h * p.q_stride_head;
+      load_query_row(p.q_dtype, static_cast<const char*>(p.query) + off * q_elem, D, p.scale,
+                     row);
+    }
+    for (int64_t d = 0; d < Dp; ++d) qt[d * rp + r] = r < rows && d < D ? row[d] : 0.0f;
+    for (int64_t d = 0; d < Dp; ++d) acct[d * rp + r] = 0.0f;
+    qpos[r] = static_cast<float>(pos0 + (r < rows ? r : rows - 1) / G);
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
-  // Padding dims of K^T and V stay zero. Token columns past a short last chunk hold the
-  // previous chunk's finite values: their logits are computed and then discarded.
-  for (int64_t i = 0; i < Dp * C; ++i) kt[i] = 0.0f;
-  for (int64_t i = 0; i < C * Dp; ++i) v[i] = 0.0f;
+  // Head-dim padding of K and V stays zero. Token rows of K past a short last chunk hold
+  // the previous chunk's finite values (or zeros): their scores are masked out.
+  for (int64_t i = 0; i < C * Dp; ++i) k[i] = 0.0f;
+  for (int64_t i = 0; i < Dp * C; ++i) v[i] = 0.0f;
+  const float* slopes = p.alibi_slopes;
 
   for (int64_t c0 = 0; c0 < ctx_end; c0 += C) {
     const int64_t cnt = ctx_end - c0 < C ? ctx_end - c0 : C;
-    // 1. Gather and convert the chunk, block run by block run.
+    // 1. Convert the chunk, block run by block run.
     for (int64_t t = 0; t < cnt;) {
       const int64_t pos = c0 + t;
       const int64_t block = table[pos / bs], off = pos % bs;
@@ -149,73 +157,73 @@ void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
       const T* kb = kc + block * block_stride;
       const T* vb = vc + block * block_stride;
       for (int64_t i = 0; i < run; ++i) {
-        for (int64_t d = 0; d < D; ++d) {
-          kt[d * C + t + i] = E::to_float(kb[(d / X) * bs * X + (off + i) * X + d % X]);
+        float* kr = k + (t + i) * Dp;
+        for (int64_t c = 0; c < D / X; ++c) {
+          const T* src = kb + (c * bs + off + i) * X;
+          for (int64_t j = 0; j < X; j += CW) {
+            store_vec(kr + c * X + j, E::template load<CW>(src + j));
+          }
         }
       }
-      for (int64_t d = 0; d < D; ++d) {
-        const T* vrow = vb + d * bs + off;
-        for (int64_t i = 0; i < run; ++i) v[(t + i) * Dp + d] = E::to_float(vrow[i]);
-      }
+      for (int64_t d = 0; d < D; ++d) convert_run<E>(vb + d * bs + off, run, v + d * C + t);
       t += run;
     }
-    const int64_t ntok = (cnt + 2 * VW - 1) / (2 * VW) * (2 * VW);
+    const int64_t ntok = (cnt + kBlock4 - 1) / kBlock4 * kBlock4;
 
-    // 2. Logits.
-    int64_t r = 0;
-    for (; r + kRowBlock <= rows; r += kRowBlock) {
-      qk_rows<kRowBlock>(q + r * Dp, Dp, kt, ntok, logits + r * C);
-    }
-    switch (rows - r) {
-      case 3: qk_rows<3>(q + r * Dp, Dp, kt, ntok, logits + r * C); break;
-      case 2: qk_rows<2>(q + r * Dp, Dp, kt, ntok, logits + r * C); break;
-      case 1: qk_rows<1>(q + r * Dp, Dp, kt, ntok, logits + r * C); break;
-      default: break;
+    // 2. Scores P^T [token, row].
+    for (int64_t t = 0; t < ntok; t += kBlock4) {
+      int64_t r = 0;
+      for (; r + kRowVecs * VW <= rp; r += kRowVecs * VW) {
+        scores_block<kRowVecs>(k, qt, Dp, rp, pt, t, r);
+      }
+      for (; r < rp; r += VW) scores_block<1>(k, qt, Dp, rp, pt, t, r);
     }
 
-    // 3. Online softmax per row; rows whose causal limit lies before the chunk keep
-    // their state (alpha 1, probabilities 0).
+    // 3. Online softmax, lane-wise. A lane's token t counts iff c0 + t <= its position.
     int64_t pv_end = 0;  // tokens of the chunk any row sees
-    for (r = 0; r < rows; ++r) {
-      float* lg = logits + r * C;
-      const int64_t qpos = pos0 + r / G;
-      const int64_t nv = qpos + 1 - c0 < cnt ? qpos + 1 - c0 : cnt;
-      if (nv <= 0) {
-        alpha[r] = 1.0f;
-        for (int64_t t = 0; t < ntok; ++t) lg[t] = 0.0f;
-        continue;
+    {
+      const int64_t last = static_cast<int64_t>(qpos[rp - 1]) + 1 - c0;
+      pv_end = last < cnt ? last : cnt;
+    }
+    for (int64_t r = 0; r < rp; r += VW) {
+      const FV pos = load_vec<FV>(qpos + r);
+      FV slope = {};
+      if (slopes != nullptr) {
+        for (int64_t i = 0; i < VW; ++i) slope[i] = r + i < rows ? slopes[h0 + (r + i) % G] : 0.0f;
       }
-      pv_end = nv > pv_end ? nv : pv_end;
-      if (p.alibi_slopes != nullptr) {
-        const float slope = p.alibi_slopes[h0 + r % G];
-        for (int64_t t = 0; t < nv; ++t) lg[t] += slope * static_cast<float>(c0 + t - qpos);
+      FV cm = FV{} - INFINITY;
+      for (int64_t t = 0; t < pv_end; ++t) {
+        const float tp = static_cast<float>(c0 + t);
+        FV x = load_vec<FV>(pt + t * rp + r);
+        if (slopes != nullptr) x += slope * (tp - pos);
+        x = tp <= pos ? x : FV{} - INFINITY;
+        store_vec(pt + t * rp + r, x);
+        cm = x > cm ? x : cm;
       }
-      const float cm = max_of(lg, nv);
-      const float mn = cm > m[r] ? cm : m[r];
-      alpha[r] = std::exp(m[r] - mn);  // 0 on the first chunk (m = -inf)
-      m[r] = mn;
-      const int64_t nvv = (nv + VW - 1) / VW * VW;
-      for (int64_t t = nv; t < nvv; ++t) lg[t] = mn;  // finite, zeroed after the exp
+      const FV mo = load_vec<FV>(m + r);
+      const FV mn = cm > mo ? cm : mo;
+      // exp(-inf) flushes to ~1e-38, harmless: it scales a zero accumulator and sum.
+      const FV a = exp_nonpositive<FV, Vec<int32_t, VW>>(mo - mn);
       FV sum = {};
-      for (int64_t t = 0; t < nvv; t += VW) {
-        const FV e = exp_nonpositive<FV, Vec<int32_t, VW>>(load_vec<FV>(lg + t) - mn);
-        store_vec(lg + t, e);
-        sum += e;
+      for (int64_t t = 0; t < pv_end; ++t) {
+        const float tp = static_cast<float>(c0 + t);
+        const FV e = exp_nonpositive<FV, Vec<int32_t, VW>>(load_vec<FV>(pt + t * rp + r) - mn);
+        const FV pr = tp <= pos ? e : FV{};
+        store_vec(pt + t * rp + r, pr);
+        sum += pr;
       }
-      for (int64_t t = nv; t < nvv; ++t) sum[0] -= lg[t];
-      for (int64_t t = nv; t < ntok; ++t) lg[t] = 0.0f;
-      l[r] = l[r] * alpha[r] + hsum(sum);
+      store_vec(m + r, mn);
+      store_vec(alpha + r, a);
+      store_vec(l + r, load_vec<FV>(l + r) * a + sum);
     }
 
-    // 4. acc = acc * alpha + P V over the tokens any row sees.
-    for (r = 0; r + kRowBlock <= rows; r += kRowBlock) {
-      pv_block<kRowBlock>(logits + r * C, v, Dp, pv_end, alpha + r, acc + r * Dp);
-    }
-    switch (rows - r) {
-      case 3: pv_block<3>(logits + r * C, v, Dp, pv_end, alpha + r, acc + r * Dp); break;
-      case 2: pv_block<2>(logits + r * C, v, Dp, pv_end, alpha + r, acc + r * Dp); break;
-      case 1: pv_block<1>(logits + r * C, v, Dp, pv_end, alpha + r, acc + r * Dp); break;
-      default: break;
+    // 4. acc^T = acc^T * alpha + V P^T.
+    for (int64_t d = 0; d < Dp; d += kBlock4) {
+      int64_t r = 0;
+      for (; r + kRowVecs * VW <= rp; r += kRowVecs * VW) {
+        values_block<kRowVecs>(v, pt, alpha, rp, pv_end, acct, d, r);
+      }
+      for (; r < rp; r += VW) values_block<1>(v, pt, alpha, rp, pv_end, acct, d, r);
     }
   }
 
@@ -223,7 +231,7 @@ void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
     const int64_t tok = q_first + j0 + r / G, h = h0 + r % G;
     float* o = p.out + (tok * p.num_heads + h) * D;
     const float f = p.v_scale / l[r];
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[r * Dp + d] * f;
+    for (int64_t d = 0; d < D; ++d) o[d] = acct[d * rp + r] * f;
   }
 }
 
