@@ -125,5 +125,7 @@ VarlenTaskFn varlen_task_generic();
 VarlenTaskFn varlen_task_avx2();
 VarlenTaskFn varlen_task_avx512();
 VarlenTaskFn varlen_task_avx512bf16();
+// The build cpu_isa() names (attention.cpp selects it): its varlen kernel.
+VarlenTaskFn selected_varlen_task();
 
 }  // namespace vllm_lite::cpu

@@ -2,12 +2,12 @@
 // Layouts as in csrc/ops.h; an fp8 cache (kv_cache_dtype "fp8*") is uint8 with x = 16.
 // Memory-bound copies parallelized over tokens or blocks with ATen's parallel_for; a
 // negative slot is padding and writes nothing.
-#include <bit>
 #include <cstring>
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include "fp8.h"
 #include "ops.h"
 #include "validate.h"
 
@@ -30,44 +30,12 @@ inline void store_scaled(T* dst, const T* src, int64_t n, float inv_scale, int64
   }
 }
 
-// float -> fp8 with M mantissa bits and exponent bias BIAS, rounded to nearest even, bit
-// for bit as torch's casts (checked against torch 2.14): NaN stays NaN (S.111..1) in both;
-// e4m3fn (M 3, BIAS 7) has no infinity and saturates: magnitudes that round past 448
-// (>= 464, infinity included) become +-448; e5m2 (M 2, BIAS 15) turns magnitudes >= 65536
-// into infinity (and >= 61440 rounds there).
-template <int M, int BIAS>
-inline uint8_t float_to_fp8(float f) {
-  constexpr bool kFn = M == 3;  // e4m3fn
-  const uint32_t bits = std::bit_cast<uint32_t>(f);
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  const uint32_t a = bits & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7f;  // NaN
-  // Overflow threshold: e4m3fn 464 = 448 + half its ulp; e5m2 2^16 (the infinity exponent).
-  constexpr uint32_t kOverflow = kFn ? 0x43e80000u : 0x47800000u;
-  if (a >= kOverflow) return sign | (kFn ? 0x7e : 0x7c);  // e4m3fn: 448; e5m2: infinity
-  // Smallest normal: 2^(1 - BIAS). Below it the value is a multiple of 2^(1 - BIAS - M):
-  // scale to an integer count of those and round half to even (the 2^23 trick is exact
-  // for counts below 2^22).
-  constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + 1 - BIAS) << 23;
-  if (a < kMinNormal) {
-    constexpr float kUnitsPerOne = static_cast<float>(1u << (BIAS - 1 + M));  // 2^(BIAS-1+M)
-    const float units = std::bit_cast<float>(a) * kUnitsPerOne;
-    return sign | static_cast<uint8_t>((units + 8388608.0f) - 8388608.0f);
-  }
-  // Normal: drop 23 - M mantissa bits, rounding half to even (a carry moves the exponent,
-  // which is right), then rebias the exponent.
-  constexpr int kDrop = 23 - M;
-  const uint32_t odd = (a >> kDrop) & 1u;
-  const uint32_t rounded = (a + ((1u << (kDrop - 1)) - 1u) + odd) >> kDrop;
-  return sign | static_cast<uint8_t>(rounded - (static_cast<uint32_t>(127 - BIAS) << M));
-}
-
 // Copies n elements into fp8: element / scale in float32 (a true division, as a float32
 // tensor divided by the scale), then rounded to fp8.
-template <typename T, int M, int BIAS>
+template <typename T, typename F>
 inline void store_fp8(uint8_t* dst, const T* src, int64_t n, float scale, int64_t dst_stride) {
   for (int64_t i = 0; i < n; ++i) {
-    dst[i * dst_stride] = float_to_fp8<M, BIAS>(static_cast<float>(src[i]) / scale);
+    dst[i * dst_stride] = fp8::from_float<F>(static_cast<float>(src[i]) / scale);
   }
 }
 
@@ -129,11 +97,11 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value,
         break;
       case KvCacheDType::kFp8E4M3:
         write_cache<T, uint8_t>(d, key, value, key_cache, value_cache, slots, ks, vs, flash,
-                                &store_fp8<T, 3, 7>);
+                                &store_fp8<T, fp8::E4M3>);
         break;
       case KvCacheDType::kFp8E5M2:
         write_cache<T, uint8_t>(d, key, value, key_cache, value_cache, slots, ks, vs, flash,
-                                &store_fp8<T, 2, 15>);
+                                &store_fp8<T, fp8::E5M2>);
         break;
     }
   });

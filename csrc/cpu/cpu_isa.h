@@ -6,13 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "cpu/attention_params.h"
-
 namespace vllm_lite::cpu {
 
 std::vector<std::string> cpu_isas();  // the builds this CPU can run, widest first
 std::string cpu_isa();
 void set_cpu_isa(const std::string& name);  // throws c10::Error for an unavailable one
-VarlenTaskFn selected_varlen_task();        // the selected build's varlen prefill kernel
 
 }  // namespace vllm_lite::cpu
