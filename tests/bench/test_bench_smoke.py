@@ -174,3 +174,51 @@ def test_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) ->
                  "--out", str(tmp_path)]) == 2
     assert "error" in capsys.readouterr().err
     assert main(["bench", "latency", "--engines", "hf_generate", "--out", str(tmp_path)]) == 2
+
+
+# -- llama.cpp peer ---------------------------------------------------------------------------------
+def test_llama_cpp_is_a_throughput_peer_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from vllm_lite.entrypoints.cli import main
+
+    assert main(["bench", "latency", "--engines", "vllm_lite,llama_cpp",
+                 "--out", str(tmp_path)]) == 2
+    assert "llama_cpp" in capsys.readouterr().err
+
+
+def test_llama_cpp_without_a_build_says_how_to_get_one(tmp_path: Path, monkeypatch) -> None:
+    from vllm_lite.benchmarks import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "PEERS_ROOT", tmp_path / "none")
+    with pytest.raises(ValueError, match="bench/peers/llama_cpp.sh"):
+        llama_cpp.find_bin(None)
+    with pytest.raises(ValueError, match="has no llama-server"):
+        llama_cpp.find_bin(str(tmp_path))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "llama-server").write_text("")
+    with pytest.raises(ValueError, match="no BF16 GGUF"):
+        llama_cpp.model_file(tmp_path / "bin", "bfloat16")
+
+
+def _llama_build() -> Path | None:
+    from vllm_lite.benchmarks import llama_cpp
+
+    try:
+        return llama_cpp.find_bin(None)
+    except ValueError:
+        return None
+
+
+@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
+def test_llama_server_generates_every_requested_token(tmp_path: Path) -> None:
+    """The real server (a build of bench/peers/llama_cpp.sh): every request gets exactly its
+    output length, greedy, EOS ignored, all sent at once to fewer slots than requests."""
+    from vllm_lite.benchmarks import llama_cpp
+
+    bin_dir = _llama_build()
+    gguf = llama_cpp.model_file(bin_dir, "float32")
+    requests = make_workload(WorkloadConfig(5, (4, 20), (3, 9), seed=7), 49152)
+    res = llama_cpp.run_llama_cpp(bin_dir, gguf, requests, threads=1, slots=3,
+                                  log_path=tmp_path / "server.log", precision="float32")
+    assert res.ok and res.output_lens == [r.output_len for r in requests]
+    assert res.output_tokens == sum(r.output_len for r in requests)
+    assert res.settings["slots"] == 3 and res.elapsed_s > 0

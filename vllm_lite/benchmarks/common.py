@@ -104,7 +104,8 @@ def add_common_arguments(p: argparse.ArgumentParser, kv_default: str | None = No
     p.add_argument("--quick", action="store_true",
                    help="a small workload that runs in a few minutes on 2 CPU cores")
     p.add_argument("--engines", default="vllm_lite,hf_generate,hf_generate_batch",
-                   help="comma-separated subset of vllm_lite,hf_generate,hf_generate_batch")
+                   help="comma-separated subset of vllm_lite,hf_generate,hf_generate_batch "
+                        "(and llama_cpp for bench throughput on the CPU)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"results folder (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -129,9 +130,9 @@ class BenchSetup:
         return int(self.hf_config.vocab_size)
 
 
-def setup(args: argparse.Namespace) -> BenchSetup:
+def setup(args: argparse.Namespace, extra_engines: tuple[str, ...] = ()) -> BenchSetup:
     """Validates the shared arguments and applies the thread count (ValueError on bad
-    input)."""
+    input); ``extra_engines``: peers this benchmark runs besides engines.ENGINES."""
     from transformers import AutoConfig
 
     from vllm_lite.benchmarks.engines import ENGINES
@@ -139,10 +140,11 @@ def setup(args: argparse.Namespace) -> BenchSetup:
     from vllm_lite.models import resolve_model
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = [e for e in engines if e not in ENGINES]
+    known = (*ENGINES, *extra_engines)
+    unknown = [e for e in engines if e not in known]
     if unknown or not engines:
         raise ValueError(f"--engines: unknown {unknown or 'empty list'}; choose from "
-                         f"{', '.join(ENGINES)}")
+                         f"{', '.join(known)}")
     if "vllm_lite" not in engines:
         raise ValueError("--engines must include vllm_lite (the peers are compared with it)")
     device = resolve_device(args.device)

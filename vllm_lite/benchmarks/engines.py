@@ -36,6 +36,8 @@ VLLM_LITE = "vllm_lite"
 HF_STATIC = "hf_generate"
 HF_CONTINUOUS = "hf_generate_batch"
 ENGINES = (VLLM_LITE, HF_STATIC, HF_CONTINUOUS)
+# bench throughput's extra peer (vllm_lite.benchmarks.llama_cpp); other benchmarks refuse it.
+LLAMA_CPP = "llama_cpp"
 
 
 # -- KV accounting ----------------------------------------------------------------------------

@@ -62,6 +62,8 @@ SIZES: dict[str, tuple[Any, Any]] = {
 TARGET_HF_STATIC = 3.0
 TARGET_HF_CONTINUOUS = 1.5
 TARGET_KV_WASTE = 0.04
+# vllm_lite / llama-server output tokens/s per precision (issue 14).
+TARGET_LLAMA_CPP = {"float32": 1.3, "bfloat16": 2.5, "int8": 1.5, "int4": 1.5, "gguf": 1.5}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,6 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"outputs of the prefix workload {both('prefix_output_len')}")
     p.add_argument("--hf-timeout", type=float, default=1800.0,
                    help="seconds generate_batch may take before it is reported as n/a")
+    p.add_argument("--llama-cpp-bin", default=None,
+                   help="folder of llama-server (engine llama_cpp; default: the newest build "
+                        "of bench/peers/llama_cpp.sh)")
+    p.add_argument("--llama-cpp-slots", type=int, default=None,
+                   help="llama-server's parallel slots (-np; default: --max-num-seqs, at "
+                        "most the number of requests)")
     p.add_argument("--no-sweeps", action="store_true",
                    help="skip the block-size, max_num_seqs and prefix-caching runs")
 
@@ -199,7 +207,7 @@ def _guarded(engine: str, num_requests: int, fn: Any) -> E.RunResult:
 
 def run(args: argparse.Namespace) -> Report:
     resolve_sizes(args)
-    s = setup(args)
+    s = setup(args, extra_engines=(E.LLAMA_CPP,))
     info = machine_info(s.device, s.threads)
     wl = WorkloadConfig(num_requests=args.num_requests, input_len=args.input_len,
                         output_len=args.output_len, seed=args.seed)
@@ -251,8 +259,29 @@ def run(args: argparse.Namespace) -> Report:
     if bs_sweep or seqs_sweep or prefix_runs:
         snapshot([])
     peers = run_hf(s, requests, args, main.settings["kv_pool_bytes"], snapshot) \
-        if len(s.engines) > 1 else []
+        if {E.HF_STATIC, E.HF_CONTINUOUS} & set(s.engines) else []
+    if E.LLAMA_CPP in s.engines:
+        peers.append(_guarded(E.LLAMA_CPP, len(requests),
+                              lambda: run_llama_cpp_peer(s, requests, args, stem)))
     return snapshot(peers, final=True)
+
+
+def run_llama_cpp_peer(s: BenchSetup, requests: Sequence[BenchRequest],
+                       args: argparse.Namespace, stem: str) -> E.RunResult:
+    """llama-server on the GGUF of this run's precision (vllm_lite.benchmarks.llama_cpp)."""
+    from vllm_lite.benchmarks import llama_cpp
+
+    if s.device.type != "cpu":
+        raise ValueError("engine llama_cpp runs on the CPU only (bench/peers/llama_cpp.sh "
+                         "builds it without GPU support)")
+    bin_dir = llama_cpp.find_bin(args.llama_cpp_bin)
+    precision = args.quantization or s.dtype_name
+    gguf = llama_cpp.model_file(bin_dir, precision)
+    log_path = Path(args.out) / f"{stem}_llama_server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    return llama_cpp.run_llama_cpp(bin_dir, gguf, requests, s.threads,
+                                   args.llama_cpp_slots or args.max_num_seqs, log_path,
+                                   progress=s.progress, precision=precision)
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -273,6 +302,9 @@ def _engine_rows(main: E.RunResult, peers: Sequence[E.RunResult]) -> list[list[A
         notes = [r.note] if r.note else []
         if r.engine == E.HF_STATIC:
             notes.insert(0, f"batch {r.settings['batch_size']} ({r.settings.get('batch_rule', '')})")
+        elif r.engine == E.LLAMA_CPP:
+            notes.insert(0, f"{r.settings['gguf']}, {r.settings['slots']} slots, unified KV "
+                            f"of {r.settings['ctx_tokens']} tokens")
         elif r.engine == E.HF_CONTINUOUS:
             notes.insert(0, f"{r.settings.get('num_blocks') or 'auto'} pages of "
                             f"{r.settings.get('page_size')} tokens")
@@ -299,7 +331,10 @@ def targets(main: E.RunResult, peers: Sequence[E.RunResult]) -> list[str]:
     """The issue's targets, each reported as met / missed (never asserted)."""
     lines = []
     for peer in peers:
-        goal = TARGET_HF_STATIC if peer.engine == E.HF_STATIC else TARGET_HF_CONTINUOUS
+        if peer.engine == E.LLAMA_CPP:
+            goal = TARGET_LLAMA_CPP.get(peer.settings.get("precision", ""), 1.0)
+        else:
+            goal = TARGET_HF_STATIC if peer.engine == E.HF_STATIC else TARGET_HF_CONTINUOUS
         ratio = _speedup(main, peer)
         if ratio is None:
             lines.append(f"- vllm_lite vs {peer.engine}: n/a ({peer.error}); target >= {goal}x")
