@@ -66,6 +66,10 @@
 //          not validated (VLLM_LITE_CHECK_VALUES unset, CUDA graph capture). A sequence with
 //          more queries than query_tiles * query_tile leaves its first rows unwritten; one
 //          with more queries than context gives the rows before position 0 zeros.
+//   Not done yet (simple first): QK and PV are float32 FMAs on the SIMT cores (no tensor
+//          cores), the next tile's K/V loads do not overlap this tile's math (no cp.async
+//          double buffering), and tiles above a warp's causal limit are still computed
+//          (masked by index).
 #pragma once
 
 #include <cfloat>
@@ -74,7 +78,7 @@
 
 #include "../../attention_limits.h"
 #include "../dtype.cuh"
-#include "attention_kernels.cuh"  // kThreads, kWarps, warp reductions
+#include "attention_kernels.cuh"  // kThreads, kWarps
 
 namespace vllm_lite {
 namespace cuda {
