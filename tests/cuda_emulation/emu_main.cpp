@@ -5,8 +5,8 @@
 // SEEDS: comma-separated schedule seeds (0 = in-order); each case runs once per seed, from
 // freshly loaded inputs. A case directory holds spec.txt and its buffers as raw files.
 // spec.txt lines:
-//   op NAME                       attention | reshape_and_cache | copy_blocks | swap_blocks
-//                                 | convert | selftest
+//   op NAME                       attention | varlen | reshape_and_cache | copy_blocks
+//                                 | swap_blocks | convert | selftest
 //   dtype f32|f16|bf16
 //   KEY INT_OR_FLOAT              the op's scalar arguments (see run_case)
 //   buf NAME FILE OFFSET          NAME's bytes come from FILE, placed OFFSET bytes into an
@@ -155,8 +155,9 @@ void dispatch(emu_ops::DType t, F&& f) {
   }
 }
 
-void run_attention(const Case& c) {
-  emu_ops::AttentionArgs a{};
+// The arguments paged_attention and varlen_paged_attention share; query points into
+// query_storage, q_offset elements in (its view's start), typed by the case's dtype.
+void read_attention_args(const Case& c, emu_ops::AttentionArgs& a) {
   a.num_seqs = c.i("num_seqs");
   a.num_heads = c.i("num_heads");
   a.num_kv_heads = c.i("num_kv_heads");
@@ -166,8 +167,6 @@ void run_attention(const Case& c) {
   a.max_blocks_per_seq = c.i("max_blocks_per_seq");
   a.q_stride_seq = c.i("q_stride_seq");
   a.q_stride_head = c.i("q_stride_head");
-  a.max_seq_len = c.i("max_seq_len");
-  a.sms = c.i("sms");
   a.scale = c.f("scale");
   a.k_scale = c.f("k_scale");
   a.v_scale = c.f("v_scale");
@@ -176,14 +175,36 @@ void run_attention(const Case& c) {
   a.block_tables = static_cast<const int32_t*>(c.p("block_tables"));
   a.seq_lens = static_cast<const int32_t*>(c.p("seq_lens"));
   a.alibi_slopes = static_cast<const float*>(c.p_or_null("alibi_slopes"));
-  const int64_t q_offset = c.i("q_offset");  // elements from the storage to the view
+  dispatch(dtype_of(c), [&](auto tag) {
+    using T = decltype(tag);
+    a.query = static_cast<const T*>(c.p("query_storage")) + c.i("q_offset");
+  });
+}
+
+void run_attention(const Case& c) {
+  emu_ops::AttentionArgs a{};
+  read_attention_args(c, a);
+  a.max_seq_len = c.i("max_seq_len");
+  a.sms = c.i("sms");
   const int64_t P = c.i("num_partitions");
   dispatch(dtype_of(c), [&](auto tag) {
     using T = decltype(tag);
-    a.query = static_cast<const T*>(c.p("query_storage")) + q_offset;
     emu_ops::paged_attention_v1<T>(a, c.p("out_v1"));
     emu_ops::paged_attention_v2<T>(a, c.p("out_v2"), static_cast<float*>(c.p("exp_sums")),
                                    static_cast<float*>(c.p("max_logits")), c.p("tmp_out"), P);
+  });
+}
+
+// varlen: query rows are tokens (q_stride_seq between them).
+void run_varlen(const Case& c) {
+  emu_ops::VarlenArgs a{};
+  read_attention_args(c, a);
+  a.num_tokens = c.i("num_tokens");
+  a.max_query_len = c.i("max_query_len");
+  a.query_start_loc = static_cast<const int32_t*>(c.p("query_start_loc"));
+  dispatch(dtype_of(c), [&](auto tag) {
+    using T = decltype(tag);
+    emu_ops::varlen_paged_attention<T>(a, c.p("out"));
   });
 }
 
@@ -261,6 +282,8 @@ void run_case(const Case& c) {
   const std::string& op = c.s("op");
   if (op == "attention") {
     run_attention(c);
+  } else if (op == "varlen") {
+    run_varlen(c);
   } else if (op == "reshape_and_cache") {
     run_reshape_and_cache(c);
   } else if (op == "copy_blocks") {

@@ -30,6 +30,15 @@ template <typename T>
 void paged_attention_v2(const AttentionArgs& a, void* out, float* exp_sums, float* max_logits,
                         void* tmp_out, int64_t num_partitions);
 
+// varlen_attention.cu: out [num_tokens, H, D]. Query rows are tokens (q_stride_seq: between
+// tokens); max_seq_len and sms are unused.
+struct VarlenArgs : AttentionArgs {
+  int64_t num_tokens, max_query_len;
+  const int32_t* query_start_loc;
+};
+template <typename T>
+void varlen_paged_attention(const VarlenArgs& a, void* out);
+
 struct CacheWriteArgs {
   int64_t num_tokens, num_kv_heads, head_size, block_size, num_blocks;
   int64_t key_stride, value_stride;  // elements between tokens

@@ -39,9 +39,12 @@ BUILD = ROOT / "build" / "cuda_emulation"
 SOURCES = [
     "emu_runtime.cpp", "emu_main.cpp", "emu_selftest.cpp", "emu_cache.cpp",
     "emu_attention_f32.cpp", "emu_attention_f16.cpp", "emu_attention_bf16.cpp",
+    "emu_varlen.cpp",
 ]
+# The translation units that include kernels from csrc/cuda (their objects depend on it).
+KERNEL_TUS = ("emu_attention", "emu_varlen", "emu_cache")
 # The slowest first, so two parallel jobs finish together.
-SOURCES.sort(key=lambda s: not s.startswith("emu_attention"))
+SOURCES.sort(key=lambda s: not s.startswith(("emu_attention", "emu_varlen")))
 
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 CXXFLAGS = [
@@ -81,7 +84,7 @@ def _object_key(src: str) -> str:
     headers, the kernels (for the TUs that include them), flags and compiler."""
     h = hashlib.sha256()
     _hash_files(h, [HERE / src, *HERE.rglob("*.h")])
-    if src.startswith(("emu_attention", "emu_cache")):
+    if src.startswith(KERNEL_TUS):
         # The kernels and the limits they share with the CPU side (csrc/attention_limits.h).
         _hash_files(h, [*(CSRC / "cuda").rglob("*"), CSRC / "attention_limits.h"])
     h.update(" ".join(CXXFLAGS).encode())

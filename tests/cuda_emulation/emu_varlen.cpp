@@ -1,0 +1,42 @@
+// Replays varlen_attention.cu's host code on the emulator, with the kernel of
+// csrc/cuda/attention/varlen_attention_kernels.cuh (all dtypes and head-size buckets);
+// also defines the storage of the kernel's dynamic shared memory
+// (`extern __shared__ float varlen_smem[]`).
+#include <climits>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/attention/varlen_attention_kernels.cuh"
+#include "emu_ops.h"
+#include "emu_runtime.h"
+
+CUDA_EMU_DYNAMIC_SHARED(vllm_lite::cuda::varlen, float, varlen_smem)
+
+namespace emu_ops {
+
+namespace varlen = vllm_lite::cuda::varlen;
+
+template <typename T>
+void varlen_paged_attention(const VarlenArgs& d, void* out) {
+  if (d.num_tokens == 0 || d.num_heads == 0 || d.num_seqs == 0 || d.max_query_len == 0) return;
+  const varlen::VarlenPlan plan = varlen::plan_varlen(
+      d.num_seqs, d.num_kv_heads, d.num_heads / d.num_kv_heads, d.head_size, d.max_query_len);
+  if (plan.grid_x > INT_MAX) {
+    throw std::runtime_error("varlen_paged_attention: too many CTAs for one launch (" +
+                             std::to_string(plan.grid_x) + ")");
+  }
+  const varlen::VarlenParams p = varlen::make_varlen_params(
+      plan, d.num_seqs, d.num_tokens, d.num_heads, d.num_kv_heads, d.head_size, d.block_size,
+      d.num_blocks, d.max_blocks_per_seq, d.q_stride_seq, d.q_stride_head, d.scale,
+      d.k_scale, d.v_scale, out, d.query, d.key_cache, d.value_cache, d.block_tables,
+      d.seq_lens, d.query_start_loc, d.alibi_slopes);
+  cuda_emu::launch(varlen::varlen_kernel_for<T>(static_cast<int>(d.head_size)),
+                   dim3(static_cast<unsigned>(plan.grid_x)), dim3(varlen::kThreads),
+                   plan.smem_bytes, "varlen_paged_attention_kernel", p);
+}
+
+template void varlen_paged_attention<float>(const VarlenArgs&, void*);
+template void varlen_paged_attention<__half>(const VarlenArgs&, void*);
+template void varlen_paged_attention<__nv_bfloat16>(const VarlenArgs&, void*);
+
+}  // namespace emu_ops

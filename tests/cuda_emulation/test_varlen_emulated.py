@@ -1,0 +1,207 @@
+"""varlen_paged_attention of csrc/cuda (varlen_attention_kernels.cuh, launched as
+varlen_attention.cu launches it), run on the CPU by the SIMT emulator, against the float64
+reference of tests/kernels/reference.py with the CUDA tests' tolerances.
+
+Ragged query counts (one token, several, a whole prompt, none) after cached prefixes of 0 to
+a few hundred tokens (several KV tiles and block boundaries), each head-size bucket (64,
+128, 256, and sizes below a bucket's maximum), MHA / GQA / MQA (groups split over CTAs),
+block sizes 8 / 16 / 32, ALiBi, kv scales, strided queries. Every cache slot no sequence
+reads is NaN, out starts NaN (every row must be written, no NaN may leak in), and the
+inputs must be unchanged. Cases with corrupt metadata (lengths, query_start_loc, block ids
+that were not validated) must only run without any access outside the tensors (ASan).
+Every case runs under each schedule seed of harness.seeds(); each (case, seed) is a test.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.reference import (  # tests/ is on sys.path (rootdir-based packages)
+    alibi_slopes,
+    assert_bitwise_equal,
+    assert_close,
+    dtype_name,
+    make_paged_kv,
+    ref_varlen_paged_attention,
+)
+from . import harness
+from .conftest import case_dir
+
+pytestmark = pytest.mark.cuda_emulated
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+CODE = {F32: "f32", F16: "f16", BF16: "bf16"}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    # (context length including the new tokens, new tokens) per sequence
+    seqs: tuple[tuple[int, int], ...]
+    alibi: bool = False
+    max_query_len_extra: int = 0  # a grid with more query tiles than any sequence needs
+    table_extra_cols: int = 1
+    table_fill: str = "nan_block"
+    query: str = "contiguous"  # or fused_qkv (rows and heads strided)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    corrupt: bool = False  # metadata the launcher did not validate: check only for faults
+
+
+# (context, new tokens): a whole prompt, a decode row, a chunk after a prefix, an empty
+# sequence, a few tokens after a prefix crossing several tiles and blocks.
+CASES = [
+    Case("gqa-f32-d64-b8", F32, 8, 2, 64, 8, ((37, 37), (300, 1), (129, 20), (0, 0), (65, 3))),
+    Case("gqa-f16-d128-b16-alibi", F16, 8, 2, 128, 16, ((150, 70), (1, 1), (260, 1), (48, 33)),
+         alibi=True),
+    Case("gqa-bf16-d256-b32", BF16, 8, 2, 256, 32, ((90, 40), (200, 3), (16, 16))),
+    Case("mha-bf16-d64-b32-alibi", BF16, 4, 4, 64, 32, ((100, 100), (333, 5), (17, 9)),
+         alibi=True),
+    Case("mha-f32-d128-b16", F32, 4, 4, 128, 16, ((64, 64), (250, 31), (33, 1))),
+    Case("mha-f16-d256-b8-alibi", F16, 2, 2, 256, 8, ((120, 50), (7, 7), (41, 2)), alibi=True),
+    # Head sizes below their bucket's maximum; groups that do not divide the rows.
+    Case("gqa9to3-f16-d40-b16", F16, 9, 3, 40, 16, ((70, 70), (150, 4)), alibi=True),
+    Case("mqa6-bf16-d80-b8", BF16, 6, 1, 80, 8, ((180, 45), (24, 1), (9, 9))),
+    Case("mqa16-f32-d192-b32", F32, 16, 1, 192, 32, ((75, 12), (140, 2)), alibi=True),
+    Case("tiny-bf16-d8-b16", BF16, 4, 2, 8, 16, ((40, 40), (19, 2))),
+    # Groups larger than a CTA's rows: 64:1 over 4 CTAs per kv head (head size 256: 16 rows
+    # per CTA), 17:1 over 2 CTAs of 9 and 8 heads.
+    Case("mqa64-bf16-d256-b16", BF16, 64, 1, 256, 16, ((40, 3), (20, 1))),
+    Case("mqa17-f16-d136-b8", F16, 17, 1, 136, 8, ((45, 6), (3, 3)), alibi=True),
+    # Longer contexts: a chunk after a 520-token prefix, decode rows only.
+    Case("long-f32-d128-b8", F32, 8, 2, 128, 8, ((560, 40), (520, 1))),
+    Case("decode-f16-d128-b32-alibi", F16, 8, 2, 128, 32, ((700, 1), (1, 1), (64, 1), (33, 1)),
+         alibi=True),
+    # Strided query rows, kv scales, garbage table columns past each sequence, a larger grid.
+    Case("fused-qkv-f16-d64-b16", F16, 8, 2, 64, 16, ((60, 25), (130, 7)), query="fused_qkv"),
+    Case("scales-bf16-d128-b32", BF16, 8, 4, 128, 32, ((110, 30), (35, 35)), alibi=True,
+         k_scale=0.5, v_scale=2.0),
+    Case("garbage-table-f32-d64-b16", F32, 4, 2, 64, 16, ((50, 20), (1, 1), (95, 2)),
+         table_extra_cols=4, table_fill="garbage", max_query_len_extra=40),
+    # Unvalidated metadata: lengths past the table, negative lengths, query_start_loc
+    # outside [0, num_tokens] and decreasing, garbage block ids inside the lengths.
+    Case("corrupt-f16-d128-b8", F16, 8, 2, 128, 8, ((40, 12), (30, 5), (20, 4), (9, 3)),
+         table_fill="garbage", table_extra_cols=3, corrupt=True),
+    Case("corrupt-f32-d64-b32", F32, 4, 4, 64, 32, ((70, 20), (33, 10)),
+         table_fill="garbage", table_extra_cols=2, corrupt=True),
+]
+
+
+@dataclass
+class Prepared:
+    case: Case
+    dir: harness.CaseDir
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    slopes: torch.Tensor | None
+    scale: float
+    storage: torch.Tensor
+    out: torch.Tensor  # the NaN template (shape / dtype of out)
+
+
+def _query(c: Case, num_tokens: int, g: torch.Generator) -> torch.Tensor:
+    t, h, d = num_tokens, c.num_heads, c.head_size
+    if c.query == "contiguous":
+        return torch.randn(t, h, d, generator=g).to(c.dtype)
+    big = torch.randn(t, (h + 2 * c.num_kv_heads) * d, generator=g).to(c.dtype)
+    return big[:, : h * d].view(t, h, d)
+
+
+def _corrupt(c: Case, kv, qsl: torch.Tensor, num_tokens: int):
+    """Lengths and query ranges no validation let through (the kernel clamps them)."""
+    lens = kv.seq_lens.clone()
+    lens[0] = 2**31 - 1  # past the table: clamped to its columns (garbage ids -> zeros)
+    if len(lens) > 2:
+        lens[2] = -5
+    qsl = qsl.clone()
+    qsl[1] = num_tokens + 1000  # past the end
+    if len(qsl) > 3:
+        qsl[2] = -3  # negative, and below qsl[1]
+    # The table's first row holds garbage ids inside the sequence's length too.
+    tables = kv.block_tables.clone()
+    tables[0, 1] = -7
+    tables[-1, 0] = 2**31 - 1
+    return lens, qsl, tables
+
+
+def prepare(c: Case, root) -> Prepared:
+    g = torch.Generator().manual_seed(zlib.crc32(c.id.encode()))
+    lens = [ctx for ctx, _ in c.seqs]
+    news = [new for _, new in c.seqs]
+    max_len = max(lens)
+    cols = max(1, math.ceil(max_len / c.block_size)) + c.table_extra_cols
+    kv = make_paged_kv(lens, c.num_kv_heads, c.head_size, c.block_size, c.dtype, "cpu", g,
+                       table_cols=cols, unused_table_fill=c.table_fill)
+    num_tokens = sum(news)
+    qsl = torch.tensor([0] + news, dtype=torch.int32).cumsum(0).to(torch.int32)
+    query = _query(c, num_tokens, g)
+    slopes = alibi_slopes(c.num_heads) if c.alibi else None
+    scale = 1.0 / math.sqrt(c.head_size)
+    storage, q_off = harness.storage_of(query)
+    out = torch.full((num_tokens, c.num_heads, c.head_size), float("nan"), dtype=c.dtype)
+    seq_lens, tables = kv.seq_lens, kv.block_tables
+    if c.corrupt:
+        seq_lens, qsl, tables = _corrupt(c, kv, qsl, num_tokens)
+
+    cd = case_dir(root, c.id)
+    cd.set(op="varlen", dtype=CODE[c.dtype], num_seqs=len(c.seqs), num_tokens=num_tokens,
+           num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_size=c.head_size,
+           block_size=c.block_size, num_blocks=kv.key_cache.shape[0], max_blocks_per_seq=cols,
+           q_stride_seq=query.stride(0), q_stride_head=query.stride(1), q_offset=q_off,
+           max_query_len=max(news) + c.max_query_len_extra, scale=scale,
+           k_scale=c.k_scale, v_scale=c.v_scale)
+    cd.buf("query_storage", storage, out=True)
+    cd.buf("key_cache", kv.key_cache, out=True)
+    cd.buf("value_cache", kv.value_cache, out=True)
+    cd.buf("block_tables", tables)
+    cd.buf("seq_lens", seq_lens)
+    cd.buf("query_start_loc", qsl)
+    if slopes is not None:
+        cd.buf("alibi_slopes", slopes)
+    cd.buf("out", out, out=True)
+    cd.write()
+    return Prepared(c, cd, query, kv.key_cache, kv.value_cache, tables, seq_lens, qsl, slopes,
+                    scale, storage, out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case prepared and run (all seeds) in one emulator process."""
+    root = tmp_path_factory.mktemp("emu_varlen")
+    prepared = {c.id: prepare(c, root) for c in CASES}
+    results = harness.run_cases([p.dir.path for p in prepared.values()])
+    return prepared, results
+
+
+@pytest.mark.parametrize("seed", harness.seeds(), ids=lambda s: f"sched{s}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_varlen_paged_attention_emulated(runs, case, seed):
+    prepared, results = runs
+    p = prepared[case.id]
+    res = results[p.dir.path]
+    assert res.ok, res.message
+    d = p.dir
+    for name, t in (("query_storage", p.storage), ("key_cache", p.key_cache),
+                    ("value_cache", p.value_cache)):
+        assert_bitwise_equal(d.read(name, seed, t), t, f"{name} must not be modified")
+    if case.corrupt:
+        return  # no fault (ASan) and unchanged inputs is all corrupt metadata promises
+    out = d.read("out", seed, p.out)
+    ref = ref_varlen_paged_attention(p.query, p.key_cache, p.value_cache, case.num_kv_heads,
+                                     p.scale, p.block_tables, p.seq_lens, p.query_start_loc,
+                                     case.block_size, p.slopes, case.k_scale, case.v_scale)
+    assert_close(out, ref, case.dtype, f"out ({dtype_name(case.dtype)})")
