@@ -2,7 +2,7 @@
 # One command for a machine with an NVIDIA GPU, torch and nvcc but no network:
 #   1. builds vllm_lite._C in place for this GPU's architecture only,
 #   2. runs the CUDA kernel tests (pytest tests/kernels -k cuda),
-#   3. runs the kernel benchmark (bench/kernels.py --device cuda),
+#   3. runs the kernel benchmarks (bench/kernels.py --device cuda: decode, then --prefill),
 #   4. runs the engine benchmark on CUDA: bench/throughput.py --quick (vllm_lite against
 #      HF generate and generate_batch, bfloat16, no sweeps), then bench/latency.py --quick
 #      if time is left; with the default model (smollm2-135m) when it is installed, else a
@@ -13,9 +13,10 @@
 #
 #   bash bench/device_check.sh [OUTDIR]
 #
-# Entries in OUTDIR (at most 9): summary.md, env.log, build.log, tests.log, bench.log,
-# engine.log, kernels_cuda_<stamp>.md, kernels_cuda_<stamp>.json, and engine/ (the engine
-# reports: throughput_cuda_*.md/.json/.png, latency_cuda_*.md/.json/.png).
+# Entries in OUTDIR (at most 10): summary.md, env.log, build.log, tests.log, bench.log,
+# engine.log, kernels_cuda_<stamp>.md, kernels_cuda_<stamp>.json,
+# prefill_kernels_cuda_<stamp>.md, and engine/ (the engine reports:
+# throughput_cuda_*.md/.json/.png, latency_cuda_*.md/.json/.png).
 # Stage limits (seconds) can be changed with BUILD_S, TESTS_S, BENCH_S, ENGINE_S; TOTAL_S
 # (default 470) caps the sum. The kernel benchmark gets what is left once ENGINE_S is set
 # aside, the engine stage what is left after it.
@@ -26,8 +27,8 @@ cd "$ROOT" || exit 1
 OUTDIR="${1:-${OUT:-$ROOT/bench/results/device}}"
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
-# A rerun replaces the previous run's files (keeps OUTDIR at 9 entries).
-rm -f "$OUTDIR"/kernels_cuda_*.md "$OUTDIR"/kernels_cuda_*.json
+# A rerun replaces the previous run's files (keeps OUTDIR at 10 entries).
+rm -f "$OUTDIR"/kernels_cuda_*.md "$OUTDIR"/kernels_cuda_*.json "$OUTDIR"/prefill_kernels_cuda_*.md
 rm -rf "$OUTDIR/engine"
 PY="${PYTHON:-python}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
@@ -151,12 +152,22 @@ else
   # The issue's CUDA grid; the target shape (fp16, 32/32x128, batch 64, ctx 1024) runs
   # first, and the benchmark starts no new shape 30 s before its limit so that the table
   # is always written (SIGINT from timeout also makes it write what it has).
-  DEADLINE=$(awk -v l="$L" 'BEGIN { d = (l - 30) / 60; if (d < 0.2) d = 0.2; printf "%.2f", d }')
-  {
-    echo "$PY bench/kernels.py --device cuda --out $OUTDIR --deadline-min $DEADLINE ${BENCH_ARGS:-}   (limit ${L} s)"
-    timeout -s INT -k 20 "$L" "$PY" bench/kernels.py --device cuda --out "$OUTDIR" \
+  # The prefill benchmark (varlen_paged_attention vs gather + SDPA and flash_attn's
+  # varlen kernel) gets PREFILL_S of it, after the decode grid.
+  PREFILL_S="${PREFILL_S:-45}"
+  LD=$(( L - PREFILL_S )); (( LD < 30 )) && LD=30
+  DEADLINE=$(awk -v l="$LD" 'BEGIN { d = (l - 30) / 60; if (d < 0.2) d = 0.2; printf "%.2f", d }')
+  (  # a subshell: its exit sets RC
+    echo "$PY bench/kernels.py --device cuda --out $OUTDIR --deadline-min $DEADLINE ${BENCH_ARGS:-}   (limit ${LD} s)"
+    timeout -s INT -k 20 "$LD" "$PY" bench/kernels.py --device cuda --out "$OUTDIR" \
       --deadline-min "$DEADLINE" ${BENCH_ARGS:-}
-  } > "$OUTDIR/bench.log" 2>&1
+    RC1=$?
+    echo "$PY bench/kernels.py --device cuda --prefill --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out $OUTDIR   (limit ${PREFILL_S} s)"
+    timeout -s INT -k 10 "$PREFILL_S" "$PY" bench/kernels.py --device cuda --prefill \
+      --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out "$OUTDIR"
+    RC2=$?
+    exit $(( RC1 != 0 ? RC1 : RC2 ))
+  ) > "$OUTDIR/bench.log" 2>&1
   RC=$?
   DT=$(( $(date +%s) - T0 ))
   NOTE="limit ${L} s, bench.log"
