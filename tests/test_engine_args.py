@@ -178,8 +178,8 @@ def _non_defaults(model_dir: Path) -> dict[str, Any]:
         "max_model_len": 128, "gpu_memory_utilization": 0.5, "kv_cache_space": 0.01,
         "swap_space": 0.02, "enable_prefix_caching": True, "enable_chunked_prefill": True,
         "preemption_mode": "swap", "scheduling_policy": "priority", "seed": 7,
-        "num_gpu_blocks_override": 12, "max_logprobs": 5, "quantization": "int8",
-        "kv_cache_dtype": "fp8_e5m2",
+        "num_gpu_blocks_override": 12, "max_logprobs": 5, "quantization": "int4",
+        "quantization_group_size": 64, "kv_cache_dtype": "fp8_e5m2",
     }
 
 
@@ -205,7 +205,8 @@ def test_serve_accepts_every_engine_option(model_dir: Path) -> None:
     assert (sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len,
             sc.enable_chunked_prefill, sc.preemption_mode, sc.policy) == (
         4, 4096, 128, True, "swap", "priority")
-    assert (mc.seed, mc.max_logprobs, mc.max_model_len, mc.quantization) == (7, 5, 128, "int8")
+    assert (mc.seed, mc.max_logprobs, mc.max_model_len, mc.quantization,
+            mc.quantization_group_size) == (7, 5, 128, "int4", 64)
     assert (config.kv_cache_space, config.num_gpu_blocks_override) == (0.01, 12)
 
 

@@ -106,12 +106,15 @@ def _opt(default: Any, help: str, *, type: Any = None, choices: Any = None,
 
 #: The ``quantization`` values the engine implements (None: no quantization); the methods
 #: are in vllm_lite.layers.quantization.
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+#: int4's group sizes (weights sharing a scale and zero); GGUF Q4 blocks are groups of 32.
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP_SIZE = 128
 #: What the KV cache stores (vLLM's kv_cache_dtype values): "auto" = the model dtype; the
 #: fp8 ones ("fp8" = "fp8_e4m3") 1 byte per element, in uint8 caches.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 #: Asked for, planned, not implemented yet: refused with a clear error.
-_PLANNED_QUANTIZATIONS = ("int4", "gguf", "gptq", "awq")
+_PLANNED_QUANTIZATIONS = ("gptq", "awq")
 
 
 def check_quantization(method: object) -> str | None:
@@ -177,8 +180,13 @@ class EngineArgs:
                              "the most logprobs / prompt_logprobs one request may ask for")
     quantization: str | None = _opt(
         None, "weight-only quantization of the decoder's projections at load: int8 (per "
-        "output channel; embeddings and LM head stay in --dtype)", type=str,
+        "output channel), int4 (groups of --quantization-group-size), gguf (a GGUF model's "
+        "own Q4_0/Q4_1 blocks, kept); embeddings and LM head stay in --dtype", type=str,
         choices=QUANTIZATION_METHODS, none_means="none, the checkpoint's weights in --dtype")
+    quantization_group_size: int | None = _opt(
+        None, "int4's group size (weights sharing a scale and zero): 32, 64 or 128; only "
+        "with --quantization int4", type=int, choices=INT4_GROUP_SIZES,
+        none_means=f"{DEFAULT_INT4_GROUP_SIZE} for int4")
 
     # -- the Python API -----------------------------------------------------------------------
     @classmethod
@@ -203,7 +211,8 @@ class EngineArgs:
         model_config = ModelConfig(model=str(self.model), tokenizer=self.tokenizer,
                                    dtype=self.dtype, max_model_len=self.max_model_len,
                                    seed=self.seed, max_logprobs=self.max_logprobs,
-                                   quantization=self.quantization)
+                                   quantization=self.quantization,
+                                   quantization_group_size=self.quantization_group_size)
         # Checked here under the user's names: the cache and scheduler configs call them
         # swap_space_gib and policy.
         swap = check_number("swap_space", self.swap_space)
@@ -518,7 +527,11 @@ class ModelConfig:
     max_logprobs: int = EngineArgs.max_logprobs
     # Weight-only quantization applied at load (vllm_lite.layers.quantization), or None.
     quantization: str | None = EngineArgs.quantization
+    quantization_group_size: int | None = EngineArgs.quantization_group_size
     hf_config: Any = field(default=None, repr=False)
+    # The GGUF file the model was converted from (an alias or a .gguf path), else None:
+    # quantization="gguf" reads its blocks.
+    gguf_file: str | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         from vllm_lite.models import resolve_model
@@ -526,6 +539,21 @@ class ModelConfig:
 
         self.max_logprobs = check_int("max_logprobs", self.max_logprobs, 0)
         self.quantization = check_quantization(self.quantization)
+        g = self.quantization_group_size
+        if g is not None:
+            if self.quantization != "int4":
+                raise ValueError("quantization_group_size is int4's; it cannot be used with "
+                                 f"quantization={self.quantization!r}")
+            if isinstance(g, bool) or g not in INT4_GROUP_SIZES:
+                raise ValueError(f"quantization_group_size must be one of "
+                                 f"{list(INT4_GROUP_SIZES)}, got {g!r}")
+        from vllm_lite.models.gguf import gguf_source
+
+        source = gguf_source(self.model)
+        self.gguf_file = None if source is None else str(source)
+        if self.quantization == "gguf" and source is None:
+            raise ValueError(f"quantization='gguf' keeps a GGUF model's quantized blocks, but "
+                             f"model {self.model!r} is not a GGUF file or an alias of one")
         # An alias (smollm2-135m) or a .gguf file becomes its converted, cached HF folder.
         path = resolve_model(self.model)
         self.model = str(path)

@@ -83,7 +83,9 @@ def test_quantize_model_skips_the_head() -> None:
     assert isinstance(model[0], Int8Linear) and isinstance(model[2][0], Int8Linear)
     assert model[3] is head
     with pytest.raises(ValueError, match="quantization"):
-        quantize_model(model, "int4")
+        quantize_model(model, "gptq")
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        quantize_model(model, "gguf")
 
 
 # -- the engine ----------------------------------------------------------------------------------
@@ -146,10 +148,23 @@ def test_engine_int8_weights_take_a_quarter_of_float32(checkpoint: Path) -> None
         projection_bytes(make_llm(checkpoint))
 
 
-@pytest.mark.parametrize("bad", ["int4", "gguf", "fp8", 8, True])
+@pytest.mark.parametrize("bad", ["gptq", "awq", "fp8", 8, True])
 def test_unknown_quantization_is_refused(checkpoint: Path, bad: Any) -> None:
     with pytest.raises(ValueError, match="quantization"):
         make_llm(checkpoint, quantization=bad)
+
+
+def test_gguf_quantization_needs_a_gguf_model(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        make_llm(checkpoint, quantization="gguf")
+
+
+@pytest.mark.parametrize("method,group,message", [
+    ("int8", 64, "int4's"), (None, 32, "int4's"), ("int4", 16, "32, 64, 128"),
+    ("int4", True, "32, 64, 128")])
+def test_group_size_only_with_int4(checkpoint: Path, method, group, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_llm(checkpoint, quantization=method, quantization_group_size=group)
 
 
 def test_cli_quantization_flag(checkpoint: Path) -> None:
@@ -157,7 +172,7 @@ def test_cli_quantization_flag(checkpoint: Path) -> None:
     base = [sys.executable, "-m", "vllm_lite.entrypoints.cli", "generate", "--model",
             str(checkpoint), "--kv-cache-space", "0.01", "--max-tokens", "2", "--dtype",
             "float32"]
-    bad = subprocess.run(base + ["--quantization", "int4", "hello"], capture_output=True,
+    bad = subprocess.run(base + ["--quantization", "gptq", "hello"], capture_output=True,
                          text=True, timeout=120, cwd="/")
     assert bad.returncode == 2 and "quantization" in bad.stderr
     help_text = subprocess.run([sys.executable, "-m", "vllm_lite.entrypoints.cli", "generate",

@@ -69,7 +69,8 @@ def apply_sizes(args: argparse.Namespace, sizes: dict[str, tuple[Any, Any]]) -> 
 BENCH_ENGINE_OPTIONS = ("model", "dtype", "device", "seed", "kv_cache_space", "block_size",
                         "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
                         "enable_chunked_prefill", "preemption_mode", "scheduling_policy",
-                        "num_gpu_blocks_override", "quantization", "kv_cache_dtype")
+                        "num_gpu_blocks_override", "quantization", "quantization_group_size",
+                        "kv_cache_dtype")
 # Those of them handed to LLM as they are (model, dtype, device are resolved in setup()).
 _PASSED_THROUGH = BENCH_ENGINE_OPTIONS[3:]
 

@@ -15,8 +15,19 @@ and a memory-bound decode GEMM reads that much less. The GEMM:
 The embedding and the LM head stay in the activation dtype (as vLLM's weight-only
 methods do): the head's logits feed the sampler, and a tied head is the embedding.
 
-Other methods (``int4``, ``gguf``, ``gptq``, ``awq``) are not implemented yet: asking for
-one is a ValueError naming the field, never a silently unquantized model.
+``int4``: groups of ``group_size`` (32, 64 or 128) consecutive input weights of a row share
+a scale and a zero (asymmetric): ``scale = (max - min) / 15``, ``zero = min``, ``q =
+round((w - zero) / scale)`` in 0..15, ``w ~= q * scale + zero``; an eighth of float32's
+bytes plus the group's two floats. ``gguf``: the GGUF file's own Q4_0 / Q4_1 blocks in that
+same form, exactly (vllm_lite.models.gguf_quant), group 32. The GEMM:
+
+- CPU: vllm_lite's ``torch.ops.vllm_lite.int4_linear`` (float32 activations, like
+  int8_linear).
+- other devices: dequantized once at load into the engine's dtype, with a warning
+  (correct, no memory saving; torch's int4 GEMMs want other layouts).
+
+``gptq`` and ``awq`` are not implemented yet: asking for one is a ValueError naming the
+field, never a silently unquantized model.
 """
 
 from __future__ import annotations
@@ -27,7 +38,9 @@ import torch
 from torch import nn
 
 from vllm_lite import ops
-from vllm_lite.config import check_quantization
+from vllm_lite.config import DEFAULT_INT4_GROUP_SIZE, check_quantization
+from vllm_lite.errors import InternalError
+from vllm_lite.models.gguf_quant import Int4Weight, pack_nibbles
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +105,60 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    """Asymmetric group-wise int4 of ``weight`` [N, K] (K a multiple of group_size). A
+    constant group gets scale 1 (q = 0, zero = its value), so no division by zero."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4 quantization: in_features {k} is not a multiple of the "
+                         f"group size {group_size}")
+    g = w.view(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    return Int4Weight(pack_nibbles(q.view(n, k)), scale.contiguous(), lo.contiguous(),
+                      group_size)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with a group-wise int4 weight (:class:`Int4Weight`); ``forward``
+    takes [..., K] in the engine's dtype and returns [..., N] in that dtype."""
+
+    def __init__(self, linear: nn.Linear, weight: Int4Weight) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        if weight.qweight.shape != (self.out_features, self.in_features // 2):
+            raise InternalError(f"int4 weight {tuple(weight.qweight.shape)} does not fit a "
+                                f"{self.out_features}x{self.in_features} linear layer")
+        dtype, device = linear.weight.dtype, linear.weight.device
+        self.group_size = weight.group_size
+        self.on_cpu = device.type == "cpu"
+        self.bias = linear.bias
+        self._dequantized: torch.Tensor | None = None
+        if not self.on_cpu:
+            logger.warning("int4 on %s: no int4 GEMM for this device yet; dequantizing the "
+                           "weights at load (correct, no memory saving)", device)
+            self._dequantized = weight.dequantize().to(device=device, dtype=dtype)
+            return
+        self.register_buffer("qweight", weight.qweight.contiguous())
+        self.register_buffer("scales", weight.scales.float().contiguous())
+        self.register_buffer("zeros", weight.zeros.float().contiguous())
+        self._bias_f32 = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dequantized is not None:
+            return nn.functional.linear(x, self._dequantized, self.bias)
+        y = ops.int4_linear(x.float(), self.qweight, self.scales, self.zeros, self.group_size,
+                            self._bias_f32)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4, "
+                f"group_size={self.group_size}")
+
+
 _PROBED: dict[tuple[str, torch.dtype], bool] = {}
 
 
@@ -110,15 +177,36 @@ def _int8_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _PROBED[key]
 
 
-def quantize_model(model: nn.Module, method: str | None,
-                   skip: tuple[nn.Module, ...] = ()) -> int:
+def quantize_model(model: nn.Module, method: str | None, skip: tuple[nn.Module, ...] = (),
+                   group_size: int | None = None,
+                   gguf_weights: dict[str, Int4Weight] | None = None) -> int:
     """Replaces every nn.Linear of ``model`` but those in ``skip`` (the LM head) by its
-    quantized form, in place; returns how many were replaced. None: nothing changes."""
+    quantized form, in place; returns how many were replaced. None: nothing changes.
+    ``group_size``: int4's (default DEFAULT_INT4_GROUP_SIZE); ``gguf_weights``: "gguf"'s
+    projections by module name (vllm_lite.models.gguf_quant.read_llama_projections), every
+    one of which must find its layer."""
     if check_quantization(method) is None:
         return 0
-    targets = [(parent, name, child) for parent in model.modules()
+    targets = [(parent, f"{pname}.{name}" if pname else name, name, child)
+               for pname, parent in model.named_modules()
                for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and not any(child is s for s in skip)]
-    for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child))
+    if method == "gguf":
+        if gguf_weights is None:
+            raise ValueError("quantization='gguf' needs a GGUF model (a .gguf file or an alias "
+                             "of one), whose quantized projections it keeps")
+        found = {full for _, full, _, _ in targets}
+        missing = sorted(set(gguf_weights) - found)
+        if missing:
+            raise InternalError(f"GGUF projections with no matching layer: {missing[:3]}")
+        targets = [t for t in targets if t[1] in gguf_weights]
+    for parent, full, name, child in targets:
+        if method == "int8":
+            layer: nn.Module = Int8Linear(child)
+        elif method == "int4":
+            layer = Int4Linear(child, quantize_int4(child.weight,
+                                                    group_size or DEFAULT_INT4_GROUP_SIZE))
+        else:
+            layer = Int4Linear(child, gguf_weights[full])  # type: ignore[index]
+        setattr(parent, name, layer)
     return len(targets)

@@ -198,6 +198,22 @@ def convert_gguf(gguf_file: str | Path) -> Path:
     return target
 
 
+def gguf_source(name_or_path: str | Path) -> Path | None:
+    """The .gguf file :func:`resolve_model` converts for ``name_or_path`` (an alias, a
+    .gguf file, a folder holding one and no config.json), else None."""
+    text = str(name_or_path)
+    if isinstance(name_or_path, str) and text.lower() in ALIASES:
+        return alias_gguf_file(text)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.resolve()
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0].resolve()
+    return None
+
+
 def resolve_model(name_or_path: str | Path) -> Path:
     """The Hugging Face-style folder (config.json, weights, tokenizer) to load.
 

@@ -40,7 +40,13 @@ class Worker:
 
             # The head stays in the activation dtype (its logits feed the sampler; a tied
             # head is the embedding).
-            n = quantize_model(model, mc.quantization, skip=(model.lm_head,))
+            gguf_weights = None
+            if mc.quantization == "gguf":
+                from vllm_lite.models.gguf_quant import read_llama_projections
+
+                gguf_weights = read_llama_projections(mc.gguf_file, mc.hf_config)
+            n = quantize_model(model, mc.quantization, skip=(model.lm_head,),
+                               group_size=mc.quantization_group_size, gguf_weights=gguf_weights)
             logger.info("quantized %d projections to %s", n, mc.quantization)
         self.model = model
         self.dtype: torch.dtype = next(model.parameters()).dtype

@@ -1,0 +1,131 @@
+"""The quantized projections of a GGUF Llama file, kept quantized (``quantization="gguf"``).
+
+The converted cache folder (:mod:`vllm_lite.models.gguf`) holds dequantized float32
+weights; this module reads the GGUF file's own blocks instead and turns each projection's
+Q4_0 / Q4_1 blocks into the int4 form of :class:`~vllm_lite.layers.quantization.Int4Linear`
+with no rounding at all:
+
+- Q4_1, 20-byte blocks of 32 weights: fp16 d, fp16 m, 16 bytes of nibbles (byte j: weight
+  j in the low nibble, weight j + 16 in the high one); w = d * q + m -> scale d, zero m.
+- Q4_0, 18-byte blocks: fp16 d, 16 bytes of nibbles; w = d * (q - 8) -> scale d, zero -8 d.
+
+llama.cpp's converter permutes the rows of attn_q / attn_k (its rotary layout); they are
+permuted back as transformers does for the dequantized weights, which moves whole rows, so
+blocks stay intact. Our fused projections (qkv_proj = q | k | v rows, gate_up_proj = gate |
+up) are the row concatenations. Other types (Q8_0, Q4_K, Q6_K, ...) are refused with an
+error naming the tensor and type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+#: Weights per block of the kept types; the int4 group size they give.
+GGUF_GROUP = 32
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+@dataclass
+class Int4Weight:
+    """One projection in Int4Linear's form: w[n, k] = q * scales[n, k // g] + zeros[...]."""
+
+    qweight: torch.Tensor  # uint8 [N, K / 2]: k = 2j low nibble, 2j + 1 high nibble
+    scales: torch.Tensor   # float32 [N, K / g]
+    zeros: torch.Tensor    # float32 [N, K / g]
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        q = unpack_nibbles(self.qweight).float()
+        g = self.group_size
+        n, k = q.shape
+        return (q.view(n, k // g, g) * self.scales[..., None] + self.zeros[..., None]).view(n, k)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] of values 0..15 -> [N, K / 2], k = 2j in the low nibble."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_nibbles`: uint8 [N, K]."""
+    n, half = packed.shape
+    out = torch.empty(n, 2 * half, dtype=torch.uint8)
+    out[:, 0::2] = packed & 0xF
+    out[:, 1::2] = packed >> 4
+    return out
+
+
+def _decode_q4(kind: str, raw: np.ndarray, rows: int, cols: int) -> Int4Weight:
+    """raw uint8 [rows, cols / 32 * block bytes] of Q4_0 / Q4_1 blocks -> Int4Weight."""
+    nb = cols // GGUF_GROUP
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, _BLOCK_BYTES[kind])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":
+        zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:20]
+    else:
+        zero = -8.0 * d
+        qs = blocks[..., 2:18]
+    q = np.empty((rows, nb, GGUF_GROUP), dtype=np.uint8)
+    q[..., :16] = qs & 0xF
+    q[..., 16:] = qs >> 4
+    return Int4Weight(pack_nibbles(torch.from_numpy(q.reshape(rows, cols))),
+                      torch.from_numpy(np.ascontiguousarray(d)),
+                      torch.from_numpy(np.ascontiguousarray(zero)), GGUF_GROUP)
+
+
+def _unpermute_rows(w: Int4Weight, n_head: int) -> Int4Weight:
+    """Undoes llama.cpp's Q/K row permutation (rows of each head: [half 0 interleaved with
+    half 1] -> [half 0, half 1]), as transformers' GGUF loader does for float weights."""
+    rows = w.qweight.shape[0]
+    dim = rows // n_head // 2
+    index = torch.arange(rows).view(n_head, dim, 2).transpose(1, 2).reshape(rows)
+    return Int4Weight(w.qweight[index].contiguous(), w.scales[index].contiguous(),
+                      w.zeros[index].contiguous(), w.group_size)
+
+
+def _cat(parts: list[Int4Weight]) -> Int4Weight:
+    return Int4Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                      torch.cat([p.zeros for p in parts]), parts[0].group_size)
+
+
+def read_llama_projections(gguf_file: str | Path, hf_config: Any) -> dict[str, Int4Weight]:
+    """Our module name (e.g. ``model.layers.0.self_attn.qkv_proj``) -> its int4 weight, for
+    every decoder projection. ValueError naming the tensor for a type this cannot keep."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_file))
+    tensors = {t.name: t for t in reader.tensors}
+    n_head = hf_config.num_attention_heads
+    n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
+
+    def load(name: str) -> Int4Weight:
+        if name not in tensors:
+            raise ValueError(f"{gguf_file}: no tensor {name!r} (not a Llama GGUF?)")
+        t = tensors[name]
+        kind = t.tensor_type.name
+        if kind not in _BLOCK_BYTES:
+            raise ValueError(
+                f"quantization='gguf' keeps Q4_0 and Q4_1 projections; {name} is {kind} "
+                f"(load it with quantization=None to dequantize)")
+        cols, rows = (int(x) for x in t.shape[:2])  # ggml order: [K, N]
+        return _decode_q4(kind, t.data, rows, cols)
+
+    out: dict[str, Int4Weight] = {}
+    for i in range(hf_config.num_hidden_layers):
+        blk, pre = f"blk.{i}.", f"model.layers.{i}."
+        q = _unpermute_rows(load(blk + "attn_q.weight"), n_head)
+        k = _unpermute_rows(load(blk + "attn_k.weight"), n_kv)
+        out[pre + "self_attn.qkv_proj"] = _cat([q, k, load(blk + "attn_v.weight")])
+        out[pre + "self_attn.o_proj"] = load(blk + "attn_output.weight")
+        out[pre + "mlp.gate_up_proj"] = _cat([load(blk + "ffn_gate.weight"),
+                                             load(blk + "ffn_up.weight")])
+        out[pre + "mlp.down_proj"] = load(blk + "ffn_down.weight")
+    return out
