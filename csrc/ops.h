@@ -66,6 +66,12 @@ VLLM_LITE_DECLARE_OPS
 // CPU only; CUDA uses torch's _weight_int8pack_mm (vllm_lite/layers/quantization.py).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias);
+// int4 weight-only linear (quantization="int4" / "gguf"): y = x @ w.T + bias with
+// w[n, k] = q[n, k] * scales[n, k / group_size] + zeros[n, k / group_size], q unsigned 4-bit,
+// two per byte of qweight [N, K / 2] (k = 2j in byte j's low nibble). CPU only.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group_size,
+                       const std::optional<at::Tensor>& bias);
 }  // namespace cpu
 
 namespace cuda {

@@ -35,6 +35,9 @@ TORCH_LIBRARY(vllm_lite, m) {
       "int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, float k_scale, "
       "float v_scale) -> ()");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def(
+      "int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
+      "Tensor? bias) -> Tensor");
 }
 
 #define VLLM_LITE_REGISTER_IMPLS(ns)                                 \
@@ -49,6 +52,7 @@ TORCH_LIBRARY(vllm_lite, m) {
 TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   VLLM_LITE_REGISTER_IMPLS(cpu)
   m.impl("int8_linear", &vllm_lite::cpu::int8_linear);  // CPU only (ops.h)
+  m.impl("int4_linear", &vllm_lite::cpu::int4_linear);  // CPU only (ops.h)
 }
 
 #ifdef VLLM_LITE_WITH_CUDA

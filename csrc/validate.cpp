@@ -526,4 +526,40 @@ int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
   return n;
 }
 
+int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,
+                          const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
+                          const std::optional<at::Tensor>& bias) {
+  const char* op = "int4_linear";
+  check_dtype(op, x, "x", at::kFloat);
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K], got a scalar");
+  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, op,
+              ": group_size must be 32, 64 or 128, got ", group_size);
+  check_dtype(op, qweight, "qweight", at::kByte);
+  check_dim(op, qweight, "qweight", 2, "[N, K / 2]");
+  check_contiguous(op, qweight, "qweight");
+  check_same_device(op, qweight, "qweight", x, "x");
+  const int64_t n = qweight.size(0), k = x.size(-1);
+  TORCH_CHECK(k % group_size == 0, op, ": x's last dimension K (", k,
+              ") must be a multiple of group_size (", group_size, ")");
+  TORCH_CHECK(qweight.size(1) * 2 == k, op, ": qweight must be [N, K / 2] = [", n, ", ", k / 2,
+              "] for x's K = ", k, ", got shape ", qweight.sizes());
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{scales, "scales"},
+                                {zeros, "zeros"}}) {
+    check_dtype(op, t, name, at::kFloat);
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == k / group_size, op, ": ", name,
+                " must be [N, K / group_size] = [", n, ", ", k / group_size, "], got shape ",
+                t.sizes());
+    check_contiguous(op, t, name);
+    check_same_device(op, t, name, x, "x");
+  }
+  if (bias.has_value()) {
+    check_dtype(op, *bias, "bias", at::kFloat);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [N] = [", n,
+                "], got shape ", bias->sizes());
+    check_contiguous(op, *bias, "bias");
+    check_same_device(op, *bias, "bias", x, "x");
+  }
+  return n;
+}
+
 }  // namespace vllm_lite

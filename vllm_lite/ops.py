@@ -274,7 +274,18 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return _ops.int8_linear(x, qweight, scales, bias)
 
 
-# Fake (meta) implementations: every op but int8_linear only mutates its outputs, so
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ w.T + bias, w[n, k] = q[n, k] * scales[n, k // group_size]
+    + zeros[n, k // group_size]; q unsigned 4-bit, two per byte of uint8 ``qweight`` [N,
+    K / 2] (k = 2j in byte j's low nibble, 2j + 1 in its high one); scales, zeros float32
+    [N, K / group_size], group_size 32, 64 or 128; x, bias float32. CPU only
+    (quantization="int4" / "gguf", vllm_lite.layers.quantization)."""
+    return _ops.int4_linear(x, qweight, scales, zeros, group_size, bias)
+
+
+# Fake (meta) implementations: every op but int8_linear / int4_linear only mutates its outputs, so
 # tracing needs no shape computation, just the promise that nothing is returned.
 def _register_fakes() -> None:
     def _none(*args: object, **kwargs: object) -> None:
@@ -293,6 +304,12 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("vllm_lite::int8_linear")
     def _int8_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("vllm_lite::int4_linear")
+    def _int4_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          zeros: torch.Tensor, group_size: int,
                           bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 

@@ -1,10 +1,11 @@
-// int8_linear on the CPU: int8 weight-only linear (per-output-channel scales), the GEMM of
-// quantization="int8". Decode-sized inputs (<= kInt8KernelMaxRows rows) run the block
-// kernel of int8_linear_kernel.h, the AVX2 build where the CPU ISA switch (cpu_isa.h) picks
-// a non-generic build, else the generic one; tasks of kInt8ChannelsPerTask output channels
-// run on torch's intra-op threads. Larger inputs (prefills) dequantize the weight once and
-// use at::linear. Only a CPU kernel exists: on CUDA the Python layer uses torch's
-// _weight_int8pack_mm.
+// int8_linear / int4_linear on the CPU: weight-only linear layers, the GEMMs of
+// quantization="int8" (per-output-channel scales) and "int4" / "gguf" (groups of 32-128
+// weights with a scale and a zero). Decode-sized inputs (<= kInt8KernelMaxRows rows) run
+// the block kernels of int8_linear_kernel.h, the AVX2 build where the CPU ISA switch
+// (cpu_isa.h) picks a non-generic build, else the generic one; tasks of
+// kInt8ChannelsPerTask output channels run on torch's intra-op threads. Larger inputs
+// (prefills) dequantize the weight once and use at::linear. Only CPU kernels exist: on CUDA
+// the Python layer uses torch's _weight_int8pack_mm (int8) or dequantizes at load (int4).
 #include <memory>
 #include <vector>
 
@@ -18,12 +19,24 @@
 namespace vllm_lite::cpu {
 namespace {
 
-Int8LinearBlockFn select_kernel() {
-  // Follows the attention kernel's ISA choice (VLLM_LITE_CPU_ISA / set_cpu_isa), so one
-  // switch selects every CPU build; every x86 build but "generic" implies AVX2 + FMA.
-  const Int8LinearBlockFn avx2 = int8_linear_avx2();
-  if (avx2 != nullptr && cpu_isa() != "generic") return avx2;
-  return int8_linear_generic();
+// Follows the attention kernel's ISA choice (VLLM_LITE_CPU_ISA / set_cpu_isa), so one
+// switch selects every CPU build; every x86 build but "generic" implies AVX2 + FMA.
+template <typename Fn>
+Fn select_kernel(Fn avx2, Fn generic) {
+  return avx2 != nullptr && cpu_isa() != "generic" ? avx2 : generic;
+}
+
+// Runs fn(n0, n1, wbuf) over tasks of kInt8ChannelsPerTask output channels in parallel.
+template <typename Block>
+void run_channel_tasks(int64_t N, int64_t K, Block&& block) {
+  const int64_t tasks = (N + kInt8ChannelsPerTask - 1) / kInt8ChannelsPerTask;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> wbuf(static_cast<size_t>(kInt8RowsPerPass * K));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kInt8ChannelsPerTask;
+      block(n0, std::min(N, n0 + kInt8ChannelsPerTask), wbuf.data());
+    }
+  });
 }
 
 }  // namespace
@@ -46,15 +59,36 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   Int8LinearArgs a{x2.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
                    bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
                    M, K, N, x2.stride(0)};
-  const Int8LinearBlockFn fn = select_kernel();
-  const int64_t tasks = (N + kInt8ChannelsPerTask - 1) / kInt8ChannelsPerTask;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> wbuf(static_cast<size_t>(kInt8RowsPerPass * K));
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kInt8ChannelsPerTask;
-      fn(a, n0, std::min(N, n0 + kInt8ChannelsPerTask), wbuf.data());
-    }
-  });
+  const Int8LinearBlockFn fn = select_kernel(int8_linear_avx2(), int8_linear_generic());
+  run_channel_tasks(N, K, [&](int64_t n0, int64_t n1, float* wbuf) { fn(a, n0, n1, wbuf); });
+  return y.reshape(out_shape);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group_size,
+                       const std::optional<at::Tensor>& bias) {
+  const int64_t N = check_int4_linear(x, qweight, scales, zeros, group_size, bias);
+  TORCH_CHECK(x.device().is_cpu(), "int4_linear: x must be on the CPU, got ", x.device());
+  const int64_t K = x.size(-1);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  if (M > kInt8KernelMaxRows) {
+    // Prefills: dequantize once, then the float32 GEMM.
+    const at::Tensor q = at::stack({qweight.bitwise_and(15), qweight.bitwise_right_shift(4)}, -1)
+                             .reshape({N, K / group_size, group_size})
+                             .to(at::kFloat);
+    const at::Tensor w = q.mul(scales.unsqueeze(-1)).add_(zeros.unsqueeze(-1)).reshape({N, K});
+    return at::linear(x2, w, bias).reshape(out_shape);
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.reshape(out_shape);
+  Int4LinearArgs a{x2.data_ptr<float>(), qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                   zeros.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                   y.data_ptr<float>(), M, K, N, x2.stride(0), group_size};
+  const Int4LinearBlockFn fn = select_kernel(int4_linear_avx2(), int4_linear_generic());
+  run_channel_tasks(N, K, [&](int64_t n0, int64_t n1, float* wbuf) { fn(a, n0, n1, wbuf); });
   return y.reshape(out_shape);
 }
 

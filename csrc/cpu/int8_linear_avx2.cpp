@@ -1,4 +1,4 @@
-// The AVX2 + FMA build of the int8 weight-only linear kernel, chosen at run time on CPUs
+// The AVX2 + FMA build of the int8 / int4 weight-only linear kernels, chosen at run time on CPUs
 // that have them (the target applies to this file alone; standard headers come first,
 // under the default target).
 #include <algorithm>
@@ -11,6 +11,7 @@
 #pragma GCC target("avx2,fma")
 #endif
 #define VLLM_LITE_INT8_FN int8_linear_avx2
+#define VLLM_LITE_INT4_FN int4_linear_avx2
 #include "cpu/int8_linear_kernel.h"
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -18,4 +19,5 @@
 #else
 #include "cpu/int8_linear_params.h"
 vllm_lite::cpu::Int8LinearBlockFn vllm_lite::cpu::int8_linear_avx2() { return nullptr; }
+vllm_lite::cpu::Int4LinearBlockFn vllm_lite::cpu::int4_linear_avx2() { return nullptr; }
 #endif

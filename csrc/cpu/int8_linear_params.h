@@ -27,8 +27,23 @@ struct Int8LinearArgs {
 
 using Int8LinearBlockFn = void (*)(const Int8LinearArgs&, int64_t n0, int64_t n1, float* wbuf);
 
+// int4_linear: the same passes and row limits as int8 (the kernel widens int4 rows instead).
+struct Int4LinearArgs {
+  const float* x;        // [M, K], row stride x_row_stride
+  const uint8_t* q;      // [N, K / 2], two weights per byte (k = 2j low nibble)
+  const float* scales;   // [N, K / group_size]
+  const float* zeros;    // [N, K / group_size]
+  const float* bias;     // [N] or nullptr
+  float* y;              // [M, N]
+  int64_t M, K, N, x_row_stride, group_size;
+};
+
+using Int4LinearBlockFn = void (*)(const Int4LinearArgs&, int64_t n0, int64_t n1, float* wbuf);
+
 // Each build's kernel; nullptr where the build was compiled out (another architecture).
 Int8LinearBlockFn int8_linear_generic();
 Int8LinearBlockFn int8_linear_avx2();
+Int4LinearBlockFn int4_linear_generic();
+Int4LinearBlockFn int4_linear_avx2();
 
 }  // namespace vllm_lite::cpu

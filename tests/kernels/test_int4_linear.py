@@ -1,0 +1,99 @@
+"""torch.ops.vllm_lite.int4_linear (CPU): every build the CPU runs (the block kernel up to
+32 rows, the dequantize + GEMM path above) against a float64 matmul on weights dequantized
+here from the packed nibbles; the default model's shapes, every group size, partial passes
+and tasks, strided rows; argument checks; torch.compile through the fake."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_lite import ops
+
+# Relative to the largest |output|: float32 accumulation in another order, and the kernel
+# folds scale and zero into float32 weights before the dot product.
+RTOL = 4e-6
+
+
+def _case(m: int, k: int, n: int, group: int, seed: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-4
+    zeros = (torch.rand(n, k // group, generator=g) - 0.5) * 0.2
+    b = torch.randn(n, generator=g) if bias else None
+    return x, packed, scales, zeros, b
+
+
+def _reference(x, packed, scales, zeros, group, b):
+    n = packed.shape[0]
+    q = torch.empty(n, packed.shape[1] * 2, dtype=torch.float64)
+    q[:, 0::2] = (packed & 15).double()  # k = 2j: the low nibble of byte j
+    q[:, 1::2] = (packed >> 4).double()
+    w = q.view(n, -1, group) * scales.double()[..., None] + zeros.double()[..., None]
+    ref = x.double() @ w.view(n, -1).t()
+    return ref + b.double() if b is not None else ref
+
+
+@pytest.fixture(params=ops.cpu_isas())
+def isa(request: pytest.FixtureRequest):
+    before = ops.cpu_isa()
+    ops.set_cpu_isa(request.param)
+    yield request.param
+    ops.set_cpu_isa(before)
+
+
+# (rows, K, N, group): the default model's projections (K 576 / 1536; N 960 = qkv,
+# 576 = o, 3072 = gate_up, 576 = down), 1..32 rows on the block kernel, 33 and 64 on the
+# dequantize path, N not a multiple of 4 or 32.
+SHAPES = [(1, 576, 960, 32), (2, 576, 576, 64), (3, 1536, 576, 128), (7, 576, 3072, 32),
+          (32, 128, 37, 64), (1, 64, 5, 32), (33, 576, 192, 32), (64, 256, 130, 128)]
+
+
+@pytest.mark.parametrize("m,k,n,group", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64(isa: str, m: int, k: int, n: int, group: int, bias: bool) -> None:
+    x, packed, scales, zeros, b = _case(m, k, n, group, seed=m * 1000 + n, bias=bias)
+    y = ops.int4_linear(x, packed, scales, zeros, group, b)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert not torch.isnan(y).any()
+    ref = _reference(x, packed, scales, zeros, group, b)
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=RTOL * float(ref.abs().max()) + 1e-7)
+
+
+def test_leading_dims_and_strided_rows(isa: str) -> None:
+    x, packed, scales, zeros, b = _case(6, 64, 24, 32, seed=5, bias=True)
+    ref = _reference(x, packed, scales, zeros, 32, b)
+    atol = RTOL * float(ref.abs().max())
+    y = ops.int4_linear(x.reshape(2, 3, 64), packed, scales, zeros, 32, b)
+    torch.testing.assert_close(y.double(), ref.reshape(2, 3, 24), rtol=0, atol=atol)
+    wide = torch.full((6, 100), float("nan"))
+    wide[:, 30:94] = x
+    y = ops.int4_linear(wide[:, 30:94], packed, scales, zeros, 32, b)
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=atol)
+
+
+def test_traces_under_torch_compile() -> None:
+    x, packed, scales, zeros, _ = _case(4, 64, 8, 32, seed=3, bias=False)
+    f = torch.compile(lambda t: ops.int4_linear(t, packed, scales, zeros, 32) * 2,
+                      fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(x), ops.int4_linear(x, packed, scales, zeros, 32) * 2)
+
+
+@pytest.mark.parametrize("what,change,match", [
+    ("x dtype", lambda a: a.update(x=a["x"].double()), "x must be Float"),
+    ("qweight dtype", lambda a: a.update(qweight=a["qweight"].to(torch.int8)), "qweight must be Byte"),
+    ("qweight shape", lambda a: a.update(qweight=a["qweight"][:, :-1].contiguous()), "qweight must be"),
+    ("qweight strided", lambda a: a.update(qweight=a["qweight"].t().contiguous().t()), "qweight must be contiguous"),
+    ("group", lambda a: a.update(group_size=16), "group_size must be 32, 64 or 128"),
+    ("group divides K", lambda a: a.update(group_size=128), "multiple of group_size"),
+    ("scales shape", lambda a: a.update(scales=a["scales"][:, :1].contiguous()), "scales must be"),
+    ("zeros dtype", lambda a: a.update(zeros=a["zeros"].double()), "zeros must be Float"),
+    ("bias shape", lambda a: a.update(bias=torch.zeros(3)), "bias must be"),
+])
+def test_bad_arguments(what: str, change, match: str) -> None:
+    x, packed, scales, zeros, b = _case(2, 64, 8, 32, seed=1, bias=True)
+    args = dict(x=x, qweight=packed, scales=scales, zeros=zeros, group_size=32, bias=b)
+    change(args)
+    with pytest.raises(RuntimeError, match=f"int4_linear: .*{match}"):
+        ops.int4_linear(**args)
