@@ -444,7 +444,7 @@ def calibrate(args: argparse.Namespace, repeats: int | None = None) -> Calibrati
         grid = QUICK_GRID if args.quick else FULL_GRID
         max_len = args.max_model_len or min(limit, max(2048, trace_max_len(args),
                                                        *(sc.max_len for sc in grid)))
-        llm = E.build_llm(str(s.model_folder), s.dtype_name, str(s.device), max_model_len=max_len,
+        llm = E.build_llm(s.model, s.dtype_name, str(s.device), max_model_len=max_len,
                           **dict(engine_options(args), enable_prefix_caching=False))
         engine = llm.llm_engine
         sched_cfg = engine.config.scheduler_config

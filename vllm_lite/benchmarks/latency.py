@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> Report:
     max_len = min(max(longest, 2048), limit) if limit else None
 
     results: dict[str, dict[str, LatencyResult]] = {"batch1": {}, "rate": {}}
-    llm = E.build_llm(str(s.model_folder), s.dtype_name, str(s.device), max_model_len=max_len,
+    llm = E.build_llm(s.model, s.dtype_name, str(s.device), max_model_len=max_len,
                       **engine_options(args))
     try:
         serve = functools.partial(vllm_lite_serve, llm)

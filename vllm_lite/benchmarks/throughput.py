@@ -140,7 +140,7 @@ def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: 
     timed run over ``requests``."""
     kw = dict(engine_options(args), enable_prefix_caching=False)
     kw.update(overrides)
-    llm = E.build_llm(str(s.model_folder), s.dtype_name, str(s.device), max_model_len=max_model_len,
+    llm = E.build_llm(s.model, s.dtype_name, str(s.device), max_model_len=max_model_len,
                       **kw)
     try:
         E.run_vllm_lite(llm, _warmup_requests(s.vocab_size), track_kv=False)
