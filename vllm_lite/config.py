@@ -187,6 +187,13 @@ class EngineArgs:
         None, "int4's group size (weights sharing a scale and zero): 32, 64 or 128; only "
         "with --quantization int4", type=int, choices=INT4_GROUP_SIZES,
         none_means=f"{DEFAULT_INT4_GROUP_SIZE} for int4")
+    tensor_parallel_size: int = _opt(
+        1, "split the model over this many ranks (Megatron-style: heads, MLP columns and "
+        "vocabulary per rank), one process each, torch.distributed (gloo on CPU, NCCL on "
+        "CUDA); rank 0 runs in the engine's process")
+    distributed_timeout: float = _opt(
+        300.0, "seconds a tensor-parallel collective may wait for a rank before the engine "
+        "fails with an error naming it (a dead or hung worker)")
 
     # -- the Python API -----------------------------------------------------------------------
     @classmethod
@@ -230,6 +237,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype {cache_config.cache_dtype!r}: an fp8 KV cache is "
                              f"implemented by the CPU kernels only so far, not on {device}; "
                              "use 'auto'")
+        parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                         distributed_timeout=self.distributed_timeout)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_model_len=model_config.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -242,6 +251,7 @@ class EngineArgs:
             device=device,
             kv_cache_space=self.kv_cache_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            parallel_config=parallel_config,
         )
 
     # -- the command line -----------------------------------------------------------------------
@@ -593,6 +603,57 @@ class ModelConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is split: ``tensor_parallel_size`` ranks (1: no split, no processes),
+    and how long a collective may wait for a rank (``distributed_timeout`` seconds)."""
+
+    tensor_parallel_size: int = EngineArgs.tensor_parallel_size
+    distributed_timeout: float = EngineArgs.distributed_timeout
+
+    def __post_init__(self) -> None:
+        self.tensor_parallel_size = check_int("tensor_parallel_size",
+                                              self.tensor_parallel_size, 1)
+        self.distributed_timeout = check_number("distributed_timeout",
+                                                self.distributed_timeout)
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got "
+                             f"{self.distributed_timeout}")
+
+    def check_model(self, hf_config: Any, quantization: str | None,
+                    group_size: int | None = None) -> None:
+        """The model splits evenly over the ranks: attention heads, KV heads (split when
+        divisible, else replicated when the ranks are a multiple of them, as vLLM) and the
+        MLP's intermediate size; ValueError naming the field otherwise."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        heads = int(hf_config.num_attention_heads)
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's "
+                             f"num_attention_heads ({heads})")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size {tp}: the model's num_key_value_heads "
+                             f"({kv_heads}) must be a multiple or a divisor of it")
+        inter = int(hf_config.intermediate_size)
+        if inter % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide the model's "
+                             f"intermediate_size ({inter})")
+        if quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization {quantization!r} with tensor_parallel_size {tp} "
+                             "is not implemented (int8 and int4 shard; use tensor_parallel_size "
+                             "1 or one of those)")
+        if quantization == "int4":
+            head_dim = getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // heads
+            # Row-parallel shards split the input dimension: whole int4 groups per rank.
+            for name, k in (("o_proj", heads // tp * head_dim), ("down_proj", inter // tp)):
+                if k % (group_size or DEFAULT_INT4_GROUP_SIZE):
+                    raise ValueError(
+                        f"quantization_group_size {group_size or DEFAULT_INT4_GROUP_SIZE} must "
+                        f"divide each rank's {name} inputs ({k}) with tensor_parallel_size {tp}")
+
+
+@dataclass
 class EngineConfig:
     """The whole engine: model, KV cache, scheduler, device and memory budgets. Built by
     ``EngineArgs.create_engine_config()``; its ``model_config.dtype`` is the torch dtype
@@ -605,6 +666,7 @@ class EngineConfig:
     # GiB of KV cache when the device is the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).
     kv_cache_space: float = EngineArgs.kv_cache_space
     num_gpu_blocks_override: int | None = EngineArgs.num_gpu_blocks_override
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         import torch
@@ -638,6 +700,16 @@ class EngineConfig:
                 f"num_gpu_blocks_override must be a positive int, got "
                 f"{self.num_gpu_blocks_override!r}"
             )
+        pc = self.parallel_config
+        pc.check_model(mc.hf_config, mc.quantization, mc.quantization_group_size)
+        tp = pc.tensor_parallel_size
+        if tp > 1 and self.device.type == "cuda":
+            if self.device.index not in (None, 0):
+                raise ValueError(f"device {self.device} with tensor_parallel_size {tp}: rank r "
+                                 "runs on cuda:r; use device 'cuda'")
+            if tp > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size {tp} is more than the "
+                                 f"{torch.cuda.device_count()} CUDA device(s) torch sees")
         if self.scheduler_config.max_model_len != self.model_config.max_model_len:
             raise ValueError(
                 f"scheduler max_model_len {self.scheduler_config.max_model_len} != model "

@@ -11,3 +11,9 @@ from __future__ import annotations
 
 class InternalError(RuntimeError):
     """A broken invariant inside core/ or engine/: a bug, never the user's input."""
+
+
+class DistributedError(RuntimeError):
+    """A tensor-parallel rank died, hung past ``distributed_timeout`` or disconnected. The
+    ranks' states may now differ, so the engine cannot go on: it shuts every process down
+    and raises this (again on every later call)."""

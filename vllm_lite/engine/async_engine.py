@@ -161,6 +161,7 @@ class AsyncLLMEngine:
                 logger.warning("the engine thread did not stop within %s s", timeout)
                 return
         self._fail_everything(EngineDeadError("the engine is shut down"))
+        self.engine.shutdown()  # tensor-parallel ranks exit
 
     @property
     def num_requests(self) -> int:

@@ -25,7 +25,8 @@ from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.inputs import truncate_prompt
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import SamplingParams
-from vllm_lite.worker.executor import Executor, UniprocExecutor
+from vllm_lite.errors import DistributedError
+from vllm_lite.worker.executor import Executor, make_executor
 from vllm_lite.worker.model_runner import RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -49,11 +50,16 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         self.tokenizer = tokenizer
-        self.executor: Executor = UniprocExecutor(config, model)
-        num_gpu_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
-        self.cache_config = dataclasses.replace(
-            config.cache_config, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
-        self.executor.init_cache(num_gpu_blocks, num_cpu_blocks)
+        self.executor: Executor = make_executor(config, model)
+        try:
+            num_gpu_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
+            self.cache_config = dataclasses.replace(
+                config.cache_config, num_gpu_blocks=num_gpu_blocks,
+                num_cpu_blocks=num_cpu_blocks)
+            self.executor.init_cache(num_gpu_blocks, num_cpu_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(config.scheduler_config, self.cache_config)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_id: int | None = tokenizer.eos_token_id
@@ -63,6 +69,11 @@ class LLMEngine:
             self.scheduler, StopChecker(config.scheduler_config.max_model_len), tokenizer)
         logger.info("engine: %d KV blocks of %d tokens on %s, %d CPU swap blocks",
                     num_gpu_blocks, self.cache_config.block_size, config.device, num_cpu_blocks)
+
+    def shutdown(self) -> None:
+        """Stops the executor's worker processes (tensor parallel; nothing otherwise). The
+        engine cannot step afterwards."""
+        self.executor.shutdown()
 
     # The worker's parts, for callers that inspect them (tests, benchmarks).
     @property
@@ -215,12 +226,16 @@ class LLMEngine:
         scheduled = [s.request_id for s in out.scheduled_seq_groups]
         try:
             self.executor.execute_cache_ops(out)
+        except DistributedError:
+            raise  # fatal: the executor has shut every rank down
         except Exception as e:
             # The swap pool's contents are unknown now: every swapped group fails too.
             self._fail_step(scheduled + [g.request_id for g in self.scheduler.swapped], e, outputs)
         failed: dict[str, Exception] = {}
         try:
             result = self._execute_isolated(out, failed)
+        except DistributedError:
+            raise
         except Exception as e:
             self._fail_step([r for r in scheduled if r not in failed], e, outputs, failed)
         try:
@@ -273,6 +288,8 @@ class LLMEngine:
         snap = self.executor.snapshot_rng()
         try:
             return self.executor.execute_model(out)
+        except DistributedError:
+            raise  # not a request's fault: nothing to bisect
         except Exception as e:
             groups = list(out.scheduled_seq_groups)
             if len(groups) <= 1:
@@ -311,5 +328,7 @@ class LLMEngine:
             self.executor.restore_rng(snap)
             try:
                 self.executor.execute_model(dataclasses.replace(out, scheduled_seq_groups=part))
+            except DistributedError:
+                raise
             except Exception as e:  # noqa: BLE001  (narrowing down which request broke it)
                 self._bisect(out, part, snap, culprits, budget, e)

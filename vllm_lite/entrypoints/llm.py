@@ -63,6 +63,11 @@ class LLM:
         # mix their batches (and each would drop the other's finished outputs).
         self._lock = threading.Lock()
 
+    def shutdown(self) -> None:
+        """Stops the engine's tensor-parallel worker processes (if any); the LLM cannot
+        generate afterwards. Also done when the LLM is garbage-collected or Python exits."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_lite.distributed.group import TensorParallelGroup
+from vllm_lite.distributed.layers import Shard, VocabParallelEmbedding, all_reduce, gather_vocab
 from vllm_lite.layers.attention import Attention
 from vllm_lite.layers.layernorm import RMSNorm
 from vllm_lite.layers.rotary import RotaryEmbedding, rope_parameters_of
@@ -90,11 +92,19 @@ class Linear(nn.Linear):
 
 
 class LlamaAttention(nn.Module):
+    """This rank's attention heads (all of them with one rank): q/k/v column-parallel,
+    o_proj row-parallel (see vllm_lite.distributed.layers)."""
+
     def __init__(self, config: Any, opts: LayerOptions, max_position: int,
-                 rotary_emb: RotaryEmbedding | None = None) -> None:
+                 rotary_emb: RotaryEmbedding | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        shard = Shard.of(tp)
+        self.tp = tp
+        total_heads = config.num_attention_heads
+        total_kv = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_start, self.num_heads = shard.range(total_heads)
+        self.kv_head_start, self.num_kv_heads = shard.kv_heads(total_kv)
         self.head_dim = _head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -132,32 +142,39 @@ class LlamaAttention(nn.Module):
                 -1, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = self.rotary_emb.rotate(qk, cos, sin).split(
                 (self.num_heads, self.num_kv_heads), dim=1)
-        return self.o_proj(self.attn(q, k, v))
+        return all_reduce(self.tp, self.o_proj(self.attn(q, k, v)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, opts: LayerOptions) -> None:
+    """This rank's slice of the intermediate features: gate/up column-parallel, down_proj
+    row-parallel."""
+
+    def __init__(self, config: Any, opts: LayerOptions,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
-        self.intermediate_size = config.intermediate_size
+        self.tp = tp
+        self.intermediate_start, self.intermediate_size = Shard.of(tp).range(
+            config.intermediate_size)
         self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=opts.mlp_bias
+            config.hidden_size, 2 * self.intermediate_size, bias=opts.mlp_bias
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=opts.mlp_bias)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=opts.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return all_reduce(self.tp, self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, opts: LayerOptions, max_position: int,
-                 rotary_emb: RotaryEmbedding | None = None) -> None:
+                 rotary_emb: RotaryEmbedding | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, opts, max_position, rotary_emb)
-        self.mlp = LlamaMLP(config, opts)
+        self.self_attn = LlamaAttention(config, opts, max_position, rotary_emb, tp)
+        self.mlp = LlamaMLP(config, opts, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -169,13 +186,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, opts: LayerOptions, max_position: int) -> None:
+    def __init__(self, config: Any, opts: LayerOptions, max_position: int,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(_head_dim(config), max_position,
                                           rope_parameters_of(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, opts, max_position, self.rotary_emb)
+            LlamaDecoderLayer(config, opts, max_position, self.rotary_emb, tp)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -205,12 +223,16 @@ class LlamaForCausalLM(nn.Module):
     ``model(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` under an installed
     :class:`~vllm_lite.layers.attention.AttentionMetadata`; ``compute_logits(hidden)``
     -> float32 [T, vocab]. ``max_model_len`` (default ``max_position_embeddings``)
-    bounds the positions and the rotary table.
+    bounds the positions and the rotary table. ``tp``: this rank's tensor-parallel group
+    (None: the whole model); every rank builds its shards and loads its slices of the
+    checkpoint's tensors, and ``compute_logits`` gathers the vocabulary (all ranks call it).
     """
 
-    def __init__(self, config: Any, max_model_len: int | None = None) -> None:
+    def __init__(self, config: Any, max_model_len: int | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         max_position = max_model_len or config.max_position_embeddings
         self.sliding_window = self._sliding_window(config)
         if self.sliding_window is not None and self.sliding_window < max_position:
@@ -221,9 +243,11 @@ class LlamaForCausalLM(nn.Module):
                 "contexts up to %d tokens (cap max_model_len there)",
                 type(self).__name__, self.sliding_window, self.sliding_window,
             )
-        self.model = LlamaModel(config, self.layer_options(config), max_position)
+        self.model = LlamaModel(config, self.layer_options(config), max_position, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The head holds the embedding's vocabulary rows (its own copy unless tied).
+        self.lm_head = Linear(config.hidden_size, self.model.embed_tokens.num_embeddings,
+                              bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -243,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] in float32 (the sampler's softmax wants full precision)."""
-        return self.lm_head(hidden).float()
+        return gather_vocab(self.tp, self.lm_head(hidden).float(), self.config.vocab_size)
 
     def attention_layers(self) -> list[Attention]:
         """The Attention layers in order; the runner assigns each its k_cache/v_cache."""
@@ -282,6 +306,7 @@ class LlamaForCausalLM(nn.Module):
                 unexpected.append(hf_name)
                 continue
             target = self._shard_view(param, name, shard)
+            tensor = self._rank_part(name, shard, tensor)
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} does not "
@@ -312,6 +337,36 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.prepare_for_cpu(relayout=module is not self.lm_head)
 
+    def _rank_part(self, name: str, shard: str | int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (all of it with one rank): its heads'
+        rows of q/k/v and columns of o_proj, its intermediate rows of gate/up and columns of
+        down_proj, its vocabulary rows (zero-padded) of the embedding and head; row-parallel
+        biases on rank 0 only (they are added once, before the all-reduce sums the ranks)."""
+        if self.tp is None:
+            return tensor
+        attn = self.model.layers[0].self_attn
+        mlp = self.model.layers[0].mlp
+        d = attn.head_dim
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            embed = self.model.embed_tokens
+            rows = tensor.new_zeros(embed.num_embeddings, *tensor.shape[1:])
+            part = tensor[embed.vocab_start:embed.vocab_start + embed.num_embeddings]
+            rows[:part.shape[0]] = part
+            return rows
+        if shard == "q":
+            return tensor.narrow(0, attn.head_start * d, attn.num_heads * d)
+        if shard in ("k", "v"):
+            return tensor.narrow(0, attn.kv_head_start * d, attn.num_kv_heads * d)
+        if shard in (0, 1):
+            return tensor.narrow(0, mlp.intermediate_start, mlp.intermediate_size)
+        for part, start, size in ((".o_proj.", attn.head_start * d, attn.num_heads * d),
+                                  (".down_proj.", mlp.intermediate_start, mlp.intermediate_size)):
+            if part in name:
+                if name.endswith(".bias"):
+                    return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+                return tensor.narrow(1, start, size)
+        return tensor
+
     def _shard_view(self, param: torch.Tensor, name: str, shard: str | int | None) -> torch.Tensor:
         """The rows of a fused parameter that one HF projection fills (a view)."""
         if shard is None:
@@ -321,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
             q, kv = attn.q_size, attn.kv_size
             start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
         else:  # gate (0) / up (1) of gate_up_proj
-            size = self.config.intermediate_size
+            size = self.model.layers[0].mlp.intermediate_size
             start = shard * size
         return param.data.narrow(0, start, size)
 

@@ -158,10 +158,11 @@ def _available_bytes(device: torch.device) -> int | None:
 
 
 def check_model_memory(config: Any, dtype: torch.dtype, device: torch.device,
-                       max_model_len: int | None = None) -> int:
+                       max_model_len: int | None = None, shards: int = 1) -> int:
     """Refuse (ValueError) a model whose weights cannot fit the memory ``device`` has free,
-    before anything is allocated; returns the estimated bytes."""
-    need = estimate_model_bytes(config, dtype, max_model_len)
+    before anything is allocated; returns the estimated bytes (one rank's, when the model
+    is split over ``shards`` tensor-parallel ranks)."""
+    need = estimate_model_bytes(config, dtype, max_model_len) // shards
     have = _available_bytes(device)
     if have is not None and need > have:
         raise ValueError(
@@ -262,13 +263,16 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
+    tp: Any = None,
 ) -> tuple[nn.Module, Any]:
     """Builds the model named by ``path``/config.json and loads its weights.
 
     ``path``: an HF model folder, a ``.gguf`` file, a folder holding one, or an alias
     such as ``"smollm2-135m"`` (:data:`DEFAULT_MODEL`); GGUF checkpoints are converted
     once into a cache folder (:func:`resolve_model`), which later loads read directly.
-    Returns ``(model, hf_config)``, the model in eval mode on ``device`` in ``dtype``
+    ``tp``: a :class:`~vllm_lite.distributed.group.TensorParallelGroup` to build and load
+    only this rank's shards. Returns ``(model, hf_config)``, the model in eval mode on
+    ``device`` in ``dtype``
     (the rotary table stays float32). Local files only: nothing is downloaded.
     Raises ValueError for an unknown alias or missing path, a missing package, a bad
     config.json (see :func:`read_hf_config`), a model too big for the free memory of
@@ -280,9 +284,11 @@ def load_model(
     config = read_hf_config(path)
     model_cls = get_model_class(getattr(config, "architectures", None))
     torch_dtype = resolve_dtype(dtype, config)
-    check_model_memory(config, torch_dtype, torch.device(device), max_model_len)
+    check_model_memory(config, torch_dtype, torch.device(device), max_model_len,
+                       1 if tp is None else tp.size)
     with _default_dtype(torch_dtype), torch.device(device):
-        model = model_cls(config, max_model_len=max_model_len)
+        model = model_cls(config, max_model_len=max_model_len, tp=tp) if tp is not None \
+            else model_cls(config, max_model_len=max_model_len)
     model.load_weights(iterate_weights(path))
     model.eval()
     logger.info("loaded %s from %s (%s, %s)", model_cls.__name__, path, torch_dtype, device)

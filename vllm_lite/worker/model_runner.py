@@ -15,7 +15,7 @@ first token of the next one).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from vllm_lite.core.scheduler import SchedulerOutput
 from vllm_lite.layers.attention import AttentionMetadata, attention_metadata
 from vllm_lite.layers.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
-from vllm_lite.errors import InternalError
+from vllm_lite.errors import DistributedError, InternalError
 
 
 @dataclass
@@ -40,6 +40,11 @@ class ModelInput:
     prompt_logprob_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     prompt_logprob_spans: list[tuple[Any, int, int]] = field(default_factory=list)
 
+    @property
+    def logits_index(self) -> torch.Tensor:
+        """The flat-batch rows the LM head runs on: sampled rows, then prompt-logprob rows."""
+        return torch.cat([self.sample_indices, self.prompt_logprob_indices])
+
 
 @dataclass
 class RunnerOutput:
@@ -53,12 +58,18 @@ class RunnerOutput:
 
 
 class ModelRunner:
+    """``before_forward(model_input, logits_index)``: called with each step's inputs just
+    before the forward (the tensor-parallel driver broadcasts them to the other ranks)."""
+
     def __init__(self, model: nn.Module, block_size: int, device: torch.device,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None,
+                 before_forward: Callable[[ModelInput, torch.Tensor], None] | None = None
+                 ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = sampler if sampler is not None else Sampler()
+        self.before_forward = before_forward
 
     def prepare_input(self, out: SchedulerOutput) -> ModelInput | None:
         """The step's flat batch, or None when nothing is scheduled."""
@@ -157,14 +168,25 @@ class ModelRunner:
         inp = self.prepare_input(out)
         if inp is None:
             return RunnerOutput(None, SamplingMetadata([]))
-        with attention_metadata(inp.attn_metadata):
-            hidden = self.model(inp.input_ids, inp.positions)
+        # One lm_head call for the sampled rows and the prompt-logprob rows together.
+        index = inp.logits_index
+        if self.before_forward is None:
+            hidden = self.run_model(inp.input_ids, inp.positions, inp.attn_metadata, index)
+        else:
+            self.before_forward(inp, index)
+            try:
+                hidden = self.run_model(inp.input_ids, inp.positions, inp.attn_metadata, index)
+            except DistributedError:
+                raise
+            except Exception as e:
+                # The other ranks run this step's forward too; their collectives would now
+                # pair with the next step's. Nothing can be re-run: fatal.
+                raise DistributedError(f"the driver's forward failed after the step's inputs "
+                                       f"went to the other ranks: {e!r}") from e
         num_samples = len(inp.sampling_metadata.rows)
         if not num_samples and not inp.prompt_logprob_spans:
             return RunnerOutput(None, inp.sampling_metadata)
-        # One lm_head call for the sampled rows and the prompt-logprob rows together.
-        index = torch.cat([inp.sample_indices, inp.prompt_logprob_indices])
-        logits = self.model.compute_logits(hidden.index_select(0, index))
+        logits = hidden  # run_model's logits of the index rows
         result = RunnerOutput(None, inp.sampling_metadata)
         if num_samples:
             result.sampler_output = self.sampler(logits[:num_samples], inp.sampling_metadata)
@@ -176,3 +198,15 @@ class ModelRunner:
                 params, start=first)
             offset += count
         return result
+
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
+        """The forward, then float32 logits [len(logits_index), vocab] of those rows (no
+        rows without running the head: every tensor-parallel rank decides from the same
+        index, so their collectives pair; a zero-row result is only ever sliced empty)."""
+        with attention_metadata(meta):
+            hidden = self.model(input_ids, positions)
+        if not logits_index.numel():
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, logits_index))

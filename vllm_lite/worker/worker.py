@@ -2,8 +2,10 @@
 the model runner and the sampler's random states.
 
 One step on a worker: the scheduler's block operations on its caches (``execute_cache_ops``)
-then the forward and sampling (``execute_model``). Today one worker runs in the engine's
-process; with tensor parallelism each rank would hold one, driven through the executor.
+then the forward and sampling (``execute_model``). Without tensor parallelism one worker
+runs in the engine's process. With it, each rank holds one over its shard of the model and
+of every KV block: rank 0's lives in the engine's process (the driver: it samples and
+broadcasts each step's inputs), the others run :meth:`Worker.serve` in their own processes.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_lite.core.scheduler import SchedulerOutput
+from vllm_lite.distributed.group import TensorParallelGroup
 from vllm_lite.layers.sampler import RngSnapshot, Sampler
 from vllm_lite.worker.cache_engine import (
     CacheEngine, cache_block_bytes, num_blocks_for_cpu, profile_num_gpu_blocks)
-from vllm_lite.worker.model_runner import ModelRunner, RunnerOutput
+from vllm_lite.worker import step_broadcast
+from vllm_lite.worker.model_runner import ModelInput, ModelRunner, RunnerOutput
+from vllm_lite.worker.step_broadcast import Command
 
 if TYPE_CHECKING:
     from vllm_lite.config import EngineConfig
@@ -26,15 +31,17 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         from vllm_lite.models.loader import load_model
 
         self.config = config
+        self.tp = tp
         mc = config.model_config
-        self.device = config.device
+        self.device = tp.device if tp is not None else config.device
         torch.manual_seed(mc.seed)
         if model is None:
-            model, _ = load_model(mc.model, mc.dtype, config.device, mc.max_model_len)
+            model, _ = load_model(mc.model, mc.dtype, self.device, mc.max_model_len, tp=tp)
         if mc.quantization is not None:
             from vllm_lite.layers.quantization import quantize_model
 
@@ -57,7 +64,13 @@ class Worker:
         self.cache_dtype = ops.kv_cache_storage_dtype(self.kv_cache_dtype, self.dtype)
         self.block_size = config.cache_config.block_size
         self.sampler = Sampler(seed=mc.seed)
-        self.runner = ModelRunner(model, self.block_size, config.device, self.sampler)
+        before_forward = None
+        if tp is not None and tp.is_driver:
+            def before_forward(inp: ModelInput, index: torch.Tensor) -> None:
+                step_broadcast.send_step(tp, inp.input_ids, inp.positions,
+                                         inp.attn_metadata, index)
+        self.runner = ModelRunner(model, self.block_size, self.device, self.sampler,
+                                  before_forward)
         self.cache_engine: CacheEngine | None = None
 
     def determine_num_blocks(self) -> tuple[int, int]:
@@ -103,3 +116,26 @@ class Worker:
 
     def free_request(self, request_id: str) -> None:
         self.sampler.free_request(request_id)
+
+    # -- a tensor-parallel rank other than the driver ------------------------------------------
+    def serve(self) -> None:
+        """Runs the driver's messages until SHUTDOWN (returns) or a failed collective
+        (DistributedError: the driver died, hung or disconnected)."""
+        tp = self.tp
+        assert tp is not None and not tp.is_driver, "serve() is for ranks other than 0"
+        while True:
+            msg = step_broadcast.receive(tp)
+            if msg.command == Command.EXECUTE:
+                step = step_broadcast.unpack_step(msg, self.block_size, self.device)
+                self.runner.run_model(step.input_ids, step.positions, step.meta,
+                                      step.logits_index)
+            elif msg.command == Command.CACHE_OPS:
+                assert self.cache_engine is not None, "init_cache first"
+                self.cache_engine.execute(*step_broadcast.unpack_cache_ops(msg))
+            elif msg.command == Command.NUM_BLOCKS:
+                tp.min_cpu(list(self.determine_num_blocks()))
+            elif msg.command == Command.INIT_CACHE:
+                self.init_cache(msg.fields[0], msg.fields[1])
+            elif msg.command == Command.SHUTDOWN:
+                logger.info("tensor-parallel rank %d: shutdown", tp.rank)
+                return

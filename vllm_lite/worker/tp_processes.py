@@ -1,0 +1,178 @@
+"""The processes of a tensor-parallel engine: the driver starts and watches its local
+ranks; :func:`worker_main` is every other rank's program (``vllm-lite worker``).
+
+Local ranks run ``python -m vllm_lite.worker.tp_processes`` as fresh interpreters (what
+multiprocessing's spawn does, without re-importing the user's ``__main__``, so a script
+without an ``if __name__ == "__main__"`` guard still works) with torchrun's variables
+pointing at the driver's store. Each rank: connect to the store, say it joined, read the
+engine's config, join the groups, load its shards, then serve the driver's messages.
+
+Lifetimes: a worker ignores SIGINT (the driver turns Ctrl-C into an orderly shutdown of
+all ranks), exits when the driver sends SHUTDOWN, when a collective fails (the driver died
+or disconnected) and, for local ranks, when its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_lite.distributed.group import TensorParallelGroup
+from vllm_lite.distributed.rendezvous import CONFIG_KEY, Rendezvous, joined_key
+from vllm_lite.errors import DistributedError
+
+if TYPE_CHECKING:
+    from vllm_lite.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# Env var naming the driver's pid: a local rank exits when that process is gone.
+_PARENT_ENV = "VLLM_LITE_DRIVER_PID"
+# How often the driver looks at its ranks while waiting for them to join.
+_POLL_S = 0.05
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """Rank r's device: the CPU, or the CUDA device of its local rank."""
+    if config.device.type == "cuda":
+        return torch.device("cuda", local_rank)
+    return config.device
+
+
+def threads_per_rank(world_size: int) -> int:
+    """CPU ranks share the machine's cores: each gets its share of torch's threads."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+class LocalRanks:
+    """Driver side: the store, the local worker processes, and rank 0's group."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        pc = config.parallel_config
+        self.world_size = pc.tensor_parallel_size
+        self.timeout_s = pc.distributed_timeout
+        rdv = Rendezvous.from_env(self.world_size)
+        self.store = rdv.store(self.timeout_s)
+        port = self.store.port
+        self.store.set(CONFIG_KEY, pickle.dumps(config))
+        if config.device.type == "cpu":
+            torch.set_num_threads(threads_per_rank(rdv.local_world_size))
+        self.procs: dict[int, subprocess.Popen] = {}
+        env = dict(os.environ)
+        env[_PARENT_ENV] = str(os.getpid())
+        # The ranks import the driver's vllm_lite (a source checkout may shadow an install).
+        import vllm_lite
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(vllm_lite.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        for rank in range(1, rdv.local_world_size):
+            self.procs[rank] = subprocess.Popen(
+                [sys.executable, "-m", "vllm_lite.worker.tp_processes"],
+                env={**env, **rdv.worker_env(rank, port)})
+        logger.info("tensor parallel: %d ranks (%d here), store %s:%d",
+                    self.world_size, rdv.local_world_size, rdv.host, port)
+        try:
+            self._wait_joined()
+            self.group = TensorParallelGroup(self.store, 0, self.world_size,
+                                             rank_device(config, 0), self.timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_joined(self) -> None:
+        """Until every rank reached the store; a local rank that exits first, or a rank
+        that does not come within the timeout, is a DistributedError naming it."""
+        deadline = time.monotonic() + self.timeout_s
+        missing = set(range(1, self.world_size))
+        while missing:
+            self.check_alive()
+            missing = {r for r in missing if not self.store.check([joined_key(r)])}
+            if missing and time.monotonic() > deadline:
+                raise DistributedError(
+                    f"tensor-parallel rank(s) {sorted(missing)} did not join within "
+                    f"distributed_timeout={self.timeout_s:g}s (remote ranks run `vllm-lite "
+                    "worker` with MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK set)")
+            if missing:
+                time.sleep(_POLL_S)
+
+    def check_alive(self) -> None:
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise DistributedError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited "
+                                       f"with code {code}; see its log above")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Waits for the local ranks to exit (after SHUTDOWN), killing those that don't."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def kill(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A local rank's watchdog: its driver gone (even SIGKILLed), it exits too."""
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+    threading.Thread(target=watch, name="driver-watchdog", daemon=True).start()
+
+
+def worker_main() -> int:
+    """A rank other than 0: join, load the shards, serve the driver until SHUTDOWN."""
+    from vllm_lite.worker.worker import Worker
+
+    logging.basicConfig(level=os.environ.get("VLLM_LITE_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s [rank %(process)d] %(name)s: "
+                               "%(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.environ.get(_PARENT_ENV)
+    if parent is not None:
+        _exit_with_parent(int(parent))
+    rdv = Rendezvous.from_env()
+    if rdv.rank == 0:
+        raise ValueError("RANK 0 is the engine itself (LLM / vllm-lite serve with "
+                         "--tensor-parallel-size); workers are ranks 1..WORLD_SIZE-1")
+    # The store's own timeout bounds the wait for a driver that is not up yet.
+    store = rdv.store(timeout_s=float(os.environ.get("VLLM_LITE_JOIN_TIMEOUT", "600")))
+    store.set(joined_key(rdv.rank), b"1")
+    config: EngineConfig = pickle.loads(store.get(CONFIG_KEY))
+    pc = config.parallel_config
+    if pc.tensor_parallel_size != rdv.world_size:
+        raise ValueError(f"WORLD_SIZE {rdv.world_size} != the engine's tensor_parallel_size "
+                         f"{pc.tensor_parallel_size}")
+    if config.device.type == "cpu":
+        torch.set_num_threads(threads_per_rank(rdv.local_world_size))
+    group = TensorParallelGroup(store, rdv.rank, rdv.world_size,
+                                rank_device(config, rdv.local_rank), pc.distributed_timeout)
+    worker = Worker(config, tp=group)
+    try:
+        worker.serve()
+    except DistributedError as e:
+        logger.error("%s; exiting", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
