@@ -179,7 +179,8 @@ def _non_defaults(model_dir: Path) -> dict[str, Any]:
         "swap_space": 0.02, "enable_prefix_caching": True, "enable_chunked_prefill": True,
         "preemption_mode": "swap", "scheduling_policy": "priority", "seed": 7,
         "num_gpu_blocks_override": 12, "max_logprobs": 5, "quantization": "int4",
-        "quantization_group_size": 64, "kv_cache_dtype": "fp8_e5m2",
+        "quantization_group_size": 32, "kv_cache_dtype": "fp8_e5m2",
+        "tensor_parallel_size": 2, "distributed_timeout": 30.0,
     }
 
 
@@ -206,8 +207,10 @@ def test_serve_accepts_every_engine_option(model_dir: Path) -> None:
             sc.enable_chunked_prefill, sc.preemption_mode, sc.policy) == (
         4, 4096, 128, True, "swap", "priority")
     assert (mc.seed, mc.max_logprobs, mc.max_model_len, mc.quantization,
-            mc.quantization_group_size) == (7, 5, 128, "int4", 64)
+            mc.quantization_group_size) == (7, 5, 128, "int4", 32)
     assert (config.kv_cache_space, config.num_gpu_blocks_override) == (0.01, 12)
+    pc = config.parallel_config
+    assert (pc.tensor_parallel_size, pc.distributed_timeout) == (2, 30.0)
 
 
 def test_serve_max_logprobs_is_the_engines_and_the_servers() -> None:

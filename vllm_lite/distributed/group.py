@@ -64,9 +64,12 @@ class TensorParallelGroup:
     def is_driver(self) -> bool:
         return self.rank == 0
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, timeout_s: float | None = None) -> None:
         try:
-            work.wait()
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=timeout_s))
         except Exception as e:  # gloo / NCCL raise RuntimeError subclasses of many kinds
             raise DistributedError(
                 f"tensor-parallel rank {self.rank}/{self.size}: {what} failed (a rank died, "
@@ -91,15 +94,17 @@ class TensorParallelGroup:
         return torch.cat(parts, dim=-1)
 
     # -- the driver's messages (control + cpu groups) ------------------------------------------
-    def broadcast_header(self, values: list[int] | None, length: int) -> list[int]:
+    def broadcast_header(self, values: list[int] | None, length: int,
+                         timeout_s: float | None = None) -> list[int]:
         """Rank 0 sends ``values`` (at most ``length`` ints); the others pass None and wait
-        for them without a timeout (an idle engine sends nothing)."""
+        for them without a timeout (an idle engine sends nothing). ``timeout_s`` bounds
+        the wait for this one call."""
         t = torch.zeros(length, dtype=torch.int64)
         if values is not None:
             if len(values) > length:
                 raise ValueError(f"a header holds {length} ints, got {len(values)}")
             t[:len(values)] = torch.tensor(values, dtype=torch.int64)
-        self._wait(self.control.broadcast(t, 0), "command broadcast")
+        self._wait(self.control.broadcast(t, 0), "command broadcast", timeout_s)
         return [int(x) for x in t.tolist()]
 
     def broadcast_cpu(self, t: torch.Tensor) -> torch.Tensor:

@@ -222,6 +222,23 @@ def _run_bench(args: argparse.Namespace) -> int:
     return run_cli(f"vllm-lite bench {args.bench}", module.run, args)
 
 
+def _worker_parser(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser(
+        "worker", help="a tensor-parallel rank on another machine (joins the engine started "
+                       "with --tensor-parallel-size)",
+        description="Runs tensor-parallel rank RANK of the engine whose driver (rank 0: "
+        "`vllm-lite serve` / `generate` / LLM with --tensor-parallel-size WORLD_SIZE) listens "
+        "at MASTER_ADDR:MASTER_PORT; the engine's options come from the driver. Environment "
+        "(torchrun's): MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK (its CUDA "
+        "device). Exits when the engine shuts down or its connection drops.")
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from vllm_lite.worker.tp_processes import worker_main
+
+    return worker_main()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import vllm_lite
 
@@ -232,9 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _generate_parser(sub)
     _serve_parser(sub)
     _bench_parser(sub)
+    _worker_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    run = {"generate": _run_generate, "serve": _run_serve, "bench": _run_bench}[args.command]
+    run = {"generate": _run_generate, "serve": _run_serve, "bench": _run_bench,
+           "worker": _run_worker}[args.command]
     try:
         return run(args)
     except ValueError as e:  # bad arguments or input: say why, no traceback

@@ -111,7 +111,10 @@ class MultiprocExecutor:
             self._fail(e)
             raise
         except KeyboardInterrupt:
-            self.shutdown()
+            # Maybe mid-step: the other ranks may wait in a collective the driver left, so
+            # they cannot be asked to exit; stop them.
+            self._fail(DistributedError("interrupted (KeyboardInterrupt) during a step; the "
+                                        "tensor-parallel ranks were stopped"))
             raise
 
     def _fail(self, error: DistributedError) -> None:
@@ -156,9 +159,10 @@ class MultiprocExecutor:
             return
         if self._failed is None:
             try:
-                step_broadcast.send(self.tp, Command.SHUTDOWN, [])
+                # Bounded: a hung rank never takes the message.
+                step_broadcast.send(self.tp, Command.SHUTDOWN, [], timeout_s=5.0)
             except DistributedError:
-                pass  # a rank is gone already: kill the rest below
+                pass  # a rank is gone or stuck: killed below
             self.ranks.shutdown()
         self._finalizer()
 

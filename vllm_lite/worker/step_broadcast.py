@@ -48,10 +48,11 @@ class Message:
 
 
 def send(tp: TensorParallelGroup, command: Command, fields: list[int],
-         payload: torch.Tensor | None = None) -> None:
-    """Driver side: the header, then the payload (if any) to every rank."""
+         payload: torch.Tensor | None = None, timeout_s: float | None = None) -> None:
+    """Driver side: the header (waiting at most ``timeout_s`` for the ranks to take it; None:
+    as long as they take), then the payload (if any) to every rank."""
     n = 0 if payload is None else int(payload.numel())
-    tp.broadcast_header([int(command), n, *fields], HEADER_LEN)
+    tp.broadcast_header([int(command), n, *fields], HEADER_LEN, timeout_s)
     if n:
         tp.broadcast_cpu(payload.to(device="cpu", dtype=torch.int64).contiguous())
 

@@ -14,6 +14,7 @@ or disconnected) and, for local ranks, when its parent process is gone.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pickle
@@ -146,6 +147,8 @@ def worker_main() -> int:
                         format="%(asctime)s %(levelname)s [rank %(process)d] %(name)s: "
                                "%(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # `kill -USR1 <pid>` prints where a stuck rank is (every thread's Python stack).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     parent = os.environ.get(_PARENT_ENV)
     if parent is not None:
         _exit_with_parent(int(parent))
