@@ -129,6 +129,26 @@ def test_throughput_report_is_consistent(model_dir: Path, tmp_path: Path) -> Non
         assert fig.is_file() and fig.stat().st_size > 0
 
 
+def test_throughput_tensor_parallel_rows(model_dir: Path, tmp_path: Path) -> None:
+    """--tensor-parallel-size 1,2: the main workload again on 2 ranks, every token, with
+    rank 0's collective time measured."""
+    args = _args(throughput, "--model", str(model_dir), "--num-requests", "3",
+                 "--input-len", "4-12", "--output-len", "2-6", "--no-sweeps",
+                 "--block-size", "4", "--kv-cache-space", "0.01", "--out", str(tmp_path),
+                 "--engines", "vllm_lite", "--no-progress", "--tensor-parallel-size", "1,2")
+    report = throughput.run(args)
+    report.save()
+    data = json.loads((tmp_path / f"{report.stem}.json").read_text())
+    wanted = sum(r.output_len for r in make_workload(WorkloadConfig(3, (4, 12), (2, 6), seed=0),
+                                                     VOCAB))
+    (ours,), (tp2,) = data["engines"], data["tensor_parallel"]
+    assert ours["settings"]["tensor_parallel_size"] == 1 and ours["settings"]["comm_s"] == 0
+    assert tp2["settings"]["tensor_parallel_size"] == 2 and tp2["output_tokens"] == wanted
+    assert 0 < tp2["settings"]["comm_s"] < tp2["elapsed_s"]
+    md = (tmp_path / f"{report.stem}.md").read_text()
+    assert "## Tensor parallel" in md and "all-reduce share" in md
+
+
 def test_hf_generate_batch_runs_or_says_why(model_dir: Path) -> None:
     import torch
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Sequence
 
+from vllm_lite.config import EngineArgs
 from vllm_lite.benchmarks import engines as E
 from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply_sizes,
                                          engine_options, int_list, int_range, run_cli, setup,
@@ -101,6 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp-slots", type=int, default=None,
                    help="llama-server's parallel slots (-np; default: --max-num-seqs, at "
                         "most the number of requests)")
+    p.add_argument("--tensor-parallel-size", type=int_list, default=None,
+                   help="vllm_lite's tensor_parallel_size; several (1,2) run the main workload "
+                        "once each, the first as the reference of the engines table (default: "
+                        "the engine's, %d)" % EngineArgs.tensor_parallel_size)
     p.add_argument("--no-sweeps", action="store_true",
                    help="skip the block-size, max_num_seqs and prefix-caching runs")
 
@@ -108,6 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def resolve_sizes(args: argparse.Namespace) -> None:
     """Fills the size arguments left unset, then checks them (ValueError)."""
     apply_sizes(args, SIZES)
+    if not args.tensor_parallel_size:
+        args.tensor_parallel_size = [EngineArgs.tensor_parallel_size]
+    if any(tp < 1 for tp in args.tensor_parallel_size):
+        raise ValueError(f"--tensor-parallel-size values must be >= 1, got "
+                         f"{args.tensor_parallel_size}")
     if args.no_sweeps:
         args.block_size_sweep, args.max_num_seqs_sweep, args.prefix_requests = [], [], 0
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
@@ -138,7 +148,8 @@ def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: 
                          primer: Sequence[BenchRequest] = (), **overrides: Any) -> E.RunResult:
     """A fresh LLM with ``overrides``, warmed up, then ``primer`` run untimed, then the
     timed run over ``requests``."""
-    kw = dict(engine_options(args), enable_prefix_caching=False)
+    kw = dict(engine_options(args), enable_prefix_caching=False,
+              tensor_parallel_size=args.tensor_parallel_size[0])
     kw.update(overrides)
     llm = E.build_llm(s.model, s.dtype_name, str(s.device), max_model_len=max_model_len,
                       **kw)
@@ -149,8 +160,15 @@ def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: 
             llm.llm_engine.reset_prefix_cache()
         if primer:
             E.run_vllm_lite(llm, primer, track_kv=False)
-        return E.run_vllm_lite(llm, requests, progress=s.progress, label=label)
+        executor = llm.llm_engine.executor
+        comm_before = getattr(executor, "comm_seconds", 0.0)
+        result = E.run_vllm_lite(llm, requests, progress=s.progress, label=label)
+        result.settings["tensor_parallel_size"] = kw["tensor_parallel_size"]
+        # Rank 0's seconds in the all-reduces and the logits gather of the timed run.
+        result.settings["comm_s"] = getattr(executor, "comm_seconds", 0.0) - comm_before
+        return result
     finally:
+        llm.shutdown()
         del llm
         E.release_memory(s.device)
 
@@ -227,6 +245,7 @@ def run(args: argparse.Namespace) -> Report:
     bs_sweep: list[E.RunResult] = []
     seqs_sweep: list[E.RunResult] = []
     prefix_runs: list[E.RunResult] = []
+    tp_runs: list[E.RunResult] = []
 
     def snapshot(peers: Sequence[E.RunResult], final: bool = False) -> Report:
         """The report of what has run so far; saved at once unless final (a run cut
@@ -235,13 +254,17 @@ def run(args: argparse.Namespace) -> Report:
             info["load_avg_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
         rep = Report("Throughput: vllm_lite vs HF transformers", Path(args.out), stem)
         write_report(rep, s, info, wl, args, main, peers, bs_sweep, seqs_sweep, prefix_wl,
-                     prefix_runs, figures=final)
+                     prefix_runs, figures=final, tp_runs=tp_runs)
         if not final:
             rep.save()
         return rep
 
     main = run_vllm_lite_config(s, requests, args, max_len)
     snapshot([])
+    for tp in args.tensor_parallel_size[1:]:
+        tp_runs.append(run_vllm_lite_config(s, requests, args, max_len,
+                                            tensor_parallel_size=tp,
+                                            label=f"vllm_lite tp={tp}"))
     for bs in args.block_size_sweep:
         bs_sweep.append(run_vllm_lite_config(s, sweep_requests, args, max_len, block_size=bs))
     for n in args.max_num_seqs_sweep:
@@ -354,7 +377,7 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
                  args: argparse.Namespace, main: E.RunResult, peers: Sequence[E.RunResult],
                  bs_sweep: Sequence[E.RunResult], seqs_sweep: Sequence[E.RunResult],
                  prefix_wl: WorkloadConfig | None, prefix_runs: Sequence[E.RunResult],
-                 figures: bool = True) -> None:
+                 figures: bool = True, tp_runs: Sequence[E.RunResult] = ()) -> None:
     report.add(f"Machine: {describe_machine(info)}.\n\n"
                f"Model {s.model} ({s.model_folder.name}), {s.dtype_name}, device {s.device}. "
                f"Workload: {wl.describe()}; greedy, EOS ignored; the same token-id prompts for "
@@ -375,6 +398,20 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
                "cache preallocated for rows x (longest prompt + most new tokens)). "
                "generate_batch's own cache is not measured (n/a).")
     report.add("### Targets (reported, not asserted)\n\n" + "\n".join(targets(main, peers)))
+    if tp_runs:
+        rows = []
+        for r in [main, *tp_runs]:
+            tp = r.settings.get("tensor_parallel_size", 1)
+            share = r.settings.get("comm_s", 0.0) / r.elapsed_s if r.ok and r.elapsed_s else None
+            rows.append([tp, r.num_requests, r.output_tokens, fmt(r.elapsed_s),
+                         fmt(r.output_tokens_per_s), fmt(_speedup(r, main)) if r is not main
+                         else "1 (reference)", pct(share) if tp > 1 and share is not None
+                         else "-"])
+        report.add("## Tensor parallel (vllm_lite, the main workload)\n\n" + markdown_table(
+            ["tensor_parallel_size", "requests", "output tokens", "time (s)", "output tok/s",
+             "vs the first", "all-reduce share"], rows)
+            + "\n\nall-reduce share: rank 0's seconds in the model's all-reduces and the "
+              "logits gather / the run's wall time. Each CPU rank gets cores / ranks threads.")
     if bs_sweep:
         report.add(f"## Block size sweep (vllm_lite, first {bs_sweep[0].num_requests} requests)\n\n"
                    + markdown_table(["block size", "requests", "output tokens", "time (s)",
@@ -409,6 +446,7 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
         "workload": wl.__dict__, "args": {k: v for k, v in vars(args).items() if k != "out"},
         "engines": [r.to_dict() for r in [main, *peers]],
         "block_size_sweep": [r.to_dict() for r in bs_sweep],
+        "tensor_parallel": [r.to_dict() for r in tp_runs],
         "max_num_seqs_sweep": [r.to_dict() for r in seqs_sweep],
         "prefix_caching": {"workload": prefix_wl.__dict__ if prefix_wl else None,
                            "runs": [r.to_dict() for r in prefix_runs]},
