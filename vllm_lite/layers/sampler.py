@@ -438,9 +438,10 @@ class Sampler:
         ]
         tokens: dict[int, torch.Tensor] = {}
         if greedy:
-            g = torch.tensor(greedy, dtype=torch.long, device=dev)
-            for i, t in zip(greedy, processed[g].argmax(dim=-1)):
-                tokens[i] = t.reshape(1)
+            # One argmax over every row (cheaper than gathering the greedy rows first).
+            best = processed.argmax(dim=-1)
+            for i in greedy:
+                tokens[i] = best[i:i + 1]
         if random_rows:
             sample_rows = [i for i in random_rows for _ in range(rows[i].num_samples)]
             s = torch.tensor(sample_rows, dtype=torch.long, device=dev)
@@ -476,7 +477,7 @@ class Sampler:
         flat_rows = [i for i in order for _ in range(tokens[i].numel())]
         fr = torch.tensor(flat_rows, dtype=torch.long, device=dev)
         flat_tokens = torch.cat([tokens[i] for i in order])
-        flat_lp = logprobs[fr].gather(1, flat_tokens.unsqueeze(1)).squeeze(1)
+        flat_lp = logprobs[fr, flat_tokens]  # one value per sample, no row copies
         want_top = [j for j, i in enumerate(flat_rows) if rows[i].params.logprobs is not None]
         top_dicts: dict[int, dict[int, Logprob]] = {}
         if want_top:
