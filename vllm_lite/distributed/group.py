@@ -52,6 +52,7 @@ class TensorParallelGroup:
         self.control = _gloo(store, "control/", rank, size, _FOREVER)
         self.cpu = _gloo(store, "cpu/", rank, size, timeout)
         if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds each rank's communicator to it
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
