@@ -151,6 +151,9 @@ def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: 
     kw = dict(engine_options(args), enable_prefix_caching=False,
               tensor_parallel_size=args.tensor_parallel_size[0])
     kw.update(overrides)
+    if s.device.type == "cpu":
+        # kv_cache_space is per rank: split it, so every size schedules the same KV pool.
+        kw["kv_cache_space"] = kw["kv_cache_space"] / kw["tensor_parallel_size"]
     llm = E.build_llm(s.model, s.dtype_name, str(s.device), max_model_len=max_model_len,
                       **kw)
     try:
@@ -411,7 +414,9 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
             ["tensor_parallel_size", "requests", "output tokens", "time (s)", "output tok/s",
              "vs the first", "all-reduce share"], rows)
             + "\n\nall-reduce share: rank 0's seconds in the model's all-reduces and the "
-              "logits gather / the run's wall time. Each CPU rank gets cores / ranks threads.")
+              "logits gather / the run's wall time (waiting for a slower rank included). "
+              "Each CPU rank gets cores / ranks threads and kv_cache_space / ranks, so every "
+              "size has the same KV pool in blocks.")
     if bs_sweep:
         report.add(f"## Block size sweep (vllm_lite, first {bs_sweep[0].num_requests} requests)\n\n"
                    + markdown_table(["block size", "requests", "output tokens", "time (s)",
