@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from entrypoints.utils import cli_env, free_port  # noqa: E402
-from models.helpers import make_config, save_hf_model  # noqa: E402
+from models.helpers import assert_all_free, hf_greedy, make_config, save_hf_model  # noqa: E402
 from vllm_lite import LLM, SamplingParams  # noqa: E402
 from vllm_lite.errors import DistributedError  # noqa: E402
 
@@ -36,12 +36,8 @@ def _prompts(seed: int = 0, lens: list[int] = PROMPT_LENS) -> list[dict[str, lis
             for n in lens]
 
 
-@torch.no_grad()
-def _hf_greedy(hf_model: Any, prompt: list[int], k: int = MAX_TOKENS) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                            max_new_tokens=k, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+def _hf_greedy(hf_model: Any, prompt: list[int]) -> list[int]:
+    return hf_greedy(hf_model, prompt, MAX_TOKENS)
 
 
 def _ckpt(tmp_path_factory: pytest.TempPathFactory, name: str, **overrides: Any):
@@ -85,12 +81,6 @@ def _assert_gone(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
         assert p.returncode is not None
 
 
-def _assert_all_free(llm: LLM) -> None:
-    sched = llm.llm_engine.scheduler
-    bm = sched.block_manager
-    assert not sched.has_unfinished_seqs()
-    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
-    assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
 
 
 # Prefix caching + chunked prefill + a pool small enough that sequences are preempted.
@@ -121,7 +111,7 @@ def test_tp2_equals_tp1_and_hf_across_scheduler_features(bias_ckpt) -> None:
         assert sched.prefix_cache_stats.hits > 0
         assert sched.num_preemptions["recompute"] > 0, "the pool must force preemptions"
         assert sched.num_preemptions["swap"] > 0, "n > 1 must be swapped out"
-        _assert_all_free(llm)
+        assert_all_free(llm)
         results[tp] = dict(first=_ids(first), again=_ids(again), n2=_ids(n2), beam=_ids(beam),
                            logprobs=[[c.cumulative_logprob for c in o.outputs] for o in n2])
         llm.shutdown()

@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
 # tests/ is on sys.path (pytest puts the first folder without __init__.py there).
-from models.helpers import make_config, save_hf_model  # noqa: E402
+from models.helpers import assert_all_free, hf_greedy, make_config, save_hf_model  # noqa: E402
 from models.helpers import make_tokenizer as _make_tokenizer  # noqa: E402  (shared)
 from vllm_lite import LLM, RequestOutput, SamplingParams  # noqa: E402
 from vllm_lite.detokenizer import IncrementalDetokenizer  # noqa: E402
@@ -33,12 +33,8 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 300, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-@torch.no_grad()
 def _hf_greedy(hf_model: Any, prompt: list[int], k: int = MAX_TOKENS) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                            max_new_tokens=k, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy(hf_model, prompt, k)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -68,13 +64,7 @@ def _greedy(k: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=k)
 
 
-def _assert_all_free(llm: LLM) -> None:
-    sched = llm.llm_engine.scheduler
-    bm = sched.block_manager
-    assert not sched.has_unfinished_seqs()
-    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
-    assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
-    assert not llm.llm_engine._requests
+_assert_all_free = assert_all_free
 
 
 def _token_ids(outs: list[RequestOutput]) -> list[list[int]]:

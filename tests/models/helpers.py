@@ -76,6 +76,25 @@ def save_hf_model(config: Any, folder: Path, seed: int = 0) -> torch.nn.Module:
 
 
 @torch.no_grad()
+def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], k: int) -> list[int]:
+    """HF generate's k greedy tokens after ``prompt`` (EOS not special: pad id 0)."""
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=k, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_all_free(llm: Any) -> None:
+    """Nothing left in an LLM's engine: no sequence, every device and CPU block free."""
+    sched = llm.llm_engine.scheduler
+    bm = sched.block_manager
+    assert not sched.has_unfinished_seqs()
+    assert bm.get_num_free_device_blocks() == bm.num_total_device_blocks
+    assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
+    assert not llm.llm_engine._requests
+
+
+@torch.no_grad()
 def hf_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """HF's logits [len, vocab] for every position of one sequence."""
     return model(tokens[None]).logits[0].float()

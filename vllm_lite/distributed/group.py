@@ -98,13 +98,16 @@ class TensorParallelGroup:
     def broadcast_header(self, values: list[int] | None, length: int,
                          timeout_s: float | None = None) -> list[int]:
         """Rank 0 sends ``values`` (at most ``length`` ints); the others pass None and wait
-        for them without a timeout (an idle engine sends nothing). ``timeout_s`` bounds
-        the wait for this one call."""
+        for them without a timeout (an idle engine sends nothing). Rank 0 waits at most
+        ``timeout_s`` (default distributed_timeout) for the ranks to take it: a stopped
+        rank may never post its receive."""
         t = torch.zeros(length, dtype=torch.int64)
         if values is not None:
             if len(values) > length:
                 raise ValueError(f"a header holds {length} ints, got {len(values)}")
             t[:len(values)] = torch.tensor(values, dtype=torch.int64)
+        if values is not None and timeout_s is None:
+            timeout_s = self.timeout_s
         self._wait(self.control.broadcast(t, 0), "command broadcast", timeout_s)
         return [int(x) for x in t.tolist()]
 

@@ -46,7 +46,10 @@ class Executor(Protocol):
 
 
 class UniprocExecutor:
-    """One Worker, in this process."""
+    """One Worker, in this process. (MultiprocExecutor reuses its delegation for what
+    only the driver's worker does.)"""
+
+    worker: Worker
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
         self.worker = Worker(config, model)
@@ -76,8 +79,9 @@ class UniprocExecutor:
         pass
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(UniprocExecutor):
     """Rank 0 of a tensor-parallel group in this process; the other ranks in theirs.
+    Sampling and its random states are rank 0's alone (UniprocExecutor's methods).
 
     A failed collective (a rank died, hung past distributed_timeout, disconnected), a local
     rank found dead, or a forward that failed after its inputs went out is fatal: every
@@ -143,15 +147,6 @@ class MultiprocExecutor:
 
     def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
         return self._guard(self.worker.execute_model, out)
-
-    def snapshot_rng(self) -> RngSnapshot:
-        return self.worker.snapshot_rng()
-
-    def restore_rng(self, snap: RngSnapshot) -> None:
-        self.worker.restore_rng(snap)
-
-    def free_request(self, request_id: str) -> None:
-        self.worker.free_request(request_id)
 
     def shutdown(self) -> None:
         """Tells the other ranks to exit and waits for them (killing stragglers)."""
