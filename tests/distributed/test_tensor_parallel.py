@@ -2,7 +2,8 @@
 
 Every greedy output must equal the unsplit engine's (tensor_parallel_size 1, same options)
 and HF transformers'; the features that move KV blocks (prefix caching, chunked prefill,
-preemption by swap and by recompute, n > 1, beam search) run across the ranks; a worker
+preemption by swap and by recompute, n > 1, beam search) and prompt logprobs (rows of a
+prefill gathered over the vocabulary) run across the ranks; a worker
 that dies or hangs fails the engine with a clear error and leaves no process behind."""
 
 from __future__ import annotations
@@ -107,19 +108,26 @@ def test_tp2_equals_tp1_and_hf_across_scheduler_features(bias_ckpt) -> None:
         # Two n=2 groups at a time (max_num_seqs 4) outgrow the pool: one is swapped out.
         n2 = llm.generate(_prompts(4, [9, 10, 11, 12]), sampled, use_tqdm=False)
         beam = llm.generate(prompts[1:3], beams, use_tqdm=False)
+        plp = llm.generate(prompts[1:2], SamplingParams(temperature=0.0, max_tokens=2,
+                                                        prompt_logprobs=1), use_tqdm=False)
         sched = llm.llm_engine.scheduler
         assert sched.prefix_cache_stats.hits > 0
         assert sched.num_preemptions["recompute"] > 0, "the pool must force preemptions"
         assert sched.num_preemptions["swap"] > 0, "n > 1 must be swapped out"
         assert_all_free(llm)
         results[tp] = dict(first=_ids(first), again=_ids(again), n2=_ids(n2), beam=_ids(beam),
-                           logprobs=[[c.cumulative_logprob for c in o.outputs] for o in n2])
+                           logprobs=[[c.cumulative_logprob for c in o.outputs] for o in n2],
+                           prompt_logprobs=[d[t].logprob for d, t in zip(
+                               plp[0].prompt_logprobs[1:], plp[0].prompt_token_ids[1:])])
         llm.shutdown()
         _assert_gone(procs)
     assert results[2]["first"] == results[1]["first"] == hf
     assert results[2]["again"] == hf[2:]
     for key in ("n2", "beam"):
         assert results[2][key] == results[1][key], key
+    assert len(results[2]["prompt_logprobs"]) == len(prompts[1]["prompt_token_ids"]) - 1
+    torch.testing.assert_close(torch.tensor(results[2]["prompt_logprobs"]),
+                               torch.tensor(results[1]["prompt_logprobs"]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.tensor(results[2]["logprobs"]),
                                torch.tensor(results[1]["logprobs"]), rtol=1e-4, atol=1e-4)
 
