@@ -14,7 +14,9 @@ With one rank (``tp`` None) every layer is exactly the unsplit one.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,3 +87,24 @@ def gather_vocab(tp: TensorParallelGroup | None, local: torch.Tensor,
     if tp is None:
         return local
     return tp.all_gather_last_dim(local)[..., :vocab_size]
+
+
+def shard_int4_weight(w: Any, dim: int, segments: list[tuple[int, int]]) -> Any:
+    """This rank's part of a kept int4 projection (an Int4Weight: qweight uint8 [N, K / 2]
+    nibbles, scales / zeros [N, K / group]), given the model's ``tp_segments``: rows
+    (dim 0) are cut anywhere, columns (dim 1, row-parallel inputs) only at whole groups
+    (ValueError otherwise)."""
+    g = w.group_size
+    if dim == 0:
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[s:s + n] for s, n in segments]).contiguous()
+        return dataclasses.replace(w, qweight=rows(w.qweight), scales=rows(w.scales),
+                                   zeros=rows(w.zeros))
+    (start, size), = segments
+    if start % g or size % g:
+        raise ValueError(f"a tensor-parallel shard of {size} inputs at {start} does not hold "
+                         f"whole groups of {g} weights")
+    return dataclasses.replace(
+        w, qweight=w.qweight[:, start // 2:(start + size) // 2].contiguous(),
+        scales=w.scales[:, start // g:(start + size) // g].contiguous(),
+        zeros=w.zeros[:, start // g:(start + size) // g].contiguous())

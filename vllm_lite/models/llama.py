@@ -367,6 +367,33 @@ class LlamaForCausalLM(nn.Module):
                 return tensor.narrow(1, start, size)
         return tensor
 
+    def tp_segments(self, module: str) -> tuple[int, list[tuple[int, int]]] | None:
+        """This rank's part of the unsplit fused projection ``module`` (e.g.
+        ``model.layers.3.self_attn.qkv_proj``): (dim, [(start, size), ...]) in the unsplit
+        weight's coordinates, rows (dim 0) of q/k/v and gate/up, columns (dim 1) of o_proj
+        and down_proj; None with one rank or for an unsplit module."""
+        if self.tp is None:
+            return None
+        attn = self.model.layers[0].self_attn
+        mlp = self.model.layers[0].mlp
+        d = attn.head_dim
+        q_all = attn.num_heads * self.tp.size * d
+        kv_all = (getattr(self.config, "num_key_value_heads", None)
+                  or self.config.num_attention_heads) * d
+        inter = self.config.intermediate_size
+        i0, n = mlp.intermediate_start, mlp.intermediate_size
+        if module.endswith(".qkv_proj"):
+            kv0, nkv = attn.kv_head_start * d, attn.num_kv_heads * d
+            return 0, [(attn.head_start * d, attn.num_heads * d), (q_all + kv0, nkv),
+                       (q_all + kv_all + kv0, nkv)]
+        if module.endswith(".gate_up_proj"):
+            return 0, [(i0, n), (inter + i0, n)]
+        if module.endswith(".o_proj"):
+            return 1, [(attn.head_start * d, attn.num_heads * d)]
+        if module.endswith(".down_proj"):
+            return 1, [(i0, n)]
+        return None
+
     def _shard_view(self, param: torch.Tensor, name: str, shard: str | int | None) -> torch.Tensor:
         """The rows of a fused parameter that one HF projection fills (a view)."""
         if shard is None:
