@@ -326,8 +326,9 @@ def _children(pid: int) -> list[int]:
 
 
 def test_server_with_two_ranks_answers_the_openai_client(model_dir, offline, tmp_path) -> None:
-    """`vllm-lite serve --tensor-parallel-size 2`: completions (greedy, with logprobs and
-    prompt echo) and chat equal the unsplit offline engine's; SIGTERM stops every rank."""
+    """`vllm-lite serve --tensor-parallel-size 2`: completions (greedy, with logprobs) and
+    chat equal the unsplit offline engine's; a killed rank fails requests at once and turns
+    /health 503; SIGTERM stops the server."""
     openai = pytest.importorskip("openai")
     from entrypoints.utils import MODEL_NAME, ServeProcess
 
@@ -353,9 +354,19 @@ def test_server_with_two_ranks_answers_the_openai_client(model_dir, offline, tmp
         chat = client.chat.completions.create(model=MODEL_NAME, messages=messages,
                                               max_tokens=6, temperature=0, timeout=60)
         assert chat.choices[0].message.content == ref.outputs[0].text
+        # A dead rank: the next request fails at once (no hang) and /health turns 503, so a
+        # load balancer takes the replica out.
+        os.kill(ranks[0], signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError):
+            client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=4,
+                                      timeout=60)
+        import httpx
+
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
     finally:
         rc, log = server.stop()
-    assert rc in (0, -signal.SIGTERM) and "Traceback" not in log, log  # uvicorn re-raises it
+    assert rc in (0, -signal.SIGTERM), log  # uvicorn re-raises the SIGTERM
+    assert "DistributedError" in log and "rank" in log, log  # the engine thread's death
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(_alive(p) for p in ranks):
         time.sleep(0.1)
