@@ -106,25 +106,21 @@ def _opt(default: Any, help: str, *, type: Any = None, choices: Any = None,
 
 #: The ``quantization`` values the engine implements (None: no quantization); the methods
 #: are in vllm_lite.layers.quantization.
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+QUANTIZATION_METHODS = ("int8", "int4", "gguf", "gptq", "awq")
 #: int4's group sizes (weights sharing a scale and zero); GGUF Q4 blocks are groups of 32.
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP_SIZE = 128
 #: What the KV cache stores (vLLM's kv_cache_dtype values): "auto" = the model dtype; the
 #: fp8 ones ("fp8" = "fp8_e4m3") 1 byte per element, in uint8 caches.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-#: Asked for, planned, not implemented yet: refused with a clear error.
-_PLANNED_QUANTIZATIONS = ("gptq", "awq")
 
 
 def check_quantization(method: object) -> str | None:
     """``method`` if the engine implements it (or None); else a ValueError naming the field."""
     if method is None or method in QUANTIZATION_METHODS:
         return method  # type: ignore[return-value]
-    planned = (f" ({', '.join(_PLANNED_QUANTIZATIONS)} are not implemented yet)"
-               if method in _PLANNED_QUANTIZATIONS else "")
-    raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None"
-                     f"{planned}, got {method!r}")
+    raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, "
+                     f"got {method!r}")
 
 
 @dataclass
@@ -181,7 +177,8 @@ class EngineArgs:
     quantization: str | None = _opt(
         None, "weight-only quantization of the decoder's projections at load: int8 (per "
         "output channel), int4 (groups of --quantization-group-size), gguf (a GGUF model's "
-        "own Q4_0/Q4_1 blocks, kept); embeddings and LM head stay in --dtype", type=str,
+        "own Q4_0/Q4_1/Q8_0 blocks, kept), gptq / awq (a 4-bit GPTQ / AWQ checkpoint, kept; "
+        "the default for one); embeddings and LM head stay in --dtype", type=str,
         choices=QUANTIZATION_METHODS, none_means="none, the checkpoint's weights in --dtype")
     quantization_group_size: int | None = _opt(
         None, "int4's group size (weights sharing a scale and zero): 32, 64 or 128; only "
@@ -571,6 +568,10 @@ class ModelConfig:
             raise ValueError(
                 f"model {self.model!r} is not a local Hugging Face model folder (config.json)"
             )
+        from vllm_lite.models.gptq_awq import checkpoint_quantization
+
+        # A GPTQ / AWQ checkpoint runs as such (as in vLLM); a mismatch is a ValueError.
+        self.quantization = checkpoint_quantization(self.quantization, path)
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.hf_config is None:

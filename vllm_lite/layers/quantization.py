@@ -19,15 +19,19 @@ methods do): the head's logits feed the sampler, and a tied head is the embeddin
 a scale and a zero (asymmetric): ``scale = (max - min) / 15``, ``zero = min``, ``q =
 round((w - zero) / scale)`` in 0..15, ``w ~= q * scale + zero``; an eighth of float32's
 bytes plus the group's two floats. ``gguf``: the GGUF file's own Q4_0 / Q4_1 blocks in that
-same form, exactly (vllm_lite.models.gguf_quant), group 32. The GEMM:
+same form, exactly (vllm_lite.models.gguf_quant), group 32; ``gptq`` / ``awq``: a GPTQ or
+AWQ checkpoint's 4-bit weights in that form, exactly (vllm_lite.models.gptq_awq; GPTQ
+act-order as a column permutation of x). The GEMM:
 
 - CPU: vllm_lite's ``torch.ops.vllm_lite.int4_linear`` (float32 activations, like
   int8_linear).
 - other devices: dequantized once at load into the engine's dtype, with a warning
   (correct, no memory saving; torch's int4 GEMMs want other layouts).
 
-``gptq`` and ``awq`` are not implemented yet: asking for one is a ValueError naming the
-field, never a silently unquantized model.
+GGUF Q8_0 projections (32 int8 weights per fp16 scale) keep their per-32 scales in
+Int8GroupLinear: the int8 op has one scale per row, and rescaling to one would round. Its
+GEMM is torch's: the weight is dequantized (exactly) in row chunks of a few MB at each
+call and multiplied in float32, so it saves memory but is slower than float32 weights.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from torch import nn
 from vllm_lite import ops
 from vllm_lite.config import DEFAULT_INT4_GROUP_SIZE, check_quantization
 from vllm_lite.errors import InternalError
-from vllm_lite.models.gguf_quant import Int4Weight, pack_nibbles
+from vllm_lite.models.gguf_quant import Int4Weight, Int8GroupWeight, pack_nibbles
 
 logger = logging.getLogger(__name__)
 
@@ -145,17 +149,62 @@ class Int4Linear(nn.Module):
         self.register_buffer("qweight", weight.qweight.contiguous())
         self.register_buffer("scales", weight.scales.float().contiguous())
         self.register_buffer("zeros", weight.zeros.float().contiguous())
+        # GPTQ act-order: the stored columns are x's in this order (groups contiguous).
+        self.perm = weight.perm
         self._bias_f32 = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._dequantized is not None:
             return nn.functional.linear(x, self._dequantized, self.bias)
-        y = ops.int4_linear(x.float(), self.qweight, self.scales, self.zeros, self.group_size,
+        xf = x.float() if self.perm is None else x.float().index_select(-1, self.perm)
+        y = ops.int4_linear(xf, self.qweight, self.scales, self.zeros, self.group_size,
                             self._bias_f32)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4, "
+                f"group_size={self.group_size}")
+
+
+class Int8GroupLinear(nn.Module):
+    """A linear layer with int8 weights in groups sharing a scale (GGUF Q8_0,
+    :class:`Int8GroupWeight`); ``forward`` takes [..., K] in the engine's dtype and returns
+    [..., N] in that dtype, computed in float32."""
+
+    #: float32 elements of weight dequantized at a time (16 MB): bounds the temporary.
+    CHUNK_ELEMENTS = 1 << 22
+
+    def __init__(self, linear: nn.Linear, weight: Int8GroupWeight) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        if weight.qweight.shape != (self.out_features, self.in_features):
+            raise InternalError(f"int8 group weight {tuple(weight.qweight.shape)} does not fit "
+                                f"a {self.out_features}x{self.in_features} linear layer")
+        device = linear.weight.device
+        self.group_size = weight.group_size
+        self.register_buffer("qweight", weight.qweight.to(device).contiguous())
+        self.register_buffer("scales", weight.scales.to(device=device,
+                                                        dtype=torch.float32).contiguous())
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.qweight.shape
+        g = self.group_size
+        xf = x.float().reshape(-1, k)
+        y = torch.empty(xf.shape[0], n, dtype=torch.float32, device=x.device)
+        step = max(1, self.CHUNK_ELEMENTS // k)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            w = (self.qweight[lo:hi].float().view(hi - lo, k // g, g)
+                 * self.scales[lo:hi, :, None]).view(hi - lo, k)
+            torch.matmul(xf, w.T, out=y[:, lo:hi])
+        if self.bias is not None:
+            y += self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8, "
                 f"group_size={self.group_size}")
 
 
@@ -179,27 +228,30 @@ def _int8_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 def quantize_model(model: nn.Module, method: str | None, skip: tuple[nn.Module, ...] = (),
                    group_size: int | None = None,
-                   gguf_weights: dict[str, Int4Weight] | None = None) -> int:
+                   kept_weights: dict[str, Int4Weight | Int8GroupWeight] | None = None) -> int:
     """Replaces every nn.Linear of ``model`` but those in ``skip`` (the LM head) by its
     quantized form, in place; returns how many were replaced. None: nothing changes.
-    ``group_size``: int4's (default DEFAULT_INT4_GROUP_SIZE); ``gguf_weights``: "gguf"'s
-    projections by module name (vllm_lite.models.gguf_quant.read_llama_projections), every
-    one of which must find its layer."""
+    ``group_size``: int4's (default DEFAULT_INT4_GROUP_SIZE); ``kept_weights``: the
+    checkpoint's own quantized projections by module name, for "gguf"
+    (vllm_lite.models.gguf_quant.read_llama_projections) and "gptq" / "awq"
+    (vllm_lite.models.gptq_awq.read_checkpoint_projections), every one of which must find its
+    layer."""
     if check_quantization(method) is None:
         return 0
     targets = [(parent, f"{pname}.{name}" if pname else name, name, child)
                for pname, parent in model.named_modules()
                for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and not any(child is s for s in skip)]
-    if method == "gguf":
-        if gguf_weights is None:
-            raise ValueError("quantization='gguf' needs a GGUF model (a .gguf file or an alias "
-                             "of one), whose quantized projections it keeps")
+    if method in ("gguf", "gptq", "awq"):
+        if kept_weights is None:
+            raise ValueError(f"quantization={method!r} needs the checkpoint's quantized "
+                             f"projections (a GGUF model for gguf, a {method} checkpoint for "
+                             f"gptq / awq)")
         found = {full for _, full, _, _ in targets}
-        missing = sorted(set(gguf_weights) - found)
+        missing = sorted(set(kept_weights) - found)
         if missing:
-            raise InternalError(f"GGUF projections with no matching layer: {missing[:3]}")
-        targets = [t for t in targets if t[1] in gguf_weights]
+            raise InternalError(f"{method} projections with no matching layer: {missing[:3]}")
+        targets = [t for t in targets if t[1] in kept_weights]
     for parent, full, name, child in targets:
         if method == "int8":
             layer: nn.Module = Int8Linear(child)
@@ -207,6 +259,8 @@ def quantize_model(model: nn.Module, method: str | None, skip: tuple[nn.Module, 
             layer = Int4Linear(child, quantize_int4(child.weight,
                                                     group_size or DEFAULT_INT4_GROUP_SIZE))
         else:
-            layer = Int4Linear(child, gguf_weights[full])  # type: ignore[index]
+            kept = kept_weights[full]  # type: ignore[index]
+            layer = (Int8GroupLinear(child, kept) if isinstance(kept, Int8GroupWeight)
+                     else Int4Linear(child, kept))
         setattr(parent, name, layer)
     return len(targets)

@@ -8,12 +8,16 @@ with no rounding at all:
 - Q4_1, 20-byte blocks of 32 weights: fp16 d, fp16 m, 16 bytes of nibbles (byte j: weight
   j in the low nibble, weight j + 16 in the high one); w = d * q + m -> scale d, zero m.
 - Q4_0, 18-byte blocks: fp16 d, 16 bytes of nibbles; w = d * (q - 8) -> scale d, zero -8 d.
+- Q8_0, 34-byte blocks: fp16 d, 32 int8 q; w = d * q. vllm_lite's int8 op has one scale per
+  row, so these keep their per-32 scales in :class:`Int8GroupWeight` (Int8GroupLinear); a
+  fused projection mixing Q8_0 and Q4_0 parts turns the Q4_0 ones into that form too (q - 8
+  fits int8, exactly), Q4_1 with Q8_0 is refused.
 
 llama.cpp's converter permutes the rows of attn_q / attn_k (its rotary layout); they are
 permuted back as transformers does for the dequantized weights, which moves whole rows, so
 blocks stay intact. Our fused projections (qkv_proj = q | k | v rows, gate_up_proj = gate |
-up) are the row concatenations. Other types (Q8_0, Q4_K, Q6_K, ...) are refused with an
-error naming the tensor and type.
+up) are the row concatenations. Other types (Q4_K, Q6_K, ...) are refused with an error
+naming the tensor and type.
 """
 
 from __future__ import annotations
@@ -27,24 +31,58 @@ import torch
 
 #: Weights per block of the kept types; the int4 group size they give.
 GGUF_GROUP = 32
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
 @dataclass
 class Int4Weight:
-    """One projection in Int4Linear's form: w[n, k] = q * scales[n, k // g] + zeros[...]."""
+    """One projection in Int4Linear's form: w[n, k] = q * scales[n, k // g] + zeros[...].
+
+    ``perm`` (GPTQ act-order): the stored columns are the input's in the order ``perm``
+    (stored column j is input column perm[j]), so that each group is contiguous; the layer
+    gathers x's columns with it. None: the input's own order."""
 
     qweight: torch.Tensor  # uint8 [N, K / 2]: k = 2j low nibble, 2j + 1 high nibble
     scales: torch.Tensor   # float32 [N, K / g]
     zeros: torch.Tensor    # float32 [N, K / g]
     group_size: int
+    perm: torch.Tensor | None = None  # int64 [K]
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K]."""
+        """float32 [N, K], columns in the input's order."""
         q = unpack_nibbles(self.qweight).float()
         g = self.group_size
         n, k = q.shape
-        return (q.view(n, k // g, g) * self.scales[..., None] + self.zeros[..., None]).view(n, k)
+        w = (q.view(n, k // g, g) * self.scales[..., None] + self.zeros[..., None]).view(n, k)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    def rows(self, index: torch.Tensor) -> Int4Weight:
+        return Int4Weight(self.qweight[index].contiguous(), self.scales[index].contiguous(),
+                          self.zeros[index].contiguous(), self.group_size, self.perm)
+
+
+@dataclass
+class Int8GroupWeight:
+    """One projection in Int8GroupLinear's form (GGUF Q8_0): w[n, k] = q[n, k] *
+    scales[n, k // group_size]."""
+
+    qweight: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor   # float32 [N, K / g]
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        n, k = self.qweight.shape
+        g = self.group_size
+        return (self.qweight.float().view(n, k // g, g) * self.scales[..., None]).view(n, k)
+
+    def rows(self, index: torch.Tensor) -> Int8GroupWeight:
+        return Int8GroupWeight(self.qweight[index].contiguous(), self.scales[index].contiguous(),
+                               self.group_size)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -62,11 +100,16 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _decode_q4(kind: str, raw: np.ndarray, rows: int, cols: int) -> Int4Weight:
-    """raw uint8 [rows, cols / 32 * block bytes] of Q4_0 / Q4_1 blocks -> Int4Weight."""
+def _decode(kind: str, raw: np.ndarray, rows: int, cols: int) -> Int4Weight | Int8GroupWeight:
+    """raw uint8 [rows, cols / 32 * block bytes] of Q4_0 / Q4_1 / Q8_0 blocks -> the
+    weight, exactly."""
     nb = cols // GGUF_GROUP
     blocks = np.ascontiguousarray(raw).reshape(rows, nb, _BLOCK_BYTES[kind])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q8 = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8).reshape(rows, cols)
+        return Int8GroupWeight(torch.from_numpy(q8.copy()),
+                               torch.from_numpy(np.ascontiguousarray(d)), GGUF_GROUP)
     if kind == "Q4_1":
         zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         qs = blocks[..., 4:20]
@@ -81,23 +124,51 @@ def _decode_q4(kind: str, raw: np.ndarray, rows: int, cols: int) -> Int4Weight:
                       torch.from_numpy(np.ascontiguousarray(zero)), GGUF_GROUP)
 
 
-def _unpermute_rows(w: Int4Weight, n_head: int) -> Int4Weight:
+def _unpermute_rows(w: Int4Weight | Int8GroupWeight, n_head: int) -> Int4Weight | Int8GroupWeight:
     """Undoes llama.cpp's Q/K row permutation (rows of each head: [half 0 interleaved with
     half 1] -> [half 0, half 1]), as transformers' GGUF loader does for float weights."""
     rows = w.qweight.shape[0]
     dim = rows // n_head // 2
     index = torch.arange(rows).view(n_head, dim, 2).transpose(1, 2).reshape(rows)
-    return Int4Weight(w.qweight[index].contiguous(), w.scales[index].contiguous(),
-                      w.zeros[index].contiguous(), w.group_size)
+    return w.rows(index)
 
 
-def _cat(parts: list[Int4Weight]) -> Int4Weight:
+def _as_int8_groups(w: Int4Weight | Int8GroupWeight, name: str) -> Int8GroupWeight:
+    """A Q4_0 weight (zero = -8 scale) as int8 groups: q - 8 in -8..7, same scale, exact."""
+    if isinstance(w, Int8GroupWeight):
+        return w
+    if not torch.equal(w.zeros, -8.0 * w.scales):
+        raise ValueError(f"quantization='gguf': {name} fuses Q8_0 with Q4_1 parts, which have "
+                         f"no common exact form")
+    q = unpack_nibbles(w.qweight).to(torch.int16).sub_(8).to(torch.int8)
+    return Int8GroupWeight(q, w.scales, w.group_size)
+
+
+def cat_rows(parts: list[Int4Weight], name: str) -> Int4Weight:
+    """The fused projection (parts' rows stacked, e.g. q | k | v). Parts must share the
+    group size and the column order (perm): the fused layer has one of each."""
+    first = parts[0]
+    for p in parts[1:]:
+        if p.group_size != first.group_size or (
+                (p.perm is None) != (first.perm is None)
+                or (p.perm is not None and not torch.equal(p.perm, first.perm))):
+            raise ValueError(f"{name}: its parts differ in group size or act-order (g_idx), so "
+                             f"they cannot be fused into one layer")
     return Int4Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                      torch.cat([p.zeros for p in parts]), parts[0].group_size)
+                      torch.cat([p.zeros for p in parts]), first.group_size, first.perm)
 
 
-def read_llama_projections(gguf_file: str | Path, hf_config: Any) -> dict[str, Int4Weight]:
-    """Our module name (e.g. ``model.layers.0.self_attn.qkv_proj``) -> its int4 weight, for
+def _cat(parts: list[Int4Weight | Int8GroupWeight], name: str) -> Int4Weight | Int8GroupWeight:
+    if all(isinstance(p, Int4Weight) for p in parts):
+        return cat_rows(parts, name)  # type: ignore[arg-type]
+    q8 = [_as_int8_groups(p, name) for p in parts]
+    return Int8GroupWeight(torch.cat([p.qweight for p in q8]), torch.cat([p.scales for p in q8]),
+                           GGUF_GROUP)
+
+
+def read_llama_projections(gguf_file: str | Path, hf_config: Any
+                           ) -> dict[str, Int4Weight | Int8GroupWeight]:
+    """Our module name (e.g. ``model.layers.0.self_attn.qkv_proj``) -> its kept weight, for
     every decoder projection. ValueError naming the tensor for a type this cannot keep."""
     from gguf import GGUFReader
 
@@ -106,26 +177,27 @@ def read_llama_projections(gguf_file: str | Path, hf_config: Any) -> dict[str, I
     n_head = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
 
-    def load(name: str) -> Int4Weight:
+    def load(name: str) -> Int4Weight | Int8GroupWeight:
         if name not in tensors:
             raise ValueError(f"{gguf_file}: no tensor {name!r} (not a Llama GGUF?)")
         t = tensors[name]
         kind = t.tensor_type.name
         if kind not in _BLOCK_BYTES:
             raise ValueError(
-                f"quantization='gguf' keeps Q4_0 and Q4_1 projections; {name} is {kind} "
+                f"quantization='gguf' keeps Q4_0, Q4_1 and Q8_0 projections; {name} is {kind} "
                 f"(load it with quantization=None to dequantize)")
         cols, rows = (int(x) for x in t.shape[:2])  # ggml order: [K, N]
-        return _decode_q4(kind, t.data, rows, cols)
+        return _decode(kind, t.data, rows, cols)
 
-    out: dict[str, Int4Weight] = {}
+    out: dict[str, Int4Weight | Int8GroupWeight] = {}
     for i in range(hf_config.num_hidden_layers):
         blk, pre = f"blk.{i}.", f"model.layers.{i}."
         q = _unpermute_rows(load(blk + "attn_q.weight"), n_head)
         k = _unpermute_rows(load(blk + "attn_k.weight"), n_kv)
-        out[pre + "self_attn.qkv_proj"] = _cat([q, k, load(blk + "attn_v.weight")])
+        out[pre + "self_attn.qkv_proj"] = _cat([q, k, load(blk + "attn_v.weight")],
+                                               pre + "self_attn.qkv_proj")
         out[pre + "self_attn.o_proj"] = load(blk + "attn_output.weight")
         out[pre + "mlp.gate_up_proj"] = _cat([load(blk + "ffn_gate.weight"),
-                                             load(blk + "ffn_up.weight")])
+                                             load(blk + "ffn_up.weight")], pre + "mlp.gate_up_proj")
         out[pre + "mlp.down_proj"] = load(blk + "ffn_down.weight")
     return out

@@ -18,6 +18,7 @@ from torch import nn
 
 from vllm_lite.config import DEFAULT_MODEL
 from vllm_lite.models.gguf import resolve_model
+from vllm_lite.models.gptq_awq import dequantized_weights, read_spec
 from vllm_lite.models.registry import get_model_class
 
 __all__ = ["DEFAULT_MODEL", "check_model_memory", "estimate_model_bytes", "iterate_weights",
@@ -289,7 +290,13 @@ def load_model(
     with _default_dtype(torch_dtype), torch.device(device):
         model = model_cls(config, max_model_len=max_model_len, tp=tp) if tp is not None \
             else model_cls(config, max_model_len=max_model_len)
-    model.load_weights(iterate_weights(path))
+    weights = iterate_weights(path)
+    spec = read_spec(path)
+    if spec is not None:
+        # A GPTQ / AWQ checkpoint: the float model gets its weights dequantized; the worker
+        # then swaps in the exact 4-bit layers (quantization="gptq" / "awq").
+        weights = dequantized_weights(weights, spec)
+    model.load_weights(weights)
     model.eval()
     logger.info("loaded %s from %s (%s, %s)", model_cls.__name__, path, torch_dtype, device)
     return model, config

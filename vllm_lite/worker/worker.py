@@ -47,13 +47,17 @@ class Worker:
 
             # The head stays in the activation dtype (its logits feed the sampler; a tied
             # head is the embedding).
-            gguf_weights = None
+            kept_weights = None
             if mc.quantization == "gguf":
                 from vllm_lite.models.gguf_quant import read_llama_projections
 
-                gguf_weights = read_llama_projections(mc.gguf_file, mc.hf_config)
+                kept_weights = read_llama_projections(mc.gguf_file, mc.hf_config)
+            elif mc.quantization in ("gptq", "awq"):
+                from vllm_lite.models.gptq_awq import read_checkpoint_projections
+
+                kept_weights = read_checkpoint_projections(mc.model, mc.hf_config)
             n = quantize_model(model, mc.quantization, skip=(model.lm_head,),
-                               group_size=mc.quantization_group_size, gguf_weights=gguf_weights)
+                               group_size=mc.quantization_group_size, kept_weights=kept_weights)
             logger.info("quantized %d projections to %s", n, mc.quantization)
         self.model = model
         self.dtype: torch.dtype = next(model.parameters()).dtype
