@@ -640,10 +640,6 @@ class ParallelConfig:
         if inter % tp:
             raise ValueError(f"tensor_parallel_size {tp} must divide the model's "
                              f"intermediate_size ({inter})")
-        if quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization {quantization!r} with tensor_parallel_size {tp} "
-                             "is not implemented (int8 and int4 shard; use tensor_parallel_size "
-                             "1 or one of those)")
         if quantization == "int4":
             head_dim = getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // heads
             # Row-parallel shards split the input dimension: whole int4 groups per rank.

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.helpers import make_config  # noqa: E402
-from vllm_lite.distributed.layers import shard_int4_weight  # noqa: E402
+from vllm_lite.distributed.layers import shard_kept_weight  # noqa: E402
 from vllm_lite.layers.quantization import quantize_int4  # noqa: E402
 from vllm_lite.models.llama import LlamaForCausalLM  # noqa: E402
 
@@ -50,7 +50,7 @@ def test_kept_int4_shards_are_the_ranks_rows_and_columns(size, heads, kv_heads) 
             part = "self_attn" if name in ("qkv_proj", "o_proj") else "mlp"
             module = f"model.layers.0.{part}.{name}"
             dim, segments = model.tp_segments(module)
-            shard = shard_int4_weight(w, dim, segments).dequantize()
+            shard = shard_kept_weight(w, dim, segments).dequantize()
             # The shard has the shape of the rank's layer...
             layer = getattr(attn if name in ("qkv_proj", "o_proj") else mlp, name)
             assert shard.shape == layer.weight.shape, name
@@ -74,4 +74,19 @@ def test_kept_int4_shards_are_the_ranks_rows_and_columns(size, heads, kv_heads) 
 def test_a_shard_that_splits_a_group_is_refused() -> None:
     w = quantize_int4(torch.randn(8, 128), 64)
     with pytest.raises(ValueError, match="whole groups of 64"):
-        shard_int4_weight(w, 1, [(32, 64)])
+        shard_kept_weight(w, 1, [(32, 64)])
+
+
+def test_q8_0_group_weights_split_like_int4() -> None:
+    """GGUF Q8_0 (Int8GroupWeight: int8 [N, K], a scale per 32): rows anywhere, whole
+    groups of columns, each part exactly the unsplit dequantized weight's."""
+    from vllm_lite.models.gguf_quant import Int8GroupWeight
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (12, 128), generator=gen, dtype=torch.int8)
+    w = Int8GroupWeight(q, torch.rand(12, 4, generator=gen) + 0.1, 32)
+    whole = w.dequantize()
+    rows = shard_kept_weight(w, 0, [(2, 3), (8, 4)]).dequantize()
+    assert torch.equal(rows, torch.cat([whole[2:5], whole[8:12]]))
+    cols = shard_kept_weight(w, 1, [(64, 64)]).dequantize()
+    assert torch.equal(cols, whole[:, 64:])

@@ -221,8 +221,6 @@ def test_startup_errors_are_clear(bias_ckpt) -> None:
     from vllm_lite.config import ParallelConfig
 
     hf_config = make_config("llama")
-    with pytest.raises(ValueError, match="quantization 'gguf' with tensor_parallel_size"):
-        ParallelConfig(tensor_parallel_size=2).check_model(hf_config, "gguf")
     with pytest.raises(ValueError, match="intermediate_size"):
         hf_config.intermediate_size = 127
         ParallelConfig(tensor_parallel_size=2).check_model(hf_config, None)
@@ -371,3 +369,34 @@ def test_server_with_two_ranks_answers_the_openai_client(model_dir, offline, tmp
     while time.monotonic() < deadline and any(_alive(p) for p in ranks):
         time.sleep(0.1)
     assert not any(_alive(p) for p in ranks), log
+
+
+@pytest.mark.parametrize("method, group", [("awq", 64), ("gptq", 32)])
+def test_kept_4bit_checkpoints_split_over_two_ranks(tmp_path, method, group) -> None:
+    """A GPTQ / AWQ checkpoint's 4-bit weights cut per rank (rows of the column-parallel
+    projections, whole groups of the row-parallel ones' inputs): the same tokens as one rank
+    and as HF on the dequantized weights (float64)."""
+    from models.test_gptq_awq import make_checkpoint
+
+    hf_model, _ = make_checkpoint(tmp_path, method, group)
+    gen = torch.Generator().manual_seed(5)  # the checkpoint's vocabulary is 160
+    prompts = [{"prompt_token_ids": torch.randint(1, 160, (n,), generator=gen).tolist()}
+               for n in (4, 13)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        llm = _llm(tmp_path, tp)
+        assert llm.llm_engine.config.model_config.quantization == method
+        outs[tp] = _ids(llm.generate(prompts, params, use_tqdm=False))
+        llm.shutdown()
+    hf64 = hf_model.double()
+    assert outs[2] == outs[1] == [[hf_greedy(hf64, p["prompt_token_ids"], MAX_TOKENS)]
+                                  for p in prompts]
+
+
+def test_gptq_act_order_is_refused_over_ranks(tmp_path) -> None:
+    from models.test_gptq_awq import make_checkpoint
+
+    make_checkpoint(tmp_path, "gptq", 32, act_order=True)
+    with pytest.raises(ValueError, match="act-order"):
+        _llm(tmp_path, 2)

@@ -89,22 +89,42 @@ def gather_vocab(tp: TensorParallelGroup | None, local: torch.Tensor,
     return tp.all_gather_last_dim(local)[..., :vocab_size]
 
 
-def shard_int4_weight(w: Any, dim: int, segments: list[tuple[int, int]]) -> Any:
-    """This rank's part of a kept int4 projection (an Int4Weight: qweight uint8 [N, K / 2]
-    nibbles, scales / zeros [N, K / group]), given the model's ``tp_segments``: rows
-    (dim 0) are cut anywhere, columns (dim 1, row-parallel inputs) only at whole groups
-    (ValueError otherwise)."""
+def shard_kept_weight(w: Any, dim: int, segments: list[tuple[int, int]]) -> Any:
+    """This rank's part of a kept quantized projection (Int4Weight: qweight uint8 [N, K / 2]
+    nibbles, scales / zeros [N, K / group]; Int8GroupWeight: qweight int8 [N, K], scales
+    [N, K / group]), given the model's ``tp_segments``: rows (dim 0) are cut anywhere,
+    columns (dim 1, a row-parallel layer's inputs) only at whole groups and in the inputs'
+    own order (ValueError otherwise: GPTQ act-order permutes them)."""
     g = w.group_size
+    has_zeros = hasattr(w, "zeros")
     if dim == 0:
         def rows(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t[s:s + n] for s, n in segments]).contiguous()
-        return dataclasses.replace(w, qweight=rows(w.qweight), scales=rows(w.scales),
-                                   zeros=rows(w.zeros))
+        parts = {"qweight": rows(w.qweight), "scales": rows(w.scales)}
+        if has_zeros:
+            parts["zeros"] = rows(w.zeros)
+        return dataclasses.replace(w, **parts)
     (start, size), = segments
     if start % g or size % g:
         raise ValueError(f"a tensor-parallel shard of {size} inputs at {start} does not hold "
                          f"whole groups of {g} weights")
-    return dataclasses.replace(
-        w, qweight=w.qweight[:, start // 2:(start + size) // 2].contiguous(),
-        scales=w.scales[:, start // g:(start + size) // g].contiguous(),
-        zeros=w.zeros[:, start // g:(start + size) // g].contiguous())
+    if getattr(w, "perm", None) is not None:
+        raise ValueError("a GPTQ act-order checkpoint (desc_act) cannot be split over "
+                         "tensor-parallel ranks: its groups mix the inputs of all ranks")
+    per_byte = 2 if has_zeros else 1  # int4: two weights per byte
+
+    def cols(t: torch.Tensor, unit: int) -> torch.Tensor:
+        return t[:, start // unit:(start + size) // unit].contiguous()
+    parts = {"qweight": cols(w.qweight, per_byte), "scales": cols(w.scales, g)}
+    if has_zeros:
+        parts["zeros"] = cols(w.zeros, g)
+    return dataclasses.replace(w, **parts)
+
+
+def shard_kept_weights(model: Any, weights: dict[str, Any]) -> dict[str, Any]:
+    """A kept checkpoint's projections (module name -> weight) cut to this rank's part."""
+    out = {}
+    for name, w in weights.items():
+        seg = model.tp_segments(name)
+        out[name] = w if seg is None else shard_kept_weight(w, *seg)
+    return out

@@ -56,6 +56,10 @@ class Worker:
                 from vllm_lite.models.gptq_awq import read_checkpoint_projections
 
                 kept_weights = read_checkpoint_projections(mc.model, mc.hf_config)
+            if tp is not None and kept_weights:
+                from vllm_lite.distributed.layers import shard_kept_weights
+
+                kept_weights = shard_kept_weights(model, kept_weights)
             n = quantize_model(model, mc.quantization, skip=(model.lm_head,),
                                group_size=mc.quantization_group_size, kept_weights=kept_weights)
             logger.info("quantized %d projections to %s", n, mc.quantization)
