@@ -9,11 +9,15 @@
 //   are 16-byte aligned; the paged value layout [.., head_size, block_size] puts a token's
 //   elements block_size apart, so values are stored element-wise. With a scale of 1 the
 //   bits are copied; otherwise value * (1 / scale) in float32, like the CPU kernel.
+//   fp8 caches (kv_cache_dtype "fp8" = "fp8_e4m3", "fp8_e5m2"; uint8 tensors, key chunk
+//   x = 16): each element is stored as the fp8 rounding of value / scale (float32 division,
+//   csrc/fp8.h), byte for byte what the CPU kernel writes.
 // copy_blocks: grid = (num_pairs, layers), one CTA copies one block of one layer's key and
 //   value cache. The layer pointers travel in the kernel's parameter block (up to 128
 //   layers per launch; more layers take more launches), so there is no host-to-device
 //   copy and the op can be captured in a CUDA graph. Pairs naming a block outside the pool
-//   are skipped. 16-byte copies when every pointer and the block size allow, else bytes.
+//   are skipped. 16-byte copies when every pointer and the block size allow, else bytes
+//   (dtype-blind: fp8 uint8 caches are copied like any other).
 // swap_blocks: cudaMemcpyAsync on the current stream (H2D, D2H or D2D), one per run of
 //   pairs that are consecutive on both sides (one per pair if src and dst overlap). The
 //   host tensor's pinned memory is recorded with torch's caching host allocator, so it is
@@ -48,9 +52,6 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value,
                                                    v_scale, flash);
   TORCH_CHECK(key.is_cuda(), op, ": the CUDA kernel needs CUDA tensors, got key on ",
               key.device());
-  TORCH_CHECK(d.cache_dtype == KvCacheDType::kAuto, op, ": kv_cache_dtype '", kv_cache_dtype,
-              "' (an fp8 KV cache) is implemented by the CPU kernels only so far; use 'auto' "
-              "on CUDA");
   const c10::cuda::CUDAGuard device_guard(key.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (should_check_values(stream)) check_slot_mapping_values(d, slot_mapping);
@@ -63,20 +64,26 @@ void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value,
       key.element_size(), k_scale, v_scale, key.data_ptr(), value.data_ptr(),
       key_cache.data_ptr(), value_cache.data_ptr());
   const int64_t n = d.num_kv_heads * d.head_size;
-  const int threads = cache_threads(flash ? n / d.x : n);  // items of the widest loop
+  // Items of the widest loop (an fp8 flash row is converted element by element).
+  const bool fp8 = d.cache_dtype != KvCacheDType::kAuto;
+  const int threads = cache_threads(flash && !fp8 ? n / d.x : n);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(key.scalar_type(), op, [&] {
-    const auto* k = static_cast<const scalar_t*>(key.data_ptr());
-    const auto* v = static_cast<const scalar_t*>(value.data_ptr());
-    auto* kc = static_cast<scalar_t*>(key_cache.data_ptr());
-    auto* vc = static_cast<scalar_t*>(value_cache.data_ptr());
-    if (flash) {
-      reshape_and_cache_kernel<scalar_t, true>
-          <<<static_cast<unsigned>(d.num_tokens), threads, 0, stream>>>(k, v, kc, vc, slots, a);
-    } else {
-      reshape_and_cache_kernel<scalar_t, false>
-          <<<static_cast<unsigned>(d.num_tokens), threads, 0, stream>>>(k, v, kc, vc, slots, a);
-    }
+    dispatch_cache_elem<scalar_t>(d.cache_dtype, [&](auto cache_tag) {
+      using cache_t = decltype(cache_tag);
+      const auto* k = static_cast<const scalar_t*>(key.data_ptr());
+      const auto* v = static_cast<const scalar_t*>(value.data_ptr());
+      auto* kc = static_cast<cache_t*>(key_cache.data_ptr());
+      auto* vc = static_cast<cache_t*>(value_cache.data_ptr());
+      const unsigned grid = static_cast<unsigned>(d.num_tokens);
+      if (flash) {
+        reshape_and_cache_kernel<scalar_t, cache_t, true>
+            <<<grid, threads, 0, stream>>>(k, v, kc, vc, slots, a);
+      } else {
+        reshape_and_cache_kernel<scalar_t, cache_t, false>
+            <<<grid, threads, 0, stream>>>(k, v, kc, vc, slots, a);
+      }
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/dtype.cuh"
 
@@ -22,50 +23,72 @@ struct CacheArgs {
   int num_kv_heads;
   int head_size;
   int block_size;
-  float inv_k;  // 1 / k_scale
+  float k_scale;  // fp8 caches store value / scale (a true division, as the CPU op)
+  float v_scale;
+  float inv_k;  // 1 / k_scale: caches in the model dtype store value * inv
   float inv_v;
-  bool raw_k;  // inv_k == 1: copy bits
+  bool raw_k;  // inv_k == 1 (and the cache holds the model dtype): copy bits
   bool raw_v;
   bool vec_k;  // 16-byte aligned key rows and key cache
   bool vec_v;  // 16-byte aligned value rows and value cache (flash layout only)
 };
 
-template <typename T>
-__device__ __forceinline__ T scaled(T v, float inv, bool raw) {
-  return raw ? v : from_float<T>(to_float(v) * inv);
+// One element of the cache from one of the model's: CT = T (kv_cache_dtype "auto")
+// copies the bits (raw) or stores v * (1 / scale) rounded to T; an fp8 CT stores the fp8
+// rounding of v / scale, computed in float32 exactly as the CPU kernel (csrc/cpu/cache.cpp)
+// does, so both write the same bytes. The division is __fdiv_rn, the IEEE one: the build
+// uses --use_fast_math, under which `/` is an approximation that could move a quotient
+// across an fp8 rounding boundary. (Its flush of float32 subnormals to zero cannot change
+// a byte: such a quotient, or such an input over any scale above 1e-30, is fp8 zero.)
+template <typename T, typename CT>
+__device__ __forceinline__ CT cache_elem(T v, float scale, float inv, bool raw) {
+  if constexpr (std::is_same_v<T, CT>) {
+    return raw ? v : from_float<T>(to_float(v) * inv);
+  } else {
+    static_assert(is_fp8_v<CT>, "a cache holds the model dtype or fp8");
+    return from_float<CT>(__fdiv_rn(to_float(v), scale));
+  }
 }
 
-// dst[0, n) = src[0, n) (scaled), by the CTA's threads; n is a multiple of the chunk.
-template <typename T>
-__device__ __forceinline__ void copy_row(const T* src, T* dst, int n, float inv, bool raw,
-                                         bool vec) {
-  constexpr int X = kChunkElems<T>;
-  if (raw && vec) {
+// dst[0, n) = src[0, n) (converted), by the CTA's threads; n is a multiple of the chunk of
+// CT when the 16-byte path (same type, raw, aligned) is taken.
+template <typename T, typename CT>
+__device__ __forceinline__ void copy_row(const T* src, CT* dst, int n, float scale, float inv,
+                                         bool raw, bool vec) {
+  constexpr int X = kChunkElems<CT>;
+  if (std::is_same_v<T, CT> && raw && vec) {
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(dst);
     for (int c = threadIdx.x; c < n / X; c += blockDim.x) d[c] = s[c];
   } else {
-    for (int e = threadIdx.x; e < n; e += blockDim.x) dst[e] = scaled(src[e], inv, raw);
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+      dst[e] = cache_elem<T, CT>(src[e], scale, inv, raw);
+    }
   }
 }
 
-template <typename T, bool FLASH>
+// T: the model dtype of key / value; CT: the cache element (T, or fp8_e4m3 / fp8_e5m2 for
+// a uint8 cache). x = kChunkElems<CT> (16 for fp8).
+template <typename T, typename CT, bool FLASH>
 __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
-                                         T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                         CT* __restrict__ key_cache, CT* __restrict__ value_cache,
                                          const int64_t* __restrict__ slot_mapping,
                                          const CacheArgs a) {
-  constexpr int X = kChunkElems<T>;
+  constexpr int X = kChunkElems<CT>;
+  constexpr bool kSame = std::is_same_v<T, CT>;
   const int64_t token = blockIdx.x;
   const int64_t slot = slot_mapping[token];
   if (slot < 0 || slot >= a.num_slots) return;  // padding (or an unvalidated bad slot)
   const int n = a.num_kv_heads * a.head_size;   // elements of one token
   const T* k = key + token * a.key_stride;
   const T* v = value + token * a.value_stride;
+  const bool raw_k = kSame && a.raw_k;
+  const bool raw_v = kSame && a.raw_v;
 
   if (FLASH) {
     // [num_blocks, block_size, num_kv_heads, head_size]: the token's row starts at slot * n.
-    copy_row(k, key_cache + slot * n, n, a.inv_k, a.raw_k, a.vec_k);
-    copy_row(v, value_cache + slot * n, n, a.inv_v, a.raw_v, a.vec_v);
+    copy_row(k, key_cache + slot * n, n, a.k_scale, a.inv_k, raw_k, a.vec_k);
+    copy_row(v, value_cache + slot * n, n, a.v_scale, a.inv_v, raw_v, a.vec_v);
     return;
   }
   const int64_t block = slot / a.block_size;
@@ -75,13 +98,13 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
   for (int c = threadIdx.x; c < n / X; c += blockDim.x) {
     const int h = c / nck;
     const int dc = c - h * nck;
-    T* dst = key_cache + (((block * a.num_kv_heads + h) * nck + dc) * a.block_size + off) * X;
+    CT* dst = key_cache + (((block * a.num_kv_heads + h) * nck + dc) * a.block_size + off) * X;
     const T* src = k + c * X;
-    if (a.raw_k && a.vec_k) {
+    if (raw_k && a.vec_k) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     } else {
 #pragma unroll
-      for (int e = 0; e < X; ++e) dst[e] = scaled(src[e], a.inv_k, a.raw_k);
+      for (int e = 0; e < X; ++e) dst[e] = cache_elem<T, CT>(src[e], a.k_scale, a.inv_k, raw_k);
     }
   }
   // value [num_blocks, H, head_size, block_size]: element e = (head h, dim d).
@@ -89,7 +112,7 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
     const int h = e / a.head_size;
     const int d = e - h * a.head_size;
     value_cache[((block * a.num_kv_heads + h) * a.head_size + d) * a.block_size + off] =
-        scaled(v[e], a.inv_v, a.raw_v);
+        cache_elem<T, CT>(v[e], a.v_scale, a.inv_v, raw_v);
   }
 }
 
@@ -101,7 +124,8 @@ inline int cache_threads(int64_t work) {
 }
 
 // reshape_and_cache's arguments from the (validated) shapes, strides, scales and pointers;
-// esize is the element size in bytes.
+// esize is the element size of key / value in bytes. vec_* only matter when the cache holds
+// the model dtype (the kernel copies fp8 element-wise).
 inline CacheArgs make_cache_args(int64_t key_stride, int64_t value_stride, int64_t num_blocks,
                                  int64_t block_size, int64_t num_kv_heads, int64_t head_size,
                                  int64_t esize, double k_scale, double v_scale, const void* key,
@@ -115,6 +139,8 @@ inline CacheArgs make_cache_args(int64_t key_stride, int64_t value_stride, int64
   a.num_kv_heads = static_cast<int>(num_kv_heads);
   a.head_size = static_cast<int>(head_size);
   a.block_size = static_cast<int>(block_size);
+  a.k_scale = static_cast<float>(k_scale);
+  a.v_scale = static_cast<float>(v_scale);
   a.inv_k = 1.0f / static_cast<float>(k_scale);
   a.inv_v = 1.0f / static_cast<float>(v_scale);
   a.raw_k = a.inv_k == 1.0f;

@@ -9,6 +9,9 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "cuda/dtype.cuh"
+#include "validate.h"
+
 namespace vllm_lite {
 namespace cuda {
 
@@ -41,6 +44,25 @@ inline bool should_check_values(cudaStream_t stream) {
 }
 
 inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Calls f(CT{}) with CT the cache element type of a kernel whose model dtype is T: T itself
+// for kv_cache_dtype "auto", fp8_e4m3 / fp8_e5m2 for the fp8 kinds (uint8 caches; the
+// shapes, the dtype and the head_size % 16 of the fp8 key layout are checked in
+// validate.cpp).
+template <typename T, typename Fn>
+void dispatch_cache_elem(KvCacheDType kind, Fn&& f) {
+  switch (kind) {
+    case KvCacheDType::kFp8E4M3:
+      f(fp8_e4m3{});
+      return;
+    case KvCacheDType::kFp8E5M2:
+      f(fp8_e5m2{});
+      return;
+    case KvCacheDType::kAuto:
+      f(T{});
+      return;
+  }
+}
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

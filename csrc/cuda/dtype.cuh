@@ -6,12 +6,20 @@
 // __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__, so every conversion here
 // is an explicit intrinsic or bit operation, never an implicit cast.
 //
-// A "chunk" is 16 bytes (one uint4 load): 4 floats or 8 half / bfloat16 values, which is
-// also the x of the key-cache layout [num_blocks, num_kv_heads, head_size / x, block_size, x].
+// A "chunk" is 16 bytes (one uint4 load): 4 floats, 8 half / bfloat16 values or 16 fp8
+// bytes, which is also the x of the key-cache layout
+// [num_blocks, num_kv_heads, head_size / x, block_size, x] (x = 16 for an fp8 cache, as
+// validate.cpp's key_chunk_elems and the CPU kernels define it).
+//
+// Cache element types: the kernels take the query / output type T and the cache element
+// type CT separately; CT = T for kv_cache_dtype "auto", fp8_e4m3 / fp8_e5m2 (one byte of
+// a uint8 cache, decoded and encoded by csrc/fp8.h, the CPU kernels' conversions) for
+// "fp8" / "fp8_e4m3" / "fp8_e5m2".
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -19,8 +27,27 @@
 #include <c10/util/Exception.h>
 #include <c10/core/ScalarType.h>
 
+#include "../fp8.h"
+
 namespace vllm_lite {
 namespace cuda {
+
+// One byte of an fp8 cache in format F (fp8::E4M3 or fp8::E5M2). A distinct type per
+// format, so the kernel templates pick the conversion at compile time.
+template <typename F>
+struct fp8_t {
+  uint8_t bits;
+};
+using fp8_e4m3 = fp8_t<fp8::E4M3>;
+using fp8_e5m2 = fp8_t<fp8::E5M2>;
+
+template <typename F>
+F fp8_format(fp8_t<F>);  // the format of an fp8 element type (unevaluated use only)
+
+template <typename T>
+inline constexpr bool is_fp8_v = false;
+template <typename F>
+inline constexpr bool is_fp8_v<fp8_t<F>> = true;
 
 // Elements of T in one 16-byte chunk.
 template <typename T>
@@ -29,6 +56,9 @@ inline constexpr int kChunkElems = 16 / static_cast<int>(sizeof(T));
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename F>
+__device__ __forceinline__ float to_float(fp8_t<F> v) { return fp8::to_float<F>(v.bits); }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
@@ -41,9 +71,27 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// fp8: round to nearest even, saturating / NaN as torch's float8 casts (csrc/fp8.h).
+template <>
+__device__ __forceinline__ fp8_e4m3 from_float<fp8_e4m3>(float v) {
+  return fp8_e4m3{fp8::from_float<fp8::E4M3>(v)};
+}
+template <>
+__device__ __forceinline__ fp8_e5m2 from_float<fp8_e5m2>(float v) {
+  return fp8_e5m2{fp8::from_float<fp8::E5M2>(v)};
+}
+
 // 16-byte load through the read-only path; p must be 16-byte aligned.
 __device__ __forceinline__ uint4 load_chunk(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// 8-byte load (the low half of a chunk; .z = .w = 0); p must be 8-byte aligned. For the
+// value rows of an fp8 cache at block size 8, which are 8 bytes: a 16-byte load there
+// would read past the row (and, for the last row of the pool, past the cache).
+__device__ __forceinline__ uint4 load_half_chunk(const void* p) {
+  const uint2 h = __ldg(reinterpret_cast<const uint2*>(p));
+  return make_uint4(h.x, h.y, 0u, 0u);
 }
 
 __device__ __forceinline__ uint4 zero_chunk() { return make_uint4(0u, 0u, 0u, 0u); }
@@ -80,6 +128,59 @@ __device__ __forceinline__ void chunk_to_float<__nv_bfloat16>(const uint4& c, fl
   for (int i = 0; i < 4; ++i) {  // bfloat16 -> float is exact: the high 16 bits
     out[2 * i] = __uint_as_float(w[i] << 16);
     out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+// fp8: 4 bytes of a word (byte 0 = lowest address) -> 4 floats.
+template <typename F>
+__device__ __forceinline__ void fp8_word_to_float(uint32_t w, float* out) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = fp8::to_float<F>(static_cast<uint8_t>(w >> (8 * i)));
+}
+
+template <>
+__device__ __forceinline__ void chunk_to_float<fp8_e4m3>(const uint4& c, float* out) {
+  fp8_word_to_float<fp8::E4M3>(c.x, out);
+  fp8_word_to_float<fp8::E4M3>(c.y, out + 4);
+  fp8_word_to_float<fp8::E4M3>(c.z, out + 8);
+  fp8_word_to_float<fp8::E4M3>(c.w, out + 12);
+}
+
+template <>
+__device__ __forceinline__ void chunk_to_float<fp8_e5m2>(const uint4& c, float* out) {
+  fp8_word_to_float<fp8::E5M2>(c.x, out);
+  fp8_word_to_float<fp8::E5M2>(c.y, out + 4);
+  fp8_word_to_float<fp8::E5M2>(c.z, out + 8);
+  fp8_word_to_float<fp8::E5M2>(c.w, out + 12);
+}
+
+// Bytes and elements of N consecutive elements of T loaded as one unit: a whole chunk, or
+// (fp8 only) half a chunk.
+template <typename T, int N>
+inline constexpr int kUnitBytes = N * static_cast<int>(sizeof(T));
+
+// Loads N consecutive elements of T at p (N * sizeof(T) is 16, or 8 for fp8; p aligned to
+// that) as a chunk.
+template <typename T, int N>
+__device__ __forceinline__ uint4 load_unit(const T* p) {
+  static_assert(kUnitBytes<T, N> == 16 || (is_fp8_v<T> && kUnitBytes<T, N> == 8), "unit");
+  if constexpr (kUnitBytes<T, N> == 16) {
+    return load_chunk(p);
+  } else {
+    return load_half_chunk(p);
+  }
+}
+
+// The first N elements of a chunk from load_unit<T, N> -> N floats.
+template <typename T, int N>
+__device__ __forceinline__ void unit_to_float(const uint4& c, float* out) {
+  if constexpr (kUnitBytes<T, N> == 16) {
+    chunk_to_float<T>(c, out);
+  } else {
+    static_assert(is_fp8_v<T> && N == 8, "a half chunk exists only for fp8");
+    using F = decltype(fp8_format(T{}));
+    fp8_word_to_float<F>(c.x, out);
+    fp8_word_to_float<F>(c.y, out + 4);
   }
 }
 

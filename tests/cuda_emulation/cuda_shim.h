@@ -82,6 +82,8 @@ inline float __int_as_float(int i) { return __uint_as_float(static_cast<unsigned
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+// IEEE float32 division, round to nearest even (on the GPU also under --use_fast_math).
+inline float __fdiv_rn(float a, float b) { return a / b; }
 
 // CUDA's device min/max overloads (same-type arguments, as the kernels use them).
 #define CUDA_EMU_MINMAX(T)                               \

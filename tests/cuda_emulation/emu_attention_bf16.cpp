@@ -2,5 +2,5 @@
 #include "emu_attention_impl.h"
 
 namespace emu_ops {
-EMU_INSTANTIATE_ATTENTION(__nv_bfloat16)
+EMU_INSTANTIATE_ATTENTION(__nv_bfloat16, __nv_bfloat16)
 }

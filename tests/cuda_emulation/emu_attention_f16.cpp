@@ -2,5 +2,5 @@
 #include "emu_attention_impl.h"
 
 namespace emu_ops {
-EMU_INSTANTIATE_ATTENTION(__half)
+EMU_INSTANTIATE_ATTENTION(__half, __half)
 }

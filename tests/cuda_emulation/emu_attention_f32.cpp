@@ -5,5 +5,5 @@
 CUDA_EMU_DYNAMIC_SHARED(vllm_lite::cuda::attn, float, smem)
 
 namespace emu_ops {
-EMU_INSTANTIATE_ATTENTION(float)
+EMU_INSTANTIATE_ATTENTION(float, float)
 }

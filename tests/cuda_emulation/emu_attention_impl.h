@@ -1,6 +1,7 @@
 // Replays paged_attention_v1.cu / paged_attention_v2.cu's host code on the emulator.
-// Included by one translation unit per dtype (emu_attention_<dtype>.cpp), so the 9 kernel
-// instantiations of each dtype compile in parallel.
+// Included by one translation unit per dtype (emu_attention_<dtype>.cpp) and one per fp8
+// cache format (emu_attention_fp8_<format>.cpp, all three query dtypes), so the kernel
+// instantiations compile in parallel.
 #pragma once
 
 #include <algorithm>
@@ -14,8 +15,8 @@ namespace emu_ops {
 
 namespace attn = vllm_lite::cuda::attn;
 
-// launch_paged_attention (paged_attention_v1.cu).
-template <typename T>
+// launch_paged_attention (paged_attention_v1.cu); CT: the cache element.
+template <typename T, typename CT>
 void launch_attention(const AttentionArgs& d, void* out, float* exp_sums, float* max_logits,
                       int64_t num_partitions, int64_t grid_partitions, int64_t max_tokens) {
   if (d.num_seqs == 0 || d.num_heads == 0 || grid_partitions == 0) return;
@@ -53,17 +54,17 @@ void launch_attention(const AttentionArgs& d, void* out, float* exp_sums, float*
 
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_partitions));
   const size_t smem = attn::attention_smem_bytes(p.heads_per_cta, p.head_size);
-  const attn::AttentionKernel kernel = attn::attention_kernel_for<T>(
+  const attn::AttentionKernel kernel = attn::attention_kernel_for<T, CT>(
       static_cast<int>(d.block_size), static_cast<int>(d.head_size));
   cuda_emu::launch(kernel, grid, dim3(attn::kThreads), smem, "paged_attention_kernel", p);
 }
 
-template <typename T>
+template <typename T, typename CT>
 void paged_attention_v1(const AttentionArgs& d, void* out) {
-  launch_attention<T>(d, out, nullptr, nullptr, 1, 1, d.max_blocks_per_seq * d.block_size);
+  launch_attention<T, CT>(d, out, nullptr, nullptr, 1, 1, d.max_blocks_per_seq * d.block_size);
 }
 
-template <typename T>
+template <typename T, typename CT>
 void paged_attention_v2(const AttentionArgs& d, void* out, float* exp_sums, float* max_logits,
                         void* tmp_out, int64_t num_partitions) {
   if (d.num_seqs * d.num_heads * d.head_size == 0) return;
@@ -71,7 +72,7 @@ void paged_attention_v2(const AttentionArgs& d, void* out, float* exp_sums, floa
       num_partitions, (d.max_seq_len + attn::kChunkTokens - 1) / attn::kChunkTokens);
   const int64_t max_tokens = std::min<int64_t>(d.max_blocks_per_seq * d.block_size,
                                                grid_partitions * attn::kChunkTokens);
-  launch_attention<T>(d, tmp_out, exp_sums, max_logits, num_partitions, grid_partitions,
+  launch_attention<T, CT>(d, tmp_out, exp_sums, max_logits, num_partitions, grid_partitions,
                       max_tokens);
   attn::ReduceParams rp{};
   rp.out = out;
@@ -90,7 +91,7 @@ void paged_attention_v2(const AttentionArgs& d, void* out, float* exp_sums, floa
 
 }  // namespace emu_ops
 
-#define EMU_INSTANTIATE_ATTENTION(T)                                                       \
-  template void paged_attention_v1<T>(const AttentionArgs&, void*);               \
-  template void paged_attention_v2<T>(const AttentionArgs&, void*, float*, float*,          \
-                                               void*, int64_t);
+#define EMU_INSTANTIATE_ATTENTION(T, CT)                                                \
+  template void paged_attention_v1<T, CT>(const AttentionArgs&, void*);                 \
+  template void paged_attention_v2<T, CT>(const AttentionArgs&, void*, float*, float*,  \
+                                          void*, int64_t);

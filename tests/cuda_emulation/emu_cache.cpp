@@ -2,6 +2,7 @@
 // swap_blocks) on the emulator, with the kernels of csrc/cuda/cache_kernels.cuh.
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "cuda/cache_kernels.cuh"
 #include "emu_ops.h"
@@ -11,32 +12,40 @@ namespace emu_ops {
 
 namespace cache = vllm_lite::cuda::cache;
 
-template <typename T>
+template <typename T, typename CT>
 void reshape_and_cache(const CacheWriteArgs& d, bool flash) {
   if (d.num_tokens == 0 || d.num_kv_heads == 0) return;
   const cache::CacheArgs a = cache::make_cache_args(
       d.key_stride, d.value_stride, d.num_blocks, d.block_size, d.num_kv_heads, d.head_size,
       sizeof(T), d.k_scale, d.v_scale, d.key, d.value, d.key_cache, d.value_cache);
   const int64_t n = d.num_kv_heads * d.head_size;
-  const int64_t x = 16 / static_cast<int64_t>(sizeof(T));
-  const int threads = cache::cache_threads(flash ? n / x : n);
+  const int64_t x = 16 / static_cast<int64_t>(sizeof(CT));
+  constexpr bool fp8 = !std::is_same_v<T, CT>;
+  const int threads = cache::cache_threads(flash && !fp8 ? n / x : n);
   const auto* k = static_cast<const T*>(d.key);
   const auto* v = static_cast<const T*>(d.value);
-  auto* kc = static_cast<T*>(d.key_cache);
-  auto* vc = static_cast<T*>(d.value_cache);
+  auto* kc = static_cast<CT*>(d.key_cache);
+  auto* vc = static_cast<CT*>(d.value_cache);
   const dim3 grid(static_cast<unsigned>(d.num_tokens));
   if (flash) {
-    cuda_emu::launch(&cache::reshape_and_cache_kernel<T, true>, grid, dim3(threads), 0,
+    cuda_emu::launch(&cache::reshape_and_cache_kernel<T, CT, true>, grid, dim3(threads), 0,
                      "reshape_and_cache_kernel<flash>", k, v, kc, vc, d.slot_mapping, a);
   } else {
-    cuda_emu::launch(&cache::reshape_and_cache_kernel<T, false>, grid, dim3(threads), 0,
+    cuda_emu::launch(&cache::reshape_and_cache_kernel<T, CT, false>, grid, dim3(threads), 0,
                      "reshape_and_cache_kernel", k, v, kc, vc, d.slot_mapping, a);
   }
 }
 
-template void reshape_and_cache<float>(const CacheWriteArgs&, bool);
-template void reshape_and_cache<__half>(const CacheWriteArgs&, bool);
-template void reshape_and_cache<__nv_bfloat16>(const CacheWriteArgs&, bool);
+using vllm_lite::cuda::fp8_e4m3;
+using vllm_lite::cuda::fp8_e5m2;
+#define EMU_INSTANTIATE_CACHE(T)                                                \
+  template void reshape_and_cache<T, T>(const CacheWriteArgs&, bool);          \
+  template void reshape_and_cache<T, fp8_e4m3>(const CacheWriteArgs&, bool);   \
+  template void reshape_and_cache<T, fp8_e5m2>(const CacheWriteArgs&, bool);
+EMU_INSTANTIATE_CACHE(float)
+EMU_INSTANTIATE_CACHE(__half)
+EMU_INSTANTIATE_CACHE(__nv_bfloat16)
+#undef EMU_INSTANTIATE_CACHE
 
 void copy_blocks(void* const* key_caches, void* const* value_caches,
                  const int64_t* block_bytes, int64_t num_layers, const int64_t* mapping,

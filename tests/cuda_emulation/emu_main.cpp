@@ -8,6 +8,7 @@
 //   op NAME                       attention | varlen | reshape_and_cache | copy_blocks
 //                                 | swap_blocks | convert | selftest
 //   dtype f32|f16|bf16
+//   kv auto|fp8_e4m3|fp8_e5m2     what the caches hold (default auto: the dtype)
 //   KEY INT_OR_FLOAT              the op's scalar arguments (see run_case)
 //   buf NAME FILE OFFSET          NAME's bytes come from FILE, placed OFFSET bytes into an
 //                                 allocation of exactly OFFSET + size bytes (ASan sees
@@ -26,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/dtype.cuh"  // the fp8 cache element types
 #include "emu_ops.h"
 #include "emu_runtime.h"
 
@@ -155,6 +157,28 @@ void dispatch(emu_ops::DType t, F&& f) {
   }
 }
 
+emu_ops::KvKind kv_of(const Case& c) {
+  if (!c.kv.count("kv")) return emu_ops::KvKind::Auto;
+  const std::string& k = c.s("kv");
+  if (k == "auto") return emu_ops::KvKind::Auto;
+  if (k == "fp8_e4m3") return emu_ops::KvKind::Fp8E4M3;
+  if (k == "fp8_e5m2") return emu_ops::KvKind::Fp8E5M2;
+  throw std::runtime_error("unknown kv " + k);
+}
+
+// f(T{}, CT{}): the query dtype and the cache element of the case.
+template <typename F>
+void dispatch_kv(const Case& c, F&& f) {
+  dispatch(dtype_of(c), [&](auto tag) {
+    using T = decltype(tag);
+    switch (kv_of(c)) {
+      case emu_ops::KvKind::Auto: f(T{}, T{}); break;
+      case emu_ops::KvKind::Fp8E4M3: f(T{}, vllm_lite::cuda::fp8_e4m3{}); break;
+      case emu_ops::KvKind::Fp8E5M2: f(T{}, vllm_lite::cuda::fp8_e5m2{}); break;
+    }
+  });
+}
+
 // The arguments paged_attention and varlen_paged_attention share; query points into
 // query_storage, q_offset elements in (its view's start), typed by the case's dtype.
 void read_attention_args(const Case& c, emu_ops::AttentionArgs& a) {
@@ -187,10 +211,11 @@ void run_attention(const Case& c) {
   a.max_seq_len = c.i("max_seq_len");
   a.sms = c.i("sms");
   const int64_t P = c.i("num_partitions");
-  dispatch(dtype_of(c), [&](auto tag) {
+  dispatch_kv(c, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
-    emu_ops::paged_attention_v1<T>(a, c.p("out_v1"));
-    emu_ops::paged_attention_v2<T>(a, c.p("out_v2"), static_cast<float*>(c.p("exp_sums")),
+    using CT = decltype(cache_tag);
+    emu_ops::paged_attention_v1<T, CT>(a, c.p("out_v1"));
+    emu_ops::paged_attention_v2<T, CT>(a, c.p("out_v2"), static_cast<float*>(c.p("exp_sums")),
                                    static_cast<float*>(c.p("max_logits")), c.p("tmp_out"), P);
   });
 }
@@ -202,9 +227,10 @@ void run_varlen(const Case& c) {
   a.num_tokens = c.i("num_tokens");
   a.max_query_len = c.i("max_query_len");
   a.query_start_loc = static_cast<const int32_t*>(c.p("query_start_loc"));
-  dispatch(dtype_of(c), [&](auto tag) {
+  dispatch_kv(c, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
-    emu_ops::varlen_paged_attention<T>(a, c.p("out"));
+    using CT = decltype(cache_tag);
+    emu_ops::varlen_paged_attention<T, CT>(a, c.p("out"));
   });
 }
 
@@ -223,11 +249,12 @@ void run_reshape_and_cache(const Case& c) {
   a.value_cache = c.p("value_cache");
   a.slot_mapping = static_cast<const int64_t*>(c.p("slot_mapping"));
   const bool flash = c.i("flash") != 0;
-  dispatch(dtype_of(c), [&](auto tag) {
+  dispatch_kv(c, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
+    using CT = decltype(cache_tag);
     a.key = static_cast<const T*>(c.p("key_storage")) + c.i("key_offset");
     a.value = static_cast<const T*>(c.p("value_storage")) + c.i("value_offset");
-    emu_ops::reshape_and_cache<T>(a, flash);
+    emu_ops::reshape_and_cache<T, CT>(a, flash);
   });
 }
 

@@ -8,6 +8,10 @@
 namespace emu_ops {
 
 enum class DType { F32, F16, BF16 };
+// What the caches hold (spec key "kv": auto | fp8_e4m3 | fp8_e5m2): the query dtype, or fp8
+// bytes. The templates below take the query dtype T and the cache element CT (T, or
+// vllm_lite::cuda::fp8_e4m3 / fp8_e5m2), as the kernels do.
+enum class KvKind { Auto, Fp8E4M3, Fp8E5M2 };
 
 struct AttentionArgs {
   int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, num_blocks;
@@ -23,10 +27,10 @@ struct AttentionArgs {
 };
 
 // paged_attention_v1.cu: out [S, H, D].
-template <typename T>
+template <typename T, typename CT>
 void paged_attention_v1(const AttentionArgs& a, void* out);
 // paged_attention_v2.cu: out [S, H, D], scratch of P partitions.
-template <typename T>
+template <typename T, typename CT>
 void paged_attention_v2(const AttentionArgs& a, void* out, float* exp_sums, float* max_logits,
                         void* tmp_out, int64_t num_partitions);
 
@@ -36,7 +40,7 @@ struct VarlenArgs : AttentionArgs {
   int64_t num_tokens, max_query_len;
   const int32_t* query_start_loc;
 };
-template <typename T>
+template <typename T, typename CT>
 void varlen_paged_attention(const VarlenArgs& a, void* out);
 
 struct CacheWriteArgs {
@@ -51,7 +55,7 @@ struct CacheWriteArgs {
 };
 
 // cache_kernels.cu: reshape_and_cache (flash = false) / reshape_and_cache_flash.
-template <typename T>
+template <typename T, typename CT>
 void reshape_and_cache(const CacheWriteArgs& a, bool flash);
 
 // cache_kernels.cu: copy_blocks over `layers` layers; block_bytes per layer.

@@ -1,7 +1,9 @@
 // Replays varlen_attention.cu's host code on the emulator, with the kernel of
 // csrc/cuda/attention/varlen_attention_kernels.cuh (all dtypes and head-size buckets);
 // also defines the storage of the kernel's dynamic shared memory
-// (`extern __shared__ float varlen_smem[]`).
+// (`extern __shared__ float varlen_smem[]`). emu_varlen_fp8.cpp includes this file with
+// EMU_VARLEN_FP8 defined for the fp8-cache instantiations (a second translation unit, so
+// they compile in parallel).
 #include <climits>
 #include <stdexcept>
 #include <string>
@@ -10,13 +12,15 @@
 #include "emu_ops.h"
 #include "emu_runtime.h"
 
+#ifndef EMU_VARLEN_FP8  // defined once, here; emu_varlen_fp8.cpp shares it
 CUDA_EMU_DYNAMIC_SHARED(vllm_lite::cuda::varlen, float, varlen_smem)
+#endif
 
 namespace emu_ops {
 
 namespace varlen = vllm_lite::cuda::varlen;
 
-template <typename T>
+template <typename T, typename CT>
 void varlen_paged_attention(const VarlenArgs& d, void* out) {
   if (d.num_tokens == 0 || d.num_heads == 0 || d.num_seqs == 0 || d.max_query_len == 0) return;
   const varlen::VarlenPlan plan = varlen::plan_varlen(
@@ -30,13 +34,24 @@ void varlen_paged_attention(const VarlenArgs& d, void* out) {
       d.num_blocks, d.max_blocks_per_seq, d.q_stride_seq, d.q_stride_head, d.scale,
       d.k_scale, d.v_scale, out, d.query, d.key_cache, d.value_cache, d.block_tables,
       d.seq_lens, d.query_start_loc, d.alibi_slopes);
-  cuda_emu::launch(varlen::varlen_kernel_for<T>(static_cast<int>(d.head_size)),
+  cuda_emu::launch(varlen::varlen_kernel_for<T, CT>(static_cast<int>(d.head_size)),
                    dim3(static_cast<unsigned>(plan.grid_x)), dim3(varlen::kThreads),
                    plan.smem_bytes, "varlen_paged_attention_kernel", p);
 }
 
-template void varlen_paged_attention<float>(const VarlenArgs&, void*);
-template void varlen_paged_attention<__half>(const VarlenArgs&, void*);
-template void varlen_paged_attention<__nv_bfloat16>(const VarlenArgs&, void*);
+#ifndef EMU_VARLEN_FP8
+template void varlen_paged_attention<float, float>(const VarlenArgs&, void*);
+template void varlen_paged_attention<__half, __half>(const VarlenArgs&, void*);
+template void varlen_paged_attention<__nv_bfloat16, __nv_bfloat16>(const VarlenArgs&, void*);
+#else
+using vllm_lite::cuda::fp8_e4m3;
+using vllm_lite::cuda::fp8_e5m2;
+template void varlen_paged_attention<float, fp8_e4m3>(const VarlenArgs&, void*);
+template void varlen_paged_attention<__half, fp8_e4m3>(const VarlenArgs&, void*);
+template void varlen_paged_attention<__nv_bfloat16, fp8_e4m3>(const VarlenArgs&, void*);
+template void varlen_paged_attention<float, fp8_e5m2>(const VarlenArgs&, void*);
+template void varlen_paged_attention<__half, fp8_e5m2>(const VarlenArgs&, void*);
+template void varlen_paged_attention<__nv_bfloat16, fp8_e5m2>(const VarlenArgs&, void*);
+#endif
 
 }  // namespace emu_ops

@@ -1,7 +1,7 @@
 """Builds the SIMT emulator binary (emu_kernels) and runs test cases through it.
 
-The binary is compiled once per source state (a hash of csrc/cuda, this folder and the
-flags) into build/cuda_emulation/<hash>/, with AddressSanitizer and UBSan, translation
+The binary is compiled once per source state (a hash of csrc/cuda, csrc/fp8.h,
+csrc/attention_limits.h, this folder and the flags) into build/cuda_emulation/<hash>/, with AddressSanitizer and UBSan, translation
 units in parallel. Cases are directories with spec.txt + raw buffers (see emu_main.cpp);
 run_cases() runs them in one process, and when a case crashes it (sanitizer report,
 emulator error) records the report for that case and continues with the rest in a new
@@ -39,8 +39,11 @@ BUILD = ROOT / "build" / "cuda_emulation"
 SOURCES = [
     "emu_runtime.cpp", "emu_main.cpp", "emu_selftest.cpp", "emu_cache.cpp",
     "emu_attention_f32.cpp", "emu_attention_f16.cpp", "emu_attention_bf16.cpp",
-    "emu_varlen.cpp",
+    "emu_attention_fp8_e4m3.cpp", "emu_attention_fp8_e5m2.cpp", "emu_varlen.cpp",
+    "emu_varlen_fp8.cpp",
 ]
+# Sources a translation unit includes besides the headers (its object depends on them).
+INCLUDED = {"emu_varlen_fp8.cpp": ("emu_varlen.cpp",)}
 # The translation units that include kernels from csrc/cuda (their objects depend on it).
 KERNEL_TUS = ("emu_attention", "emu_varlen", "emu_cache")
 # The slowest first, so two parallel jobs finish together.
@@ -83,10 +86,13 @@ def _object_key(src: str) -> str:
     """Hash of what one translation unit's object depends on: its source, the emulator's
     headers, the kernels (for the TUs that include them), flags and compiler."""
     h = hashlib.sha256()
-    _hash_files(h, [HERE / src, *HERE.rglob("*.h")])
-    if src.startswith(KERNEL_TUS):
-        # The kernels and the limits they share with the CPU side (csrc/attention_limits.h).
-        _hash_files(h, [*(CSRC / "cuda").rglob("*"), CSRC / "attention_limits.h"])
+    _hash_files(h, [HERE / src, *HERE.rglob("*.h"), *(HERE / s for s in INCLUDED.get(src, ()))])
+    if src.startswith(KERNEL_TUS) or src == "emu_main.cpp":
+        # The kernels, the limits they share with the CPU side (csrc/attention_limits.h) and
+        # the fp8 conversions (csrc/fp8.h, through cuda/dtype.cuh; emu_main.cpp includes it
+        # for the cache element types).
+        _hash_files(h, [*(CSRC / "cuda").rglob("*"), CSRC / "attention_limits.h",
+                        CSRC / "fp8.h"])
     h.update(" ".join(CXXFLAGS).encode())
     h.update(_compiler_version().encode())
     return h.hexdigest()[:16]

@@ -5,12 +5,17 @@
 //                last dim contiguous (read element-wise, any alignment)
 //   key_cache    [num_blocks, num_kv_heads, head_size / x, block_size, x], x = 16 B / elem
 //   value_cache  [num_blocks, num_kv_heads, head_size, block_size]
+//                Elements: the query dtype (kv_cache_dtype "auto") or fp8 bytes (uint8,
+//                "fp8" = "fp8_e4m3" / "fp8_e5m2", x = 16, head_size % 16 == 0), decoded
+//                exactly by csrc/fp8.h; k_scale / v_scale are folded into qk_scale and the
+//                output scale, so the kernel reads cache * scale as the CPU kernels do.
 //   block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 //   out          [num_seqs, num_heads, head_size] (contiguous)
 //   v2 scratch   exp_sums / max_logits float32 [num_seqs, num_heads, P],
 //                tmp_out [num_seqs, num_heads, P, head_size] in the query dtype
 //
-// paged_attention_kernel<T, BLOCK_SIZE, HEAD_MAX> serves v1 and v2.
+// paged_attention_kernel<T, CT, BLOCK_SIZE, HEAD_MAX> serves v1 and v2 (T: query / output
+// dtype, CT: cache element).
 //   Grid   x = num_seqs * num_kv_heads * ctas_per_kv_head, y = partitions (v1: 1).
 //          A CTA serves up to kMaxHeadsPerCta (8) query heads of ONE kv head (GQA/MQA: each
 //          K/V block is read once for all of them); a group of g query heads is split over
@@ -22,7 +27,7 @@
 //     1. block numbers of the chunk -> shared memory (ids outside [0, num_blocks) -> -1:
 //        that block reads as zeros, so a corrupt table can never fault).
 //     2. K pass: a warp step covers TPW tokens; TGS = 32 / TPW lanes share a token, each
-//        holding up to 8 16-byte chunks of its key (lane-interleaved, so a warp's loads of
+//        holding up to 8 16-byte chunks of its key (fp8: up to 4, 64 values) (lane-interleaved, so a warp's loads of
 //        one step are contiguous 16-byte chunks), converted to float32 once. Per query
 //        head: dot with q (float32, shared memory), xor-shuffle reduce over the TGS lanes,
 //        logit -> shared memory.
@@ -30,7 +35,8 @@
 //        written back in place, running sum l = l * exp(m_old - m) + sum(p).
 //     4. V pass: thread <-> value row d (head_size rows; for head_size <= 64 several
 //        "splits" of threads share a row and take alternate blocks). Each row of a block is
-//        block_size contiguous elements: 16-byte loads, U blocks in flight per step.
+//        block_size contiguous elements: 16-byte loads (8-byte ones for the 8-byte rows of
+//        fp8 at block size 8), U <= 8 blocks in flight per step.
 //        acc[row][head] = acc * exp(m_old - m) + sum_t p[t] * v[t].
 //   Output v1: out = acc * v_scale / l (0 when the sequence is empty).
 //          v2: tmp_out = acc * v_scale / l, max_logits = m, exp_sums = l, per partition;
@@ -39,11 +45,12 @@
 //          8 * (256 + 512) * 4 = 24 KiB, under the 48 KiB default: no opt-in needed), plus
 //          static 512 / block_size ints and 3 * 8 floats. It does NOT grow with the sequence
 //          length: long sequences only add chunks, so v1 has no length limit.
-//   Head sizes: every multiple of 8 up to kMaxHeadSize = 256, at runtime; HEAD_MAX in
+//   Head sizes: every multiple of 8 (fp8: 16) up to kMaxHeadSize = 256, at runtime; HEAD_MAX in
 //          {64, 128, 256} is a bucket that fixes register arrays (chunks per lane, value
 //          rows per thread) and the loops are guarded by the runtime head_size.
 //   Limits shared with the CPU side and validate.cpp: csrc/attention_limits.h.
-//   Block sizes: 8, 16, 32 (template). dtypes: float, half, bfloat16 (math in float32).
+//   Block sizes: 8, 16, 32 (template). dtypes: float, half, bfloat16 (math in float32);
+//          caches in the query dtype or fp8 e4m3 / e5m2.
 //   Bounds: seq_len is clamped to [0, max_tokens] (max_tokens <= max_blocks_per_seq *
 //          block_size, and <= P * 512 for v2), so the table is never indexed past its row
 //          and partitions stay inside the scratch, even when values were not validated
@@ -155,24 +162,30 @@ inline size_t attention_smem_bytes(int heads_per_cta, int head_size) {
   return static_cast<size_t>(heads_per_cta) * (head_size + kChunkTokens) * sizeof(float);
 }
 
-template <typename T, int BLOCK_SIZE, int HEAD_MAX>
+template <typename T, typename CT, int BLOCK_SIZE, int HEAD_MAX>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const AttentionParams p) {
   constexpr int BS = BLOCK_SIZE;
-  constexpr int X = kChunkElems<T>;                       // elements per 16-byte chunk
+  constexpr int X = kChunkElems<CT>;                      // cache elements per 16-byte chunk
   constexpr int kTokenChunks = HEAD_MAX / X;              // chunks of one key (bucket max)
-  constexpr int KCPL = kTokenChunks < 8 ? kTokenChunks : 8;  // key chunks per lane
+  // Key chunks per lane: at most 8, and at most 64 floats of key per lane once converted
+  // (fp8: 4 chunks of 16), which bounds the registers of kf below.
+  constexpr int kMaxKcpl = 64 / X < 8 ? 64 / X : 8;
+  constexpr int KCPL = kTokenChunks < kMaxKcpl ? kTokenChunks : kMaxKcpl;
   constexpr int TGS = kTokenChunks / KCPL;                // lanes per token
   constexpr int TPW = 32 / TGS;                           // tokens per warp step
   constexpr int ROWS = (HEAD_MAX + kThreads - 1) / kThreads;  // value rows per thread
-  constexpr int VCH = BS / X;                             // chunks per value row of a block
-  constexpr int kRowBytes = ROWS * BS * static_cast<int>(sizeof(T));
-  constexpr int U = kRowBytes >= 128 ? 1 : 128 / kRowBytes;  // blocks per V-pass step
+  // A value row of a block is BS elements: loaded in units of VX elements, 16 bytes, or 8
+  // bytes when the row is shorter than a chunk (fp8 at block size 8).
+  constexpr int VX = X < BS ? X : BS;
+  constexpr int VCH = BS / VX;                            // load units per value row
+  constexpr int kRowBytes = ROWS * BS * static_cast<int>(sizeof(CT));
+  constexpr int U = kRowBytes >= 128 ? 1 : (128 / kRowBytes < 8 ? 128 / kRowBytes : 8);
   constexpr int kBlocksPerChunk = kChunkTokens / BS;
   static_assert(BS == 8 || BS == 16 || BS == 32, "block size");
-  static_assert(HEAD_MAX % (8 * X) == 0 || kTokenChunks < 8, "head bucket");
+  static_assert(HEAD_MAX % (KCPL * X) == 0, "head bucket");
   static_assert(TGS * KCPL == kTokenChunks && TGS >= 1 && TGS <= 32 && 32 % TGS == 0,
                 "lanes per token");
-  static_assert(VCH >= 1 && VCH * X == BS, "value rows are whole chunks");
+  static_assert(VCH >= 1 && VCH * VX == BS, "value rows are whole load units");
   static_assert(BS % 4 == 0 && kChunkTokens % BS == 0, "float4 reads of probabilities");
 
   extern __shared__ __align__(16) float smem[];
@@ -242,8 +255,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
   }
 
   const int64_t head_offset = static_cast<int64_t>(kvh) * HS * BS;
-  const T* kc = static_cast<const T*>(p.key_cache) + head_offset;
-  const T* vc = static_cast<const T*>(p.value_cache) + head_offset;
+  const CT* kc = static_cast<const CT*>(p.key_cache) + head_offset;
+  const CT* vc = static_cast<const CT*>(p.value_cache) + head_offset;
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
 
   for (int c0 = start; c0 < end; c0 += kChunkTokens) {
@@ -264,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
       for (int t0 = warp * TPW; t0 < n; t0 += kWarps * TPW) {  // warp-uniform loop
         const int t = t0 + tok;
         const int blk = t < n ? blk_s[t / BS] : -1;
-        const T* kp = kc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
+        const CT* kp = kc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
                       (t % BS) * X;
         uint4 kr[KCPL];
 #pragma unroll
@@ -275,7 +288,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
         // The key in float32 once, for all G heads (not once per head).
         float kf[KCPL][X];
 #pragma unroll
-        for (int k = 0; k < KCPL; ++k) chunk_to_float<T>(kr[k], kf[k]);
+        for (int k = 0; k < KCPL; ++k) chunk_to_float<CT>(kr[k], kf[k]);
         for (int h = 0; h < G; ++h) {
           const float* qh = q_s + h * HS;
           float dot = 0.f;
@@ -351,14 +364,14 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
         for (int u = 0; u < U; ++u) {
           const int b = b0 + u * splits;
           const int blk = b < nb ? blk_s[b] : -1;
-          const T* vb = vc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride;
+          const CT* vb = vc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride;
 #pragma unroll
           for (int r = 0; r < ROWS; ++r) {
             const int d = row0 + r * kThreads;
             const bool ok = blk >= 0 && d < HS;
 #pragma unroll
             for (int c = 0; c < VCH; ++c) {
-              raw[u][r][c] = ok ? load_chunk(vb + d * BS + c * X) : zero_chunk();
+              raw[u][r][c] = ok ? load_unit<CT, VX>(vb + d * BS + c * VX) : zero_chunk();
             }
           }
         }
@@ -374,7 +387,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
               if (d < HS) {
                 float v[BS];
 #pragma unroll
-                for (int c = 0; c < VCH; ++c) chunk_to_float<T>(raw[u][r][c], v + c * X);
+                for (int c = 0; c < VCH; ++c) unit_to_float<CT, VX>(raw[u][r][c], v + c * VX);
                 if (valid < BS) {  // slots past the end may hold anything (NaN * 0 = NaN)
 #pragma unroll
                   for (int j = 0; j < BS; ++j) v[j] = j < valid ? v[j] : 0.f;
@@ -518,17 +531,17 @@ __global__ void __launch_bounds__(kThreads) paged_attention_v2_reduce_kernel(
 // CPU emulation of the kernels (tests/cuda_emulation), so both run the same grids.
 
 // The instantiation of paged_attention_kernel that serves (block_size, head_size):
-// HEAD_MAX is the bucket (64, 128 or 256) head_size falls in. Launched with
-// <<<grid, kThreads, attention_smem_bytes(...)>>>.
+// HEAD_MAX is the bucket (64, 128 or 256) head_size falls in; CT the cache element (T, or
+// fp8_e4m3 / fp8_e5m2). Launched with <<<grid, kThreads, attention_smem_bytes(...)>>>.
 using AttentionKernel = void (*)(AttentionParams);
 
-template <typename T>
+template <typename T, typename CT>
 AttentionKernel attention_kernel_for(int block_size, int head_size) {
   static_assert(kMaxHeadSize <= 256, "the largest head-size bucket is 256");
-#define VLLM_LITE_ATTN_HEADS(BS)                                        \
-  if (head_size <= 64) return &paged_attention_kernel<T, BS, 64>;       \
-  if (head_size <= 128) return &paged_attention_kernel<T, BS, 128>;     \
-  return &paged_attention_kernel<T, BS, 256>
+#define VLLM_LITE_ATTN_HEADS(BS)                                          \
+  if (head_size <= 64) return &paged_attention_kernel<T, CT, BS, 64>;     \
+  if (head_size <= 128) return &paged_attention_kernel<T, CT, BS, 128>;   \
+  return &paged_attention_kernel<T, CT, BS, 256>
   switch (block_size) {
     case 8: VLLM_LITE_ATTN_HEADS(8);
     case 16: VLLM_LITE_ATTN_HEADS(16);

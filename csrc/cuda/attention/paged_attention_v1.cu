@@ -3,6 +3,8 @@
 // instantiates paged_attention_kernel; see attention_kernels.cuh for the design). v1 runs
 // one CTA per (sequence, kv head[, head group]) over the whole sequence with an online
 // softmax in 512-token chunks, so it has no sequence-length limit and needs no scratch.
+// Caches in the query dtype or fp8 (kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2"; the
+// kernels are instantiated per (query dtype, cache element)).
 #include <algorithm>
 #include <climits>
 
@@ -45,9 +47,6 @@ PagedAttentionCall::PagedAttentionCall(
                                                              *tmp_out, max_seq_len)) {
   TORCH_CHECK(query.is_cuda(), op, ": the CUDA kernel needs CUDA tensors, got query on ",
               query.device());
-  TORCH_CHECK(d_.cache_dtype == KvCacheDType::kAuto, op, ": kv_cache_dtype '", kv_cache_dtype,
-              "' (an fp8 KV cache) is implemented by the CPU kernels only so far; use 'auto' "
-              "on CUDA");
   check_cuda_block_size(block_size);
   device_guard_.set_device(query.device());
   stream_ = at::cuda::getCurrentCUDAStream();
@@ -108,9 +107,11 @@ void PagedAttentionCall::launch(void* out, float* exp_sums, float* max_logits,
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_partitions));
   const size_t smem = attention_smem_bytes(p.heads_per_cta, p.head_size);
   VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query_.scalar_type(), "paged_attention", [&] {
-    const AttentionKernel kernel = attention_kernel_for<scalar_t>(
-        static_cast<int>(d.block_size), static_cast<int>(d.head_size));
-    kernel<<<grid, kThreads, smem, stream_>>>(p);
+    dispatch_cache_elem<scalar_t>(d.cache_dtype, [&](auto cache_tag) {
+      const AttentionKernel kernel = attention_kernel_for<scalar_t, decltype(cache_tag)>(
+          static_cast<int>(d.block_size), static_cast<int>(d.head_size));
+      kernel<<<grid, kThreads, smem, stream_>>>(p);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

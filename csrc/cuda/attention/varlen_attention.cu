@@ -2,7 +2,7 @@
 // varlen_paged_attention_kernel (see varlen_attention_kernels.cuh for the design). One CTA
 // per (query tile, sequence, kv head[, head chunk]); the grid comes from max_query_len and
 // the kernel finds its rows through query_start_loc on the device, so the launch needs no
-// host copy of the metadata (CUDA-graph safe).
+// host copy of the metadata (CUDA-graph safe). Caches in the query dtype or fp8.
 #include <climits>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -30,9 +30,6 @@ void varlen_paged_attention(at::Tensor& out, const at::Tensor& query,
       block_size, max_query_len, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale);
   TORCH_CHECK(query.is_cuda(), op, ": the CUDA kernel needs CUDA tensors, got query on ",
               query.device());
-  TORCH_CHECK(d.cache_dtype == KvCacheDType::kAuto, op, ": kv_cache_dtype '", kv_cache_dtype,
-              "' (an fp8 KV cache) is implemented by the CPU kernels only so far; use 'auto' "
-              "on CUDA");
   TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32, op, ": block_size ",
               block_size, " is not supported on CUDA; use 8, 16 or 32");
   const c10::cuda::CUDAGuard device_guard(query.device());
@@ -59,9 +56,12 @@ void varlen_paged_attention(at::Tensor& out, const at::Tensor& query,
       alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr);
 
   VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query.scalar_type(), op, [&] {
-    const varlen::VarlenKernel kernel =
-        varlen::varlen_kernel_for<scalar_t>(static_cast<int>(d.head_size));
-    kernel<<<static_cast<unsigned>(plan.grid_x), varlen::kThreads, plan.smem_bytes, stream>>>(p);
+    dispatch_cache_elem<scalar_t>(d.cache_dtype, [&](auto cache_tag) {
+      const varlen::VarlenKernel kernel = varlen::varlen_kernel_for<scalar_t, decltype(cache_tag)>(
+          static_cast<int>(d.head_size));
+      kernel<<<static_cast<unsigned>(plan.grid_x), varlen::kThreads, plan.smem_bytes, stream>>>(
+          p);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -6,6 +6,8 @@
 //   out          [num_tokens, num_heads, head_size] (contiguous), the query dtype
 //   key_cache    [num_blocks, num_kv_heads, head_size / x, block_size, x], x = 16 B / elem
 //   value_cache  [num_blocks, num_kv_heads, head_size, block_size]
+//                Elements: the query dtype ("auto") or fp8 bytes (uint8, "fp8" =
+//                "fp8_e4m3" / "fp8_e5m2", x = 16), decoded exactly by csrc/fp8.h.
 //   block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 //   query_start_loc int32 [num_seqs + 1]: sequence s's query rows are
 //                qsl[s] .. qsl[s + 1]
@@ -14,9 +16,10 @@
 //   logit = scale * k_scale * q.k (+ slope[h] * (t - qpos) with ALiBi); out = softmax @ V *
 //   v_scale (0 for a row that sees no position).
 //
-// varlen_paged_attention_kernel<T, HEAD_MAX>, HEAD_MAX in {64, 128, 256}: the head-size
+// varlen_paged_attention_kernel<T, CT, HEAD_MAX> (T: query / output dtype, CT: cache
+// element), HEAD_MAX in {64, 128, 256}: the head-size
 // bucket (as the decode kernel's) that fixes the tile sizes and register arrays; loops are
-// guarded by the runtime head_size (any multiple of 8 up to kMaxHeadSize).
+// guarded by the runtime head_size (any multiple of 8 up to kMaxHeadSize; of 16 for fp8).
 //   Rows   a CTA owns R = kVarlenTileFloats / HEAD_MAX query rows (64 / 32 / 16): row r is
 //          (query token j0 + r / heads_per_cta, query head head0 + r % heads_per_cta) of
 //          ONE kv head, so each K/V tile is loaded once for all the heads of a GQA / MQA
@@ -46,8 +49,9 @@
 //        max, running max m, p = exp(logit - m) in place (masked: 0), running sum l, rescale
 //        alpha -> alpha_s. m, l live in the row's lanes' registers.
 //     4. V tile -> kv_s (overwriting K; float32, [TT][HS + 4], token-major): one 16-byte
-//        chunk (x consecutive tokens of one row of a block) per thread step; tokens past
-//        ctx_end are zeros (their slots may hold anything, and NaN * 0 = NaN).
+//        chunk (x consecutive tokens of one row of a block; fp8: 8 bytes, 8 tokens, since
+//        a row of a block of 8 is 8 bytes) per thread step; tokens past ctx_end are zeros
+//        (their slots may hold anything, and NaN * 0 = NaN).
 //     5. PV, per warp: lane <-> dims lane + 32 i (HEAD_MAX / 32 of them); acc[R/4][.] =
 //        acc * alpha + sum_t p[row][t] * v[t][d], 4 tokens per step (float4 of p_s).
 //     Four __syncthreads per tile (K ready, K consumed, V ready, V consumed): K and V share
@@ -57,9 +61,9 @@
 //          q_s R*HS | kv_s TT*(HS+4) | p_s R*(TT+4) | alpha_s R | l_s R; at most 37.3 KiB
 //          (head_size 128), under the 48 KiB default (static_assert below): no opt-in.
 //          Nothing grows with the sequence or query length.
-//   dtypes: float, half, bfloat16 (the caches in the query dtype; fp8 caches are refused by
-//          the launcher). Block sizes: 8, 16, 32 (the launcher checks; the kernel only needs
-//          block_size % x == 0). Limits shared with the CPU side: csrc/attention_limits.h.
+//   dtypes: float, half, bfloat16; caches in the query dtype or fp8 e4m3 / e5m2. Block
+//          sizes: 8, 16, 32 (the launcher checks; the kernel only needs block_size to be a
+//          multiple of the V load unit, 4 or 8 tokens). Limits shared with the CPU side: csrc/attention_limits.h.
 //   Bounds: query_start_loc entries are clamped to [0, num_tokens] (and qsl[s + 1] to >=
 //          qsl[s]), seq_lens to [0, max_tokens = max_blocks_per_seq * block_size], so the
 //          query, out and the block table are never indexed outside, even when values were
@@ -152,7 +156,7 @@ struct VarlenParams {
   float v_scale;
 };
 
-template <typename T, int HEAD_MAX>
+template <typename T, typename CT, int HEAD_MAX>
 __global__ void __launch_bounds__(kThreads) varlen_paged_attention_kernel(const VarlenParams p) {
   constexpr int R = varlen_rows(HEAD_MAX);         // query rows of the CTA
   constexpr int TT = varlen_tile_tokens(HEAD_MAX);  // tokens of a KV tile
@@ -161,10 +165,13 @@ __global__ void __launch_bounds__(kThreads) varlen_paged_attention_kernel(const 
   constexpr int LPR = 32 / RW;                      // lanes per row (softmax)
   constexpr int DPL = HEAD_MAX / 32;                // output dims per lane (PV)
   constexpr int PS = TT + kVarlenPad;               // p_s row stride
-  constexpr int X = kChunkElems<T>;
+  constexpr int X = kChunkElems<CT>;  // key chunk (the cache layout's x)
+  // V loads: VX consecutive tokens of one value row, 16 bytes, or 8 bytes for fp8 (at most
+  // 8 tokens, so a unit never crosses a block of the smallest size, 8).
+  constexpr int VX = X < 8 ? X : 8;
   static_assert(HEAD_MAX == 64 || HEAD_MAX == 128 || HEAD_MAX == 256, "head bucket");
   static_assert(RW * kWarps == R && RW * LPR == 32 && TT * TGS == 32, "lane mappings");
-  static_assert(TT % 4 == 0 && TT % X == 0 && DPL * 32 == HEAD_MAX, "tile shapes");
+  static_assert(TT % 4 == 0 && TT % VX == 0 && DPL * 32 == HEAD_MAX, "tile shapes");
 
   extern __shared__ __align__(16) float varlen_smem[];
 
@@ -249,8 +256,8 @@ __global__ void __launch_bounds__(kThreads) varlen_paged_attention_kernel(const 
   }
 
   const int64_t head_offset = static_cast<int64_t>(kvh) * HS * BS;
-  const T* kc = static_cast<const T*>(p.key_cache) + head_offset;
-  const T* vc = static_cast<const T*>(p.value_cache) + head_offset;
+  const CT* kc = static_cast<const CT*>(p.key_cache) + head_offset;
+  const CT* vc = static_cast<const CT*>(p.value_cache) + head_offset;
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
   // Block id of context position pos (< ctx_end <= max_blocks_per_seq * BS), -1 if bad.
   auto block_of = [&](int pos) {
@@ -274,7 +281,7 @@ __global__ void __launch_bounds__(kThreads) varlen_paged_attention_kernel(const 
         }
       }
       float f[X];
-      chunk_to_float<T>(raw, f);
+      chunk_to_float<CT>(raw, f);
       float4* dst = reinterpret_cast<float4*>(kv_s + t * KS + c * X);
 #pragma unroll
       for (int e = 0; e < X / 4; ++e) {
@@ -334,20 +341,20 @@ __global__ void __launch_bounds__(kThreads) varlen_paged_attention_kernel(const 
     __syncthreads();  // every warp is done with the K tile
 
     // ---- 4. V tile -> kv_s (token-major)
-    for (int i = tid; i < HS * (TT / X); i += kThreads) {
-      const int tc = i % (TT / X);
-      const int d = i / (TT / X);
-      const int t0 = tc * X;
+    for (int i = tid; i < HS * (TT / VX); i += kThreads) {
+      const int tc = i % (TT / VX);
+      const int d = i / (TT / VX);
+      const int t0 = tc * VX;
       uint4 raw = zero_chunk();
       if (t0 < cnt) {
-        const int pos = c0 + t0;  // x consecutive tokens of one block (BS % x == 0)
+        const int pos = c0 + t0;  // VX consecutive tokens of one block (BS % VX == 0)
         const int blk = block_of(pos);
-        if (blk >= 0) raw = load_chunk(vc + blk * p.kv_block_stride + d * BS + pos % BS);
+        if (blk >= 0) raw = load_unit<CT, VX>(vc + blk * p.kv_block_stride + d * BS + pos % BS);
       }
-      float f[X];
-      chunk_to_float<T>(raw, f);
+      float f[VX];
+      unit_to_float<CT, VX>(raw, f);
 #pragma unroll
-      for (int e = 0; e < X; ++e) kv_s[(t0 + e) * KS + d] = t0 + e < cnt ? f[e] : 0.f;
+      for (int e = 0; e < VX; ++e) kv_s[(t0 + e) * KS + d] = t0 + e < cnt ? f[e] : 0.f;
     }
     __syncthreads();  // V tile ready
 
@@ -409,14 +416,14 @@ __global__ void __launch_bounds__(kThreads) varlen_paged_attention_kernel(const 
 
 using VarlenKernel = void (*)(VarlenParams);
 
-// The instantiation that serves head_size; launched with
-// <<<grid_x, kThreads, varlen_smem_floats(bucket, head_size) * 4>>>.
-template <typename T>
+// The instantiation that serves head_size with cache element CT (T, or fp8_e4m3 /
+// fp8_e5m2); launched with <<<grid_x, kThreads, varlen_smem_floats(bucket, head_size) * 4>>>.
+template <typename T, typename CT>
 VarlenKernel varlen_kernel_for(int head_size) {
   switch (varlen_head_bucket(head_size)) {
-    case 64: return &varlen_paged_attention_kernel<T, 64>;
-    case 128: return &varlen_paged_attention_kernel<T, 128>;
-    default: return &varlen_paged_attention_kernel<T, 256>;
+    case 64: return &varlen_paged_attention_kernel<T, CT, 64>;
+    case 128: return &varlen_paged_attention_kernel<T, CT, 128>;
+    default: return &varlen_paged_attention_kernel<T, CT, 256>;
   }
 }
 
