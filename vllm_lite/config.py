@@ -158,7 +158,7 @@ class EngineArgs:
     kv_cache_dtype: str = _opt(
         "auto", "what the KV cache stores: auto (the --dtype) or fp8 (= fp8_e4m3) / fp8_e5m2: "
         "1 byte per element, so 2x the blocks of bfloat16 and 4x those of float32 in the same "
-        "memory, at fp8 precision (scales 1.0); CPU kernels only so far", choices=KV_CACHE_DTYPES)
+        "memory, at fp8 precision (scales 1.0)", choices=KV_CACHE_DTYPES)
     enable_chunked_prefill: bool = _opt(
         False, "split long prompts across steps, mixed with decodes")
     preemption_mode: str | None = _opt(
@@ -230,10 +230,6 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching, cache_dtype=self.kv_cache_dtype)
         device = resolve_device(self.device)
-        if cache_config.cache_dtype != "auto" and device.type != "cpu":
-            raise ValueError(f"kv_cache_dtype {cache_config.cache_dtype!r}: an fp8 KV cache is "
-                             f"implemented by the CPU kernels only so far, not on {device}; "
-                             "use 'auto'")
         parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                          distributed_timeout=self.distributed_timeout)
         scheduler_config = SchedulerConfig(
