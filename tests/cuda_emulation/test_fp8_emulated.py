@@ -96,11 +96,12 @@ def _write_cases() -> list[WriteCase]:
     rng = random.Random(11)
     cases = []
     # The conversion sweep: float32 through the flash layout, with scale 1 and with scales
-    # whose reciprocals are inexact (value * (1 / scale) would round some quotients to the
-    # other side of an fp8 rounding boundary than value / scale does).
+    # whose reciprocals are inexact; the values are scaled by them first, so that many
+    # quotients fall exactly on fp8 ties (value * (1 / scale) would miss them by an ulp and
+    # round the other way).
     n = (interesting_floats().numel() + 63) // 64
     for fmt in FORMATS:
-        for ks, vs in ((1.0, 1.0), (0.37, 3.3)):
+        for ks, vs in ((1.0, 1.0), (30.0, 0.6)):
             cases.append(WriteCase(f"sweep-{fmt}-s{ks}_{vs}", True, F32, fmt, 1, 64, 16, ks, vs,
                                    "sweep", n))
     i = 0
@@ -131,7 +132,7 @@ def _prepare_write(c: WriteCase, root):
     if c.kind == "sweep":
         x = interesting_floats()
         x = torch.cat([x, torch.zeros(c.n * c.d - x.numel())]).view(c.n, 1, c.d)
-        key, value = x, -x
+        key, value = x * c.k_scale, -x * c.v_scale  # float32 products
     elif c.kind == "fused_qkv":
         h = 4
         qkv = torch.randn(c.n, (h + 2 * c.kvh) * c.d, generator=g)
