@@ -1,13 +1,12 @@
 // int8_linear / int4_linear on the CPU: weight-only linear layers, the GEMMs of
 // quantization="int8" (per-output-channel scales) and "int4" / "gguf" (groups of 32-128
 // weights with a scale and a zero). Decode-sized inputs (<= kInt8KernelMaxRows rows) run
-// the block kernels of int8_linear_kernel.h, the AVX-512 or AVX2 build the CPU ISA switch
-// (cpu_isa.h) picks, else the generic one; tasks of
+// the block kernels of int8_linear_kernel.h, the AVX2 build where the CPU ISA switch
+// (cpu_isa.h) picks a non-generic build, else the generic one; tasks of
 // kInt8ChannelsPerTask output channels run on torch's intra-op threads. Larger inputs
 // (prefills) dequantize the weight once and use at::linear. Only CPU kernels exist: on CUDA
 // the Python layer uses torch's _weight_int8pack_mm (int8) or dequantizes at load (int4).
 #include <memory>
-#include <string>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -21,13 +20,10 @@ namespace vllm_lite::cpu {
 namespace {
 
 // Follows the attention kernel's ISA choice (VLLM_LITE_CPU_ISA / set_cpu_isa), so one
-// switch selects every CPU build: "avx512" and "avx512bf16" run the AVX-512 build, "avx2"
-// the AVX2 one (every x86 build but "generic" implies AVX2 + FMA).
+// switch selects every CPU build; every x86 build but "generic" implies AVX2 + FMA.
 template <typename Fn>
-Fn select_kernel(Fn avx512, Fn avx2, Fn generic) {
-  const std::string isa = cpu_isa();
-  if (avx512 != nullptr && isa.rfind("avx512", 0) == 0) return avx512;
-  return avx2 != nullptr && isa != "generic" ? avx2 : generic;
+Fn select_kernel(Fn avx2, Fn generic) {
+  return avx2 != nullptr && cpu_isa() != "generic" ? avx2 : generic;
 }
 
 // Runs fn(n0, n1, wbuf) over tasks of kInt8ChannelsPerTask output channels in parallel.
@@ -63,8 +59,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   Int8LinearArgs a{x2.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
                    bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
                    M, K, N, x2.stride(0)};
-  const Int8LinearBlockFn fn =
-      select_kernel(int8_linear_avx512(), int8_linear_avx2(), int8_linear_generic());
+  const Int8LinearBlockFn fn = select_kernel(int8_linear_avx2(), int8_linear_generic());
   run_channel_tasks(N, K, [&](int64_t n0, int64_t n1, float* wbuf) { fn(a, n0, n1, wbuf); });
   return y.reshape(out_shape);
 }
@@ -92,8 +87,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   Int4LinearArgs a{x2.data_ptr<float>(), qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                    zeros.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
                    y.data_ptr<float>(), M, K, N, x2.stride(0), group_size};
-  const Int4LinearBlockFn fn =
-      select_kernel(int4_linear_avx512(), int4_linear_avx2(), int4_linear_generic());
+  const Int4LinearBlockFn fn = select_kernel(int4_linear_avx2(), int4_linear_generic());
   run_channel_tasks(N, K, [&](int64_t n0, int64_t n1, float* wbuf) { fn(a, n0, n1, wbuf); });
   return y.reshape(out_shape);
 }

@@ -16,7 +16,7 @@
 // eighth plus two floats per group); decode GEMMs
 // (few rows) are memory-bound, which is where this wins. The K loops are plain loops under
 // `omp simd` so the compiler vectorizes them for the ISA of the including file (8 floats on
-// AVX2, 16 on AVX-512, NEON on aarch64).
+// AVX2, NEON on aarch64).
 #pragma once
 
 #include <algorithm>

@@ -43,9 +43,7 @@ using Int4LinearBlockFn = void (*)(const Int4LinearArgs&, int64_t n0, int64_t n1
 // Each build's kernel; nullptr where the build was compiled out (another architecture).
 Int8LinearBlockFn int8_linear_generic();
 Int8LinearBlockFn int8_linear_avx2();
-Int8LinearBlockFn int8_linear_avx512();
 Int4LinearBlockFn int4_linear_generic();
 Int4LinearBlockFn int4_linear_avx2();
-Int4LinearBlockFn int4_linear_avx512();
 
 }  // namespace vllm_lite::cpu
