@@ -141,6 +141,9 @@ class Int4Linear(nn.Module):
         self.on_cpu = device.type == "cpu"
         self.bias = linear.bias
         self._dequantized: torch.Tensor | None = None
+        # GPTQ act-order: the stored columns are x's in this order (groups contiguous);
+        # None off the CPU, where dequantize() has already put them back in x's order.
+        self.perm = weight.perm if self.on_cpu else None
         if not self.on_cpu:
             logger.warning("int4 on %s: no int4 GEMM for this device yet; dequantizing the "
                            "weights at load (correct, no memory saving)", device)
@@ -149,8 +152,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("qweight", weight.qweight.contiguous())
         self.register_buffer("scales", weight.scales.float().contiguous())
         self.register_buffer("zeros", weight.zeros.float().contiguous())
-        # GPTQ act-order: the stored columns are x's in this order (groups contiguous).
-        self.perm = weight.perm
         self._bias_f32 = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
