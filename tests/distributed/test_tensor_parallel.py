@@ -241,9 +241,10 @@ def test_two_nodes_on_one_machine(bias_ckpt, monkeypatch) -> None:
     folder, hf_model = bias_ckpt
     port = free_port()
     common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    # cwd: not the checkout, whose vllm_lite (maybe unbuilt) `-m` would import first.
     worker = subprocess.Popen(
         [sys.executable, "-m", "vllm_lite.entrypoints.cli", "worker"],
-        env=cli_env({**common, "RANK": "1", "LOCAL_RANK": "0"}))
+        env=cli_env({**common, "RANK": "1", "LOCAL_RANK": "0"}), cwd=folder)
     try:
         for k, v in {**common, "RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
             monkeypatch.setenv(k, v)

@@ -1,10 +1,10 @@
 """The processes of a tensor-parallel engine: the driver starts and watches its local
 ranks; :func:`worker_main` is every other rank's program (``vllm-lite worker``).
 
-Local ranks run ``python -m vllm_lite.worker.tp_processes`` as fresh interpreters (what
-multiprocessing's spawn does, without re-importing the user's ``__main__``, so a script
-without an ``if __name__ == "__main__"`` guard still works) with torchrun's variables
-pointing at the driver's store. Each rank: connect to the store, say it joined, read the
+Local ranks run :func:`worker_main` in fresh interpreters (what multiprocessing's spawn
+does, without re-importing the user's ``__main__``, so a script without an ``if __name__ ==
+"__main__"`` guard still works; the driver's vllm_lite first on their path) with
+torchrun's variables pointing at the driver's store. Each rank: connect to the store, say it joined, read the
 engine's config, join the groups, load its shards, then serve the driver's messages.
 
 Lifetimes: a worker ignores SIGINT (the driver turns Ctrl-C into an orderly shutdown of
@@ -70,15 +70,18 @@ class LocalRanks:
         self.procs: dict[int, subprocess.Popen] = {}
         env = dict(os.environ)
         env[_PARENT_ENV] = str(os.getpid())
-        # The ranks import the driver's vllm_lite (a source checkout may shadow an install).
+        # The ranks import the driver's vllm_lite: its folder goes first on sys.path, ahead
+        # of the working directory (`python -m` would put a source checkout there, without
+        # its compiled extension, before an installed package).
         import vllm_lite
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(vllm_lite.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        program = (f"import sys; sys.path.insert(0, {root!r}); "
+                   "from vllm_lite.worker.tp_processes import worker_main; "
+                   "sys.exit(worker_main())")
         for rank in range(1, rdv.local_world_size):
             self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "vllm_lite.worker.tp_processes"],
-                env={**env, **rdv.worker_env(rank, port)})
+                [sys.executable, "-c", program], env={**env, **rdv.worker_env(rank, port)})
         logger.info("tensor parallel: %d ranks (%d here), store %s:%d",
                     self.world_size, rdv.local_world_size, rdv.host, port)
         try:
