@@ -27,14 +27,17 @@ import pytest
 import torch
 
 from kernels.reference import (  # tests/ is on sys.path (rootdir-based packages)
+    FP8_DTYPES,
     assert_bitwise_equal,
     assert_close,
     dtype_name,
+    fp8_bytes,
     make_paged_kv,
     num_partitions,
     ref_paged_attention,
     ref_reshape_and_cache,
     ref_varlen_paged_attention,
+    to_fp8_caches,
 )
 from . import harness
 from .conftest import case_dir
@@ -43,15 +46,9 @@ pytestmark = pytest.mark.cuda_emulated
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 CODE = {F32: "f32", F16: "f16", BF16: "bf16"}
-FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8 = {f: FP8_DTYPES[f] for f in ("fp8_e4m3", "fp8_e5m2")}
 FORMATS = list(FP8)
 NAN_BYTE = 0x7F  # NaN in both formats
-
-
-def fp8_bytes(x: torch.Tensor, fmt: str, scale: float) -> torch.Tensor:
-    """torch's cast of x / scale (a float32 division) to the fp8 format, as uint8."""
-    q = x.float() / torch.tensor(scale, dtype=torch.float32)
-    return q.to(FP8[fmt]).view(torch.uint8)
 
 
 def interesting_floats() -> torch.Tensor:
@@ -181,21 +178,6 @@ def _prepare_write(c: WriteCase, root):
 
 # ---------------------------------------------------------------------------------------
 # paged_attention v1 / v2 and varlen
-
-
-def to_fp8_caches(kv, fmt: str, k_scale: float, v_scale: float):
-    """make_paged_kv's float32 caches (x = 4) as fp8 caches (x = 16) holding key / k_scale
-    and value / v_scale, and their dequantized float64 values (stored value x scale) in the
-    x = 16 layout. NaN slots stay NaN bytes."""
-    kc, vc = kv.key_cache, kv.value_cache
-    nb, h, _, bs, _ = kc.shape
-    d = kv.head_size
-    rows = kc.permute(0, 1, 3, 2, 4).reshape(nb, h, bs, d)  # token rows
-    k16 = rows.reshape(nb, h, bs, d // 16, 16).permute(0, 1, 3, 2, 4).contiguous()
-    k8, v8 = fp8_bytes(k16, fmt, k_scale), fp8_bytes(vc, fmt, v_scale)
-    kd = k8.view(FP8[fmt]).to(torch.float64) * k_scale
-    vd = v8.view(FP8[fmt]).to(torch.float64) * v_scale
-    return k8, v8, kd, vd
 
 
 @dataclass(frozen=True)

@@ -413,3 +413,31 @@ def ref_reshape_and_cache(
         kc[blk, :, :, off, :] = k.reshape(n, h, d // x, x)
         vc[blk, :, :, off] = v
     return kc, vc
+
+
+# -- fp8 KV caches --------------------------------------------------------------------------
+#: torch's float8 dtype of each fp8 kv_cache_dtype ("fp8" = e4m3).
+FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
+
+
+def fp8_bytes(x: torch.Tensor, kv_cache_dtype: str, scale: float) -> torch.Tensor:
+    """torch's cast of x / scale (float32 division, as a float32 tensor divided by the
+    scale) to the fp8 dtype, as uint8: what reshape_and_cache must store."""
+    q = x.float() / torch.tensor(scale, dtype=torch.float32)
+    return q.to(FP8_DTYPES[kv_cache_dtype]).view(torch.uint8)
+
+
+def to_fp8_caches(kv, kv_cache_dtype: str, k_scale: float, v_scale: float):
+    """make_paged_kv's float caches (x = 4, float32) as fp8 caches (x = 16) holding key /
+    k_scale and value / v_scale, and their dequantized float64 values (stored value x scale,
+    x = 16 layout). NaN slots stay NaN bytes."""
+    kc, vc = kv.key_cache, kv.value_cache
+    nb, h, _, bs, _ = kc.shape
+    d = kv.head_size
+    rows = kc.permute(0, 1, 3, 2, 4).reshape(nb, h, bs, d)  # token rows
+    k16 = rows.reshape(nb, h, bs, d // 16, 16).permute(0, 1, 3, 2, 4).contiguous()
+    k8, v8 = fp8_bytes(k16, kv_cache_dtype, k_scale), fp8_bytes(vc, kv_cache_dtype, v_scale)
+    fp8 = FP8_DTYPES[kv_cache_dtype]
+    return (k8, v8, k8.view(fp8).to(torch.float64) * k_scale,
+            v8.view(fp8).to(torch.float64) * v_scale)

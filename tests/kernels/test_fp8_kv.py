@@ -21,19 +21,12 @@ import torch
 
 from vllm_lite import ops
 
-from .reference import (DTYPES, assert_bitwise_equal, dtype_name, make_paged_kv, nan_like,
-                        ref_paged_attention, ref_reshape_and_cache, tol)
+from .reference import (DTYPES, FP8_DTYPES, assert_bitwise_equal, dtype_name, fp8_bytes,
+                        make_paged_kv, nan_like, ref_paged_attention, ref_reshape_and_cache,
+                        to_fp8_caches, tol)
 
-FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-       "fp8_e5m2": torch.float8_e5m2}
+FP8 = FP8_DTYPES
 NAN_BYTE = 0x7F  # NaN in both formats (e5m2: S.11111.11)
-
-
-def _fp8_bytes(x: torch.Tensor, kv_cache_dtype: str, scale: float) -> torch.Tensor:
-    """torch's cast of x / scale (float32 division, as a float32 tensor divided by the
-    scale) to the fp8 dtype, as uint8."""
-    q = x.float() / torch.tensor(scale, dtype=torch.float32)
-    return q.to(FP8[kv_cache_dtype]).view(torch.uint8)
 
 
 def _interesting_floats() -> torch.Tensor:
@@ -71,8 +64,8 @@ def test_conversion_matches_torch_bit_for_bit(kv_cache_dtype: str) -> None:
     vc = kc.clone()
     ops.reshape_and_cache_flash(x, -x, kc, vc, slots, kv_cache_dtype, 1.0, 1.0)
     want_k, want_v = torch.full_like(kc, NAN_BYTE), torch.full_like(vc, NAN_BYTE)
-    want_k[slots, 0] = _fp8_bytes(x, kv_cache_dtype, 1.0)
-    want_v[slots, 0] = _fp8_bytes(-x, kv_cache_dtype, 1.0)
+    want_k[slots, 0] = fp8_bytes(x, kv_cache_dtype, 1.0)
+    want_v[slots, 0] = fp8_bytes(-x, kv_cache_dtype, 1.0)
     for got, want, what in ((kc, want_k, "key"), (vc, want_v, "value")):
         bad = (got != want).nonzero()
         assert bad.numel() == 0, (
@@ -118,24 +111,11 @@ def test_reshape_and_cache_fp8(flash, dtype, fmt, kvh, d, bs, k_scale, v_scale, 
     write(key, value, kc, vc, slots, fmt, k_scale, v_scale)
     # The bytes torch's cast gives, placed by the shared reference (scale 1: no rescaling).
     want_k, want_v = ref_reshape_and_cache(
-        _fp8_bytes(key, fmt, k_scale), _fp8_bytes(value, fmt, v_scale),
+        fp8_bytes(key, fmt, k_scale), fp8_bytes(value, fmt, v_scale),
         torch.full(shape_k, NAN_BYTE, dtype=torch.uint8),
         torch.full(shape_v, NAN_BYTE, dtype=torch.uint8), slots, flash=flash)
     assert_bitwise_equal(kc, want_k, "key_cache")
     assert_bitwise_equal(vc, want_v, "value_cache")
-
-
-def _to_fp8_layout(kv, fmt: str, k_scale: float, v_scale: float):
-    """The float caches of make_paged_kv (x = 4, float32) as fp8 caches (x = 16) holding
-    key / k_scale and value / v_scale, and their dequantized float64 values (x 16 layout)."""
-    kc, vc = kv.key_cache, kv.value_cache
-    nb, h, _, bs, _ = kc.shape
-    d = kv.head_size
-    rows = kc.permute(0, 1, 3, 2, 4).reshape(nb, h, bs, d)  # token rows
-    k16 = rows.reshape(nb, h, bs, d // 16, 16).permute(0, 1, 3, 2, 4).contiguous()
-    k8, v8 = _fp8_bytes(k16, fmt, k_scale), _fp8_bytes(vc, fmt, v_scale)
-    deq = [c.view(FP8[fmt]).to(torch.float64) * s for c, s in ((k8, k_scale), (v8, v_scale))]
-    return k8, v8, deq[0], deq[1]
 
 
 def _attention_cases():
@@ -155,7 +135,7 @@ def test_paged_attention_fp8_against_float64(fmt, dtype, lens, kvh, group, d, bs
     g = torch.Generator().manual_seed(random.randrange(2**31))
     kv = make_paged_kv(lens, kvh, d, bs, torch.float32, "cpu", g)
     k_scale, v_scale = 0.05, 0.5
-    k8, v8, kd, vd = _to_fp8_layout(kv, fmt, k_scale, v_scale)
+    k8, v8, kd, vd = to_fp8_caches(kv, fmt, k_scale, v_scale)
     # Unused slots were NaN and stay NaN bytes: the kernel must never read them.
     assert (k8 == NAN_BYTE).any() or sum(lens) % bs == 0
     q = torch.randn(len(lens), kvh * group, d, generator=g).to(dtype)
