@@ -338,34 +338,40 @@ class LlamaForCausalLM(nn.Module):
                 module.prepare_for_cpu(relayout=module is not self.lm_head)
 
     def _rank_part(self, name: str, shard: str | int | None, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a checkpoint tensor (all of it with one rank): its heads'
-        rows of q/k/v and columns of o_proj, its intermediate rows of gate/up and columns of
-        down_proj, its vocabulary rows (zero-padded) of the embedding and head; row-parallel
-        biases on rank 0 only (they are added once, before the all-reduce sums the ranks)."""
+        """This rank's part of a checkpoint tensor (all of it with one rank): its vocabulary
+        rows (zero-padded) of the embedding and head, else what :meth:`tp_segments` gives
+        its fused projection (rows of q/k/v and gate/up, columns of o_proj and down_proj);
+        row-parallel biases on rank 0 only (added once, before the all-reduce sums ranks)."""
         if self.tp is None:
             return tensor
-        attn = self.model.layers[0].self_attn
-        mlp = self.model.layers[0].mlp
-        d = attn.head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             embed = self.model.embed_tokens
             rows = tensor.new_zeros(embed.num_embeddings, *tensor.shape[1:])
             part = tensor[embed.vocab_start:embed.vocab_start + embed.num_embeddings]
             rows[:part.shape[0]] = part
             return rows
-        if shard == "q":
-            return tensor.narrow(0, attn.head_start * d, attn.num_heads * d)
-        if shard in ("k", "v"):
-            return tensor.narrow(0, attn.kv_head_start * d, attn.num_kv_heads * d)
-        if shard in (0, 1):
-            return tensor.narrow(0, mlp.intermediate_start, mlp.intermediate_size)
-        for part, start, size in ((".o_proj.", attn.head_start * d, attn.num_heads * d),
-                                  (".down_proj.", mlp.intermediate_start, mlp.intermediate_size)):
-            if part in name:
-                if name.endswith(".bias"):
-                    return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
-                return tensor.narrow(1, start, size)
-        return tensor
+        module, _, kind = name.rpartition(".")
+        seg = self.tp_segments(module)
+        if seg is None:
+            return tensor
+        dim, segments = seg
+        if dim == 1:
+            if kind == "bias":
+                return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+            (start, size), = segments
+            return tensor.narrow(1, start, size)
+        # One HF part of a fused column-parallel projection: its segment, less where the
+        # part starts in the unsplit fused weight.
+        cfg = self.config
+        if isinstance(shard, str):
+            d = self.model.layers[0].self_attn.head_dim
+            heads = cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            index, part_starts = "qkv".index(shard), (0, heads * d, (heads + kv_heads) * d)
+        else:
+            index, part_starts = shard, (0, cfg.intermediate_size)
+        start, size = segments[index]
+        return tensor.narrow(0, start - part_starts[index], size)
 
     def tp_segments(self, module: str) -> tuple[int, list[tuple[int, int]]] | None:
         """This rank's part of the unsplit fused projection ``module`` (e.g.
