@@ -170,23 +170,22 @@ class ModelRunner:
             return RunnerOutput(None, SamplingMetadata([]))
         # One lm_head call for the sampled rows and the prompt-logprob rows together.
         index = inp.logits_index
-        if self.before_forward is None:
-            hidden = self.run_model(inp.input_ids, inp.positions, inp.attn_metadata, index)
-        else:
+        if self.before_forward is not None:
             self.before_forward(inp, index)
-            try:
-                hidden = self.run_model(inp.input_ids, inp.positions, inp.attn_metadata, index)
-            except DistributedError:
+        try:
+            logits = self.run_model(inp.input_ids, inp.positions, inp.attn_metadata, index)
+        except DistributedError:
+            raise
+        except Exception as e:
+            if self.before_forward is None:
                 raise
-            except Exception as e:
-                # The other ranks run this step's forward too; their collectives would now
-                # pair with the next step's. Nothing can be re-run: fatal.
-                raise DistributedError(f"the driver's forward failed after the step's inputs "
-                                       f"went to the other ranks: {e!r}") from e
+            # The other ranks run this step's forward too; their collectives would now pair
+            # with the next step's. Nothing can be re-run: fatal.
+            raise DistributedError(f"the driver's forward failed after the step's inputs "
+                                   f"went to the other ranks: {e!r}") from e
         num_samples = len(inp.sampling_metadata.rows)
         if not num_samples and not inp.prompt_logprob_spans:
             return RunnerOutput(None, inp.sampling_metadata)
-        logits = hidden  # run_model's logits of the index rows
         result = RunnerOutput(None, inp.sampling_metadata)
         if num_samples:
             result.sampler_output = self.sampler(logits[:num_samples], inp.sampling_metadata)
