@@ -1,5 +1,6 @@
-"""models.llama.Linear's CPU weight forms (column-major float32, oneDNN-prepacked bfloat16)
-against plain F.linear on the original weight, on fresh random inputs."""
+"""models.llama.Linear's CPU weight forms (oneDNN-prepacked float32 and bfloat16, the
+unpacked float32 head) against a float64 matmul / plain F.linear on the original weight,
+on fresh random inputs."""
 
 from __future__ import annotations
 
@@ -16,16 +17,33 @@ def _linear(dtype: torch.dtype, bias: bool, seed: int) -> tuple[Linear, torch.Te
     return lin, lin.weight.detach().clone()
 
 
+@pytest.mark.parametrize("copy_float32", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_column_major_weight(bias: bool) -> None:
+def test_float32_onednn_weight(bias: bool, copy_float32: bool) -> None:
     lin, ref_w = _linear(torch.float32, bias, seed=1)
-    lin.prepare_for_cpu()
-    assert lin.weight.stride() == (1, 160)  # W.t() contiguous
-    assert torch.equal(lin.weight, ref_w) and lin.weight.shape == (160, 96)
+    lin.prepare_for_cpu(copy_float32=copy_float32)
+    if not torch.backends.mkldnn.is_available():
+        assert lin._packed is None
+        pytest.skip("torch without oneDNN: Linear keeps F.linear")
+    assert lin._packed is not None
+    # The parameter itself is untouched (state_dict, TP loading and tied embeddings read it);
+    # without a copy the oneDNN path reads the parameter's own storage.
+    assert torch.equal(lin.weight, ref_w) and lin.weight.is_contiguous()
+    if not copy_float32:
+        assert lin._packed.data_ptr() == lin.weight.data_ptr()
+    b64 = lin.bias.double() if bias else None
     with torch.no_grad():
-        for rows in (1, 8, 33):
+        for rows in (1, 8, 33, 300):
             x = torch.randn(rows, 96)
-            torch.testing.assert_close(lin(x), F.linear(x, ref_w, lin.bias), atol=1e-5, rtol=1e-5)
+            ref = F.linear(x.double(), ref_w.double(), b64)
+            out = lin(x)
+            assert out.dtype == torch.float32
+            torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+        x = torch.randn(5, 200)[:, 50:146]  # a strided input
+        torch.testing.assert_close(lin(x).double(), F.linear(x.double(), ref_w.double(), b64),
+                                   atol=2e-5, rtol=1e-5)
+        x = torch.randn(2, 3, 96)  # leading batch dims, as F.linear
+        assert lin(x).shape == (2, 3, 160)
     assert set(lin.state_dict()) == ({"weight", "bias"} if bias else {"weight"})
 
 

@@ -50,43 +50,46 @@ class Linear(nn.Linear):
     """``nn.Linear`` that can switch its weight to the CPU GEMM's preferred form for
     inference (:meth:`prepare_for_cpu`); parameters and ``state_dict`` stay nn.Linear's.
 
-    - float32: the weight is stored column-major (``W.t()`` contiguous, same shape and
-      values). ``F.linear`` multiplies by ``W.t()``, and MKL's sgemm then skips repacking
-      the weight on every call, which dominates at decode batch sizes (one thread on the
-      project's AVX-512 VM: the decoder layers' GEMMs 1.4x faster at 16 rows, 1.9x at 8,
-      equal from 128 rows up).
-    - bfloat16: oneDNN's prepacked (blocked) copy of the weight (AMX / AVX-512 BF16),
-      1.6-1.8x faster from 1 to 64 rows and no slower on prefills, with results equal to
-      ``F.linear``'s bit for bit. The copy doubles these weights' memory.
+    On the CPU, float32 and bfloat16 GEMMs go to oneDNN (``mkldnn._linear_pointwise``)
+    with the weight prepacked in its blocked layout (AVX-512 / AVX2 / AMX, picked by the
+    CPU's features). For float32 that replaces torch's default, MKL's sgemm, which on the
+    project's AMD EPYC VM (AVX-512, no AMX) took 1.2-2.5x as long at decode's 8-128 rows
+    and 3x as long for the 49k-column LM head (README "CPU GEMMs"). bfloat16 results equal
+    ``F.linear``'s bit for bit (torch's bf16 GEMM is oneDNN's too); float32 ones differ by
+    accumulation order only. The packed copy doubles these weights' memory, so a float32
+    weight shared with the embedding (``copy_float32=False``: the LM head, often tied) is passed to
+    oneDNN as it is instead (no copy; 1.2x the packed time, still 2.3x faster than MKL at
+    32 rows). A bfloat16 head is packed all the same: oneDNN's unpacked bf16 path took
+    1.8x the packed time, slower than F.linear.
 
-    Other dtypes, devices and autograd keep plain ``F.linear``.
+    Other dtypes, devices, autograd, and a torch without oneDNN keep plain ``F.linear``.
     """
 
     _packed: torch.Tensor | None = None
     # oneDNN picks the packed layout for this many rows; 16 served 1..2048 rows well.
     PACK_ROWS_HINT = 16
 
-    def prepare_for_cpu(self, relayout: bool = True) -> None:
-        """``relayout=False`` leaves a float32 weight row-major (a head tied to the
-        embedding: the lookups want rows, and the head's GEMM gains nothing)."""
+    def prepare_for_cpu(self, copy_float32: bool = True) -> None:
+        """``copy_float32=False``: no packed copy of a float32 weight (one that may be
+        shared with another module)."""
         w = self.weight
         self._packed = None
-        if w.device.type != "cpu":
+        if (w.device.type != "cpu" or w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16)
+                or not torch.backends.mkldnn.is_available()):
             return
         with torch.no_grad():
-            if relayout and w.dtype == torch.float32 and w.dim() == 2 and w.stride(0) != 1:
-                w.data = w.data.t().contiguous().t()
-            elif w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-                try:
-                    self._packed = torch.ops.mkldnn._reorder_linear_weight(
-                        w.detach(), self.PACK_ROWS_HINT)
-                except (RuntimeError, AttributeError) as e:  # a torch without the op
-                    logger.debug("no prepacked bf16 weight (%s); using F.linear", e)
+            if not copy_float32 and w.dtype == torch.float32:
+                self._packed = w.detach()
+                return
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.PACK_ROWS_HINT)
+            except (RuntimeError, AttributeError) as e:  # a torch / CPU without the op
+                logger.debug("no prepacked %s weight (%s); using F.linear", w.dtype, e)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
-        if (packed is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16
-                and self.weight.dtype == torch.bfloat16 and not torch.is_grad_enabled()):
+        if (packed is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and not torch.is_grad_enabled()):
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -335,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
         Nothing changes on other devices."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepare_for_cpu(relayout=module is not self.lm_head)
+                module.prepare_for_cpu(copy_float32=module is not self.lm_head)
 
     def _rank_part(self, name: str, shard: str | int | None, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor (all of it with one rank): its vocabulary
