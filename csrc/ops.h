@@ -14,6 +14,19 @@
 //                   its last new tokens, bottom-right causal over its seq_lens[i] context
 //   v2 scratch      exp_sums, max_logits float32 [num_seqs, num_heads, max_num_partitions];
 //                   tmp_out (query dtype) [num_seqs, num_heads, max_num_partitions, head_size]
+//
+// Element-wise ops of a decoder layer (vLLM v0.6's schemas; float, half, bfloat16; math in
+// float32 with the rounding steps of Hugging Face's Llama, round_T = round to the tensor
+// dtype, nearest even):
+//   rms_norm            out = round_T(w * round_T(x * rsqrt(mean(x^2) + eps))) per row of
+//                       input [..., hidden]
+//   fused_add_rms_norm  residual = round_T(input + residual); input = rms_norm(residual)
+//   silu_and_mul        input [..., 2d] = [gate | up]: out [..., d] = round_T(round_T(silu(gate)) * up)
+//   rotary_embedding    in place on query [T, heads(, )head_size] / key (any token stride),
+//                       table cos_sin_cache [max_position, rot_dim] = [cos | sin] (float32 or
+//                       the query dtype, cast to it as HF does); is_neox pairs (i, i + rot/2),
+//                       else (2i, 2i + 1): a' = round_T(round_T(a c) - round_T(b s)),
+//                       b' = round_T(round_T(b c) + round_T(a s))
 #pragma once
 
 #include <optional>
@@ -58,7 +71,14 @@ namespace vllm_lite {
       const at::Tensor& block_tables, const at::Tensor& seq_lens,                          \
       const at::Tensor& query_start_loc, int64_t block_size, int64_t max_query_len,        \
       int64_t max_seq_len, const std::optional<at::Tensor>& alibi_slopes,                  \
-      const std::string& kv_cache_dtype, double k_scale, double v_scale);
+      const std::string& kv_cache_dtype, double k_scale, double v_scale);                  \
+  void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,        \
+                double epsilon);                                                           \
+  void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, \
+                          double epsilon);                                                 \
+  void silu_and_mul(at::Tensor& out, const at::Tensor& input);                             \
+  void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,   \
+                        int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox);
 
 namespace cpu {
 VLLM_LITE_DECLARE_OPS

@@ -34,6 +34,14 @@ TORCH_LIBRARY(vllm_lite, m) {
       "Tensor seq_lens, Tensor query_start_loc, int block_size, int max_query_len, "
       "int max_seq_len, Tensor? alibi_slopes, str kv_cache_dtype, float k_scale, "
       "float v_scale) -> ()");
+  // Element-wise ops of a decoder layer (vLLM v0.6 schemas; ops.h gives their rounding).
+  m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon) -> ()");
+  m.def(
+      "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()");
+  m.def("silu_and_mul(Tensor! out, Tensor input) -> ()");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor! query, Tensor! key, int head_size, "
+      "Tensor cos_sin_cache, bool is_neox) -> ()");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.def(
       "int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
@@ -47,7 +55,11 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.impl("reshape_and_cache_flash", &vllm_lite::ns::reshape_and_cache_flash); \
   m.impl("copy_blocks", &vllm_lite::ns::copy_blocks);               \
   m.impl("swap_blocks", &vllm_lite::ns::swap_blocks);               \
-  m.impl("varlen_paged_attention", &vllm_lite::ns::varlen_paged_attention);
+  m.impl("varlen_paged_attention", &vllm_lite::ns::varlen_paged_attention); \
+  m.impl("rms_norm", &vllm_lite::ns::rms_norm);                     \
+  m.impl("fused_add_rms_norm", &vllm_lite::ns::fused_add_rms_norm); \
+  m.impl("silu_and_mul", &vllm_lite::ns::silu_and_mul);             \
+  m.impl("rotary_embedding", &vllm_lite::ns::rotary_embedding);
 
 TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   VLLM_LITE_REGISTER_IMPLS(cpu)

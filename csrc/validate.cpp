@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "attention_limits.h"
 
@@ -560,6 +562,175 @@ int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,
     check_same_device(op, *bias, "bias", x, "x");
   }
   return n;
+}
+
+namespace {
+
+void check_same_dtype(const char* op, const at::Tensor& t, const char* name,
+                      const at::Tensor& ref, const char* ref_name) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " is ", t.scalar_type(),
+              " but ", ref_name, " is ", ref.scalar_type(), "; they must have one dtype");
+}
+
+// t viewed as [rows, t.size(-1)]: the last dim contiguous and the leading dims one stride.
+RowsDims rows_of(const char* op, const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() >= 1, op, ": ", name, " must have at least 1 dimension, got a scalar");
+  const int64_t n = t.dim();
+  const int64_t hidden = t.size(-1);
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < n; ++i) rows *= t.size(i);
+  TORCH_CHECK(t.stride(-1) == 1 || hidden <= 1, op, ": ", name,
+              "'s last dimension must be contiguous, got strides ", t.strides());
+  int64_t row_stride = hidden;  // a single row
+  // Leading dims collapse into one row index when each stride is the next one's span
+  // (size-1 dims have any stride).
+  int64_t expect = -1;
+  for (int64_t i = n - 2; i >= 0; --i) {
+    if (t.size(i) == 1) continue;
+    if (expect >= 0) {
+      TORCH_CHECK(t.stride(i) == expect, op, ": ", name, "'s leading dimensions must collapse "
+                  "into rows of one stride (shape ", t.sizes(), ", strides ", t.strides(), ")");
+    } else {
+      row_stride = t.stride(i);
+    }
+    expect = t.stride(i) * t.size(i);
+  }
+  TORCH_CHECK(rows <= 1 || row_stride >= hidden, op, ": ", name, "'s rows overlap (row stride ",
+              row_stride, " < ", hidden, ")");
+  return {rows, hidden, row_stride};
+}
+
+void check_norm_weight(const char* op, const at::Tensor& weight, const at::Tensor& input,
+                       const char* input_name, int64_t hidden, double epsilon) {
+  check_same_device(op, weight, "weight", input, input_name);
+  check_same_dtype(op, weight, "weight", input, input_name);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, op, ": weight must be [hidden] = [",
+              hidden, "], got shape ", weight.sizes());
+  check_contiguous(op, weight, "weight");
+  TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0, op,
+              ": epsilon must be finite and >= 0, got ", epsilon);
+}
+
+}  // namespace
+
+RowsDims check_rms_norm(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                        double epsilon) {
+  const char* op = "rms_norm";
+  check_float_dtype(op, input, "input");
+  const RowsDims d = rows_of(op, input, "input");
+  check_same_device(op, out, "out", input, "input");
+  check_same_dtype(op, out, "out", input, "input");
+  TORCH_CHECK(out.sizes() == input.sizes(), op, ": out must have input's shape ", input.sizes(),
+              ", got ", out.sizes());
+  check_contiguous(op, out, "out");
+  check_norm_weight(op, weight, input, "input", d.hidden, epsilon);
+  return d;
+}
+
+RowsDims check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
+                                  const at::Tensor& weight, double epsilon) {
+  const char* op = "fused_add_rms_norm";
+  check_float_dtype(op, input, "input");
+  TORCH_CHECK(input.dim() >= 1, op, ": input must have at least 1 dimension, got a scalar");
+  check_contiguous(op, input, "input");
+  check_same_device(op, residual, "residual", input, "input");
+  check_same_dtype(op, residual, "residual", input, "input");
+  TORCH_CHECK(residual.sizes() == input.sizes(), op, ": residual must have input's shape ",
+              input.sizes(), ", got ", residual.sizes());
+  check_contiguous(op, residual, "residual");
+  const RowsDims d = rows_of(op, input, "input");
+  check_norm_weight(op, weight, input, "input", d.hidden, epsilon);
+  return d;
+}
+
+RowsDims check_silu_and_mul(const at::Tensor& out, const at::Tensor& input) {
+  const char* op = "silu_and_mul";
+  check_float_dtype(op, input, "input");
+  RowsDims d = rows_of(op, input, "input");
+  TORCH_CHECK(d.hidden % 2 == 0, op, ": input's last dimension must be even ([..., 2 * d]), got ",
+              d.hidden);
+  d.hidden /= 2;
+  check_same_device(op, out, "out", input, "input");
+  check_same_dtype(op, out, "out", input, "input");
+  std::vector<int64_t> want(input.sizes().begin(), input.sizes().end());
+  want.back() = d.hidden;
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(want), op, ": out must be ", at::IntArrayRef(want),
+              " for input ", input.sizes(), ", got ", out.sizes());
+  check_contiguous(op, out, "out");
+  return d;
+}
+
+namespace {
+
+// query / key: [num_tokens, heads * head_size] or [num_tokens, heads, head_size], heads
+// contiguous within a token. Returns (heads, token stride).
+std::pair<int64_t, int64_t> rotary_heads(const char* op, const at::Tensor& t, const char* name,
+                                         int64_t num_tokens, int64_t head_size) {
+  TORCH_CHECK(t.dim() == 2 || t.dim() == 3, op, ": ", name, " must be [num_tokens, heads * "
+              "head_size] or [num_tokens, heads, head_size], got shape ", t.sizes());
+  TORCH_CHECK(t.size(0) == num_tokens, op, ": ", name, " has ", t.size(0),
+              " tokens but positions has ", num_tokens);
+  int64_t heads;
+  if (t.dim() == 3) {
+    TORCH_CHECK(t.size(2) == head_size, op, ": ", name, "'s last dimension (", t.size(2),
+                ") must be head_size (", head_size, ")");
+    heads = t.size(1);
+    TORCH_CHECK(t.stride(2) == 1 && (heads <= 1 || t.stride(1) == head_size), op, ": ", name,
+                "'s heads must be contiguous within a token, got strides ", t.strides());
+  } else {
+    TORCH_CHECK(t.size(1) % head_size == 0, op, ": ", name, "'s width (", t.size(1),
+                ") must be a multiple of head_size (", head_size, ")");
+    heads = t.size(1) / head_size;
+    TORCH_CHECK(t.stride(1) == 1 || t.size(1) <= 1, op, ": ", name,
+                "'s last dimension must be contiguous, got strides ", t.strides());
+  }
+  const int64_t stride = t.stride(0);
+  TORCH_CHECK(num_tokens <= 1 || stride >= heads * head_size, op, ": ", name,
+              "'s tokens overlap (token stride ", stride, " < ", heads * head_size, ")");
+  return {heads, stride};
+}
+
+}  // namespace
+
+RotaryDims check_rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
+                                  const at::Tensor& key, int64_t head_size,
+                                  const at::Tensor& cos_sin_cache, bool /*is_neox*/) {
+  const char* op = "rotary_embedding";
+  check_dtype(op, positions, "positions", at::kLong);
+  check_dim(op, positions, "positions", 1, "[num_tokens]");
+  check_contiguous(op, positions, "positions");
+  TORCH_CHECK(head_size > 0, op, ": head_size must be positive, got ", head_size);
+  check_float_dtype(op, query, "query");
+  check_same_device(op, query, "query", positions, "positions");
+  check_same_device(op, key, "key", positions, "positions");
+  check_same_dtype(op, key, "key", query, "query");
+  check_same_device(op, cos_sin_cache, "cos_sin_cache", positions, "positions");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat ||
+                  cos_sin_cache.scalar_type() == query.scalar_type(),
+              op, ": cos_sin_cache must be float32 or the query dtype (", query.scalar_type(),
+              "), got ", cos_sin_cache.scalar_type());
+  check_dim(op, cos_sin_cache, "cos_sin_cache", 2, "[max_position, rot_dim]");
+  check_contiguous(op, cos_sin_cache, "cos_sin_cache");
+  const int64_t rot_dim = cos_sin_cache.size(1);
+  TORCH_CHECK(rot_dim > 0 && rot_dim % 2 == 0 && rot_dim <= head_size, op,
+              ": cos_sin_cache's width (rot_dim ", rot_dim, ") must be even, positive and <= "
+              "head_size (", head_size, ")");
+  const int64_t n = positions.size(0);
+  const auto [heads, q_stride] = rotary_heads(op, query, "query", n, head_size);
+  const auto [kv_heads, k_stride] = rotary_heads(op, key, "key", n, head_size);
+  TORCH_CHECK(query.data_ptr() != key.data_ptr() || n * heads * kv_heads == 0, op,
+              ": query and key must not be the same memory");
+  return {n, heads, kv_heads, head_size, rot_dim, cos_sin_cache.size(0), q_stride, k_stride};
+}
+
+void check_rotary_positions(const RotaryDims& d, const at::Tensor& positions) {
+  if (d.num_tokens == 0) return;
+  const at::Tensor p = positions.device().is_cpu() ? positions : positions.cpu();
+  const int64_t* v = p.data_ptr<int64_t>();
+  for (int64_t i = 0; i < d.num_tokens; ++i) {
+    TORCH_CHECK(v[i] >= 0 && v[i] < d.max_position, "rotary_embedding: positions[", i, "] = ",
+                v[i], " is outside the table's ", d.max_position, " positions");
+  }
 }
 
 }  // namespace vllm_lite

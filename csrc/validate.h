@@ -120,4 +120,44 @@ int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,
                           const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                           const std::optional<at::Tensor>& bias);
 
+// Element-wise ops of the decoder layer (rms_norm, fused_add_rms_norm, silu_and_mul,
+// rotary_embedding). Float, half or bfloat16, every tensor of one op in one dtype (the
+// rotary table may be float32) and on one device.
+struct RowsDims {
+  int64_t rows;
+  int64_t hidden;      // the normalized width; silu_and_mul: the output width d
+  int64_t row_stride;  // between the input's rows, in elements (the outputs are contiguous)
+};
+
+// input [..., hidden]: last dim contiguous, the leading dims collapse to one row stride;
+// out contiguous, input's shape; weight [hidden] contiguous; epsilon finite and >= 0.
+RowsDims check_rms_norm(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                        double epsilon);
+// input, residual contiguous, one shape [..., hidden]; weight and epsilon as rms_norm.
+RowsDims check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
+                                  const at::Tensor& weight, double epsilon);
+// input [..., 2 * d] with rows as rms_norm's input; out contiguous [..., d].
+RowsDims check_silu_and_mul(const at::Tensor& out, const at::Tensor& input);
+
+struct RotaryDims {
+  int64_t num_tokens;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t rot_dim;       // the rotated leading dims of each head (cos_sin_cache's width)
+  int64_t max_position;  // cos_sin_cache's rows
+  int64_t q_stride;      // between tokens, in elements
+  int64_t k_stride;
+};
+
+// positions int64 [num_tokens]; query [num_tokens, num_heads * head_size] or
+// [num_tokens, num_heads, head_size] with heads contiguous within a token (any token
+// stride), key likewise; cos_sin_cache [max_position, rot_dim] contiguous, float32 or the
+// query dtype, rot_dim even and <= head_size.
+RotaryDims check_rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
+                                  const at::Tensor& key, int64_t head_size,
+                                  const at::Tensor& cos_sin_cache, bool is_neox);
+// Every position in [0, max_position) (reads the tensor).
+void check_rotary_positions(const RotaryDims& d, const at::Tensor& positions);
+
 }  // namespace vllm_lite

@@ -285,6 +285,45 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return _ops.int4_linear(x, qweight, scales, zeros, group_size, bias)
 
 
+def rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of each row of ``input`` [..., hidden] (rows at one stride, last dim
+    contiguous) with ``weight`` [hidden], in Hugging Face Llama's rounding order:
+    round(weight * round(x * rsqrt(mean(x^2) + epsilon))), float32 math. Returns ``out``
+    (allocated contiguous when None)."""
+    if out is None:
+        out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+    _ops.rms_norm(out, input, weight, epsilon)
+    return out
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       epsilon: float) -> None:
+    """In place: ``residual`` = round(input + residual), then ``input`` = rms_norm of the
+    new residual (both contiguous [..., hidden], one dtype)."""
+    _ops.fused_add_rms_norm(input, residual, weight, epsilon)
+
+
+def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``input`` [..., 2d] = [gate | up] -> round(round(silu(gate)) * up) [..., d] (the
+    Llama MLP's activation, HF's rounding). Returns ``out`` (allocated when None)."""
+    if out is None:
+        out = torch.empty((*input.shape[:-1], input.shape[-1] // 2), dtype=input.dtype,
+                          device=input.device)
+    _ops.silu_and_mul(out, input)
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     head_size: int, cos_sin_cache: torch.Tensor, is_neox: bool = True) -> None:
+    """Rotates ``query`` [T, heads(, )head_size] and ``key`` in place (any token stride:
+    column slices of a fused qkv work) by each token's row of ``cos_sin_cache``
+    [max_position, rot_dim] = [cos | sin] (float32 or the query dtype; cast to the query
+    dtype as HF does). ``is_neox``: HF's rotate_half pairs (i, i + rot_dim / 2), else
+    GPT-J's (2i, 2i + 1). ``positions`` int64 [T], each in [0, max_position)."""
+    _ops.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
 # Fake (meta) implementations: every op but int8_linear / int4_linear only mutates its outputs, so
 # tracing needs no shape computation, just the promise that nothing is returned.
 def _register_fakes() -> None:
@@ -299,6 +338,10 @@ def _register_fakes() -> None:
         "copy_blocks",
         "swap_blocks",
         "varlen_paged_attention",
+        "rms_norm",
+        "fused_add_rms_norm",
+        "silu_and_mul",
+        "rotary_embedding",
     ):
         torch.library.register_fake(f"vllm_lite::{name}")(_none)
 

@@ -1,0 +1,320 @@
+// CPU element-wise kernels of a decoder layer (rms_norm / fused_add_rms_norm, silu_and_mul,
+// rotary_embedding), built once per instruction set like attention_kernel.h: each
+// elementwise_<isa>.cpp sets its target, VLLM_LITE_ELEMENTWISE_FN (the name of the function
+// returning this build's kernels) and VLLM_LITE_VEC_WIDTH (floats per native vector: 4, 8
+// or 16), then includes this file.
+//
+// Semantics (ops.h): math in float32 with Hugging Face Llama's rounding steps, round_T =
+// round to the tensor dtype, nearest even (bit-exact with torch's casts, NaN kept NaN), so
+// bf16 / fp16 models round where HF's eager code does.
+//
+// Layouts: rows of `hidden` (rms_norm) or 2 * d (silu_and_mul) elements, input rows at any
+// stride, outputs contiguous; rotary: per token, heads of head_size contiguous, tokens at
+// q_stride / k_stride, table rows [cos | sin] of rot_dim. Every row is W-wide vectors plus
+// one zero-padded partial vector, so any width works; the caller splits rows over threads.
+// Limits: none beyond memory (rotary keeps a token's rounded cos/sin, rot_dim floats, on
+// the heap once per call).
+#pragma once
+
+// The contract rounds every product on its own (HF's eager float32 code does): no
+// multiply-add contraction in this file, or a float32 rotary would differ in the last bit.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu/elementwise_params.h"
+#include "cpu/vec.h"
+
+#ifndef VLLM_LITE_ELEMENTWISE_FN
+#error "define VLLM_LITE_ELEMENTWISE_FN before including elementwise_kernel.h"
+#endif
+
+namespace vllm_lite::cpu {
+namespace {
+
+constexpr int64_t EW = VLLM_LITE_VEC_WIDTH;
+using EF = Vec<float, EW>;
+using EU = Vec<uint32_t, EW>;
+
+// Element storage per dtype: load W elements as floats, store W floats rounded to it.
+template <KvDType DT>
+struct Lanes;
+
+template <>
+struct Lanes<KvDType::kFloat32> {
+  using T = float;
+  VLLM_LITE_INLINE static EF load(const T* p) { return load_vec<EF>(p); }
+  VLLM_LITE_INLINE static void store(T* p, EF v) { store_vec(p, v); }
+  VLLM_LITE_INLINE static EF round(EF v) { return v; }
+};
+
+template <>
+struct Lanes<KvDType::kBFloat16> {
+  using T = uint16_t;
+  VLLM_LITE_INLINE static EF load(const T* p) {
+    return (EF)(__builtin_convertvector(load_vec<Vec<uint16_t, EW>>(p), EU) << 16);
+  }
+  // Nearest even on the top 16 bits; a NaN keeps its sign and becomes quiet (as torch).
+  VLLM_LITE_INLINE static EU bits(EF v) {
+    const EU b = (EU)v;
+    const EU rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    return (b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : rounded;
+  }
+  VLLM_LITE_INLINE static void store(T* p, EF v) {
+    store_vec(p, __builtin_convertvector(bits(v), Vec<uint16_t, EW>));
+  }
+  VLLM_LITE_INLINE static EF round(EF v) { return (EF)(bits(v) << 16); }
+};
+
+template <>
+struct Lanes<KvDType::kFloat16> {
+  using T = uint16_t;
+  VLLM_LITE_INLINE static EF load(const T* p) {
+    return half_lanes_to_float<EW>(__builtin_convertvector(load_vec<Vec<uint16_t, EW>>(p), EU));
+  }
+  // float -> IEEE half bits, nearest even, branchless: normal results round the mantissa
+  // at bit 13 (a carry moves into the exponent as it should); below 2^-14 adding 0.5f
+  // rounds |v| to a multiple of 2^-24 (0.5f's ulp), the subnormal half's step; from
+  // 65520 (halfway past the largest half) up it is inf; NaN stays a quiet NaN.
+  VLLM_LITE_INLINE static EU bits(EF v) {
+    const EU b = (EU)v;
+    const EU a = b & 0x7fffffffu;
+    const EU sign = (b >> 16) & 0x8000u;
+    const EU normal = ((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - (112u << 10);
+    const EU sub = (EU)((EF)a + 0.5f) - 0x3f000000u;
+    EU h = a < 0x38800000u ? sub : normal;
+    h = a >= 0x477ff000u ? EU{} + 0x7c00u : h;
+    h = a > 0x7f800000u ? EU{} + 0x7e00u : h;
+    return h | sign;
+  }
+  VLLM_LITE_INLINE static void store(T* p, EF v) {
+    store_vec(p, __builtin_convertvector(bits(v), Vec<uint16_t, EW>));
+  }
+  VLLM_LITE_INLINE static EF round(EF v) { return half_lanes_to_float<EW>(bits(v)); }
+};
+
+// The last n < W elements of a row through a zero-padded vector.
+template <KvDType DT>
+VLLM_LITE_INLINE EF load_part(const typename Lanes<DT>::T* p, int64_t n) {
+  typename Lanes<DT>::T buf[EW] = {};
+  std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(buf[0]));
+  return Lanes<DT>::load(buf);
+}
+template <KvDType DT>
+VLLM_LITE_INLINE void store_part(typename Lanes<DT>::T* p, EF v, int64_t n) {
+  typename Lanes<DT>::T buf[EW];
+  Lanes<DT>::store(buf, v);
+  std::memcpy(p, buf, static_cast<size_t>(n) * sizeof(buf[0]));
+}
+
+VLLM_LITE_INLINE float lane_sum(EF v) {
+  float s = 0.f;
+  for (int64_t l = 0; l < EW; ++l) s += v[l];
+  return s;
+}
+
+template <KvDType DT>
+void rms_norm_rows(const RmsNormArgs& a, int64_t r0, int64_t r1) {
+  using L = Lanes<DT>;
+  using T = typename L::T;
+  const int64_t H = a.hidden;
+  const int64_t full = H - H % EW;
+  const T* w = static_cast<const T*>(a.weight);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* x = static_cast<const T*>(a.input) + r * a.input_row_stride;
+    T* out = static_cast<T*>(a.out) + r * H;
+    // The normalized values: the input, or with a residual the rounded sum (written to
+    // the residual, and read back from there by the second pass).
+    const T* src = x;
+    EF acc{};
+    if (a.residual != nullptr) {
+      T* res = static_cast<T*>(a.residual) + r * H;
+      for (int64_t i = 0; i < full; i += EW) {
+        const EF s = L::round(L::load(x + i) + L::load(res + i));
+        L::store(res + i, s);
+        acc += s * s;
+      }
+      if (full < H) {
+        const EF s = L::round(load_part<DT>(x + full, H - full) + load_part<DT>(res + full, H - full));
+        store_part<DT>(res + full, s, H - full);
+        acc += s * s;  // padding lanes are 0 + 0
+      }
+      src = res;
+    } else {
+      for (int64_t i = 0; i < full; i += EW) {
+        const EF v = L::load(x + i);
+        acc += v * v;
+      }
+      if (full < H) {
+        const EF v = load_part<DT>(x + full, H - full);
+        acc += v * v;
+      }
+    }
+    // HF: variance = mean(x^2) in float32, then rsqrt(variance + eps).
+    const float inv = 1.0f / std::sqrt(lane_sum(acc) / static_cast<float>(H) + a.epsilon);
+    for (int64_t i = 0; i < full; i += EW) {
+      L::store(out + i, L::load(w + i) * L::round(L::load(src + i) * inv));
+    }
+    if (full < H) {
+      const int64_t n = H - full;
+      store_part<DT>(out + full, load_part<DT>(w + full, n) * L::round(load_part<DT>(src + full, n) * inv), n);
+    }
+  }
+}
+
+// silu(x) = x / (1 + exp(-x)) through e = exp(-|x|) <= 1 (the polynomial's domain):
+// x >= 0: x / (1 + e); x < 0: exp(-x) = 1 / e, so x * e / (1 + e). e is h * h with
+// h = exp(-|x| / 2), so that for x below -87 (where exp_nonpositive flushes) x * h * h
+// still underflows gradually to the right tiny value, as torch's silu does.
+VLLM_LITE_INLINE EF silu(EF x) {
+  const EF neg_abs = x < 0.f ? x : -x;
+  const EF h = exp_nonpositive<EF, Vec<int32_t, EW>>(neg_abs * 0.5f);
+  const EF num = x < 0.f ? (x * h) * h : x;
+  return num / (1.0f + h * h);
+}
+
+template <KvDType DT>
+void silu_and_mul_rows(const SiluAndMulArgs& a, int64_t r0, int64_t r1) {
+  using L = Lanes<DT>;
+  using T = typename L::T;
+  const int64_t D = a.d;
+  const int64_t full = D - D % EW;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* g = static_cast<const T*>(a.input) + r * a.input_row_stride;
+    const T* u = g + D;
+    T* out = static_cast<T*>(a.out) + r * D;
+    for (int64_t i = 0; i < full; i += EW) {
+      L::store(out + i, L::round(silu(L::load(g + i))) * L::load(u + i));
+    }
+    if (full < D) {
+      const int64_t n = D - full;
+      store_part<DT>(out + full, L::round(silu(load_part<DT>(g + full, n))) * load_part<DT>(u + full, n), n);
+    }
+  }
+}
+
+// Rotates one head in place with the token's rounded cos / sin (half = rot_dim / 2 each).
+template <KvDType DT>
+VLLM_LITE_INLINE void rotate_head(typename Lanes<DT>::T* x, const float* c, const float* s,
+                                  int64_t half, bool is_neox) {
+  using L = Lanes<DT>;
+  using T = typename L::T;
+  if (is_neox) {
+    T* x2 = x + half;
+    const int64_t full = half - half % EW;
+    for (int64_t i = 0; i <= full; i += EW) {
+      const int64_t n = i < full ? EW : half - full;
+      if (n == 0) break;
+      const EF a = n == EW ? L::load(x + i) : load_part<DT>(x + i, n);
+      const EF b = n == EW ? L::load(x2 + i) : load_part<DT>(x2 + i, n);
+      EF cv, sv;
+      if (n == EW) {
+        cv = load_vec<EF>(c + i);
+        sv = load_vec<EF>(s + i);
+      } else {
+        cv = EF{};
+        sv = EF{};
+        for (int64_t l = 0; l < n; ++l) cv[l] = c[i + l], sv[l] = s[i + l];
+      }
+      const EF na = L::round(L::round(a * cv) - L::round(b * sv));
+      const EF nb = L::round(L::round(b * cv) + L::round(a * sv));
+      if (n == EW) {
+        L::store(x + i, na);
+        L::store(x2 + i, nb);
+      } else {
+        store_part<DT>(x + i, na, n);
+        store_part<DT>(x2 + i, nb, n);
+      }
+    }
+    return;
+  }
+  // GPT-J pairs (2i, 2i + 1): interleaved, so go through vectors of W pairs' halves.
+  for (int64_t i0 = 0; i0 < half; i0 += EW) {
+    const int64_t n = half - i0 < EW ? half - i0 : EW;
+    T ab[2 * EW] = {};
+    std::memcpy(ab, x + 2 * i0, static_cast<size_t>(2 * n) * sizeof(T));
+    T ea[EW] = {}, eb[EW] = {};
+    for (int64_t l = 0; l < n; ++l) ea[l] = ab[2 * l], eb[l] = ab[2 * l + 1];
+    const EF a = L::load(ea), b = L::load(eb);
+    EF cv{}, sv{};
+    for (int64_t l = 0; l < n; ++l) cv[l] = c[i0 + l], sv[l] = s[i0 + l];
+    L::store(ea, L::round(L::round(a * cv) - L::round(b * sv)));
+    L::store(eb, L::round(L::round(b * cv) + L::round(a * sv)));
+    for (int64_t l = 0; l < n; ++l) ab[2 * l] = ea[l], ab[2 * l + 1] = eb[l];
+    std::memcpy(x + 2 * i0, ab, static_cast<size_t>(2 * n) * sizeof(T));
+  }
+}
+
+template <KvDType DT>
+void rotary_rows(const RotaryArgs& a, int64_t t0, int64_t t1) {
+  using L = Lanes<DT>;
+  using T = typename L::T;
+  const int64_t half = a.rot_dim / 2;
+  // cos / sin of the token's position, rounded to the dtype as HF casts its table; padded
+  // to whole vectors.
+  const int64_t padded = (half + EW - 1) / EW * EW;
+  std::vector<float> cs(static_cast<size_t>(2 * padded), 0.f);
+  float* c = cs.data();
+  float* s = c + padded;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t pos = a.positions[t];
+    if (a.float_table) {
+      const float* row = static_cast<const float*>(a.cos_sin_cache) + pos * a.rot_dim;
+      for (int64_t i = 0; i < padded; i += EW) {
+        const int64_t n = half - i < EW ? half - i : EW;
+        EF cv{}, sv{};
+        for (int64_t l = 0; l < n; ++l) cv[l] = row[i + l], sv[l] = row[half + i + l];
+        store_vec(c + i, L::round(cv));
+        store_vec(s + i, L::round(sv));
+      }
+    } else {
+      const T* row = static_cast<const T*>(a.cos_sin_cache) + pos * a.rot_dim;
+      for (int64_t i = 0; i < padded; i += EW) {
+        const int64_t n = half - i < EW ? half - i : EW;
+        store_vec(c + i, load_part<DT>(row + i, n));
+        store_vec(s + i, load_part<DT>(row + half + i, n));
+      }
+    }
+    T* q = static_cast<T*>(a.query) + t * a.q_stride;
+    for (int64_t h = 0; h < a.num_heads; ++h) rotate_head<DT>(q + h * a.head_size, c, s, half, a.is_neox);
+    T* k = static_cast<T*>(a.key) + t * a.k_stride;
+    for (int64_t h = 0; h < a.num_kv_heads; ++h) rotate_head<DT>(k + h * a.head_size, c, s, half, a.is_neox);
+  }
+}
+
+template <template <KvDType> class Fn, typename Args>
+void by_dtype(const Args& a, int64_t r0, int64_t r1) {
+  switch (a.dtype) {
+    case KvDType::kFloat32: Fn<KvDType::kFloat32>::run(a, r0, r1); return;
+    case KvDType::kFloat16: Fn<KvDType::kFloat16>::run(a, r0, r1); return;
+    default: Fn<KvDType::kBFloat16>::run(a, r0, r1); return;  // validated: no other dtype
+  }
+}
+template <KvDType DT>
+struct RmsNormOp {
+  static void run(const RmsNormArgs& a, int64_t r0, int64_t r1) { rms_norm_rows<DT>(a, r0, r1); }
+};
+template <KvDType DT>
+struct SiluAndMulOp {
+  static void run(const SiluAndMulArgs& a, int64_t r0, int64_t r1) { silu_and_mul_rows<DT>(a, r0, r1); }
+};
+template <KvDType DT>
+struct RotaryOp {
+  static void run(const RotaryArgs& a, int64_t r0, int64_t r1) { rotary_rows<DT>(a, r0, r1); }
+};
+
+}  // namespace
+
+ElementwiseFns VLLM_LITE_ELEMENTWISE_FN() {
+  return {&by_dtype<RmsNormOp, RmsNormArgs>, &by_dtype<SiluAndMulOp, SiluAndMulArgs>,
+          &by_dtype<RotaryOp, RotaryArgs>};
+}
+
+}  // namespace vllm_lite::cpu
