@@ -16,14 +16,6 @@
 // the heap once per call).
 #pragma once
 
-// The contract rounds every product on its own (HF's eager float32 code does): no
-// multiply-add contraction in this file, or a float32 rotary would differ in the last bit.
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -47,12 +39,27 @@ using EU = Vec<uint32_t, EW>;
 template <KvDType DT>
 struct Lanes;
 
+// round_T of float32 is the identity, but where the contract rounds, the value must exist:
+// an empty asm that "changes" it keeps the compiler from fusing the product before it into
+// a multiply-add with what follows (HF's eager code rounds each product; a fused rotary
+// would differ in the last bit). Other multiply-adds (the exp polynomial) stay fused.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define VLLM_LITE_MATERIALIZE(v) asm("" : "+x"(v))
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define VLLM_LITE_MATERIALIZE(v) asm("" : "+w"(v))
+#else
+#define VLLM_LITE_MATERIALIZE(v) (void)(v)
+#endif
+
 template <>
 struct Lanes<KvDType::kFloat32> {
   using T = float;
   VLLM_LITE_INLINE static EF load(const T* p) { return load_vec<EF>(p); }
   VLLM_LITE_INLINE static void store(T* p, EF v) { store_vec(p, v); }
-  VLLM_LITE_INLINE static EF round(EF v) { return v; }
+  VLLM_LITE_INLINE static EF round(EF v) {
+    VLLM_LITE_MATERIALIZE(v);
+    return v;
+  }
 };
 
 template <>

@@ -61,6 +61,9 @@ def _tiny_flags(command: str, model: Path, out: Path) -> list[str]:
         return ["--model", str(model), "--kv-cache-space", "0.01", "--threads", "1",
                 "--dtype", "float32", "--num-requests", "2", "--input-len", "4",
                 "--output-len", "3", "--out", str(out)]
+    if "elementwise" in command:
+        return ["--rows", "1", "3", "--target-s", "0.001", "--threads", "1", "--hidden", "40",
+                "--intermediate", "24", "--heads", "2/1x8", "--out", str(out)]
     if "linear" in command:
         return ["--shapes", "64x32", "--rows", "1", "3", "--target-s", "0.001", "--threads",
                 "1", "--out", str(out)]
@@ -84,7 +87,8 @@ def test_readme_lists_the_benchmarks() -> None:
     commands = readme_quick_commands()
     for wanted in ("python3 bench/kernels.py --quick", "vllm-lite bench kernels --quick",
                    "python3 bench/throughput.py --quick", "python3 bench/latency.py --quick",
-                   "python3 bench/linear.py --quick", "python3 bench/step_profile.py --quick"):
+                   "python3 bench/linear.py --quick", "python3 bench/step_profile.py --quick",
+                   "python3 bench/elementwise.py --quick"):
         assert wanted in commands, commands
 
 

@@ -214,7 +214,8 @@ def test_rotary_matches_hf_for_each_rope_type() -> None:
         x = torch.randn(7, 2, 32)
         cos, sin = hf(x, positions[None])
         q_ref = x * cos[0][:, None] + torch.cat((-x[..., 16:], x[..., :16]), -1) * sin[0][:, None]
-        q, k = ours(positions, x, x[:, :1])
+        q, k = x.clone(), x[:, :1].clone()
+        ours(positions, q, k)  # in place
         torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(k, q_ref[:, :1], atol=1e-6, rtol=1e-6)
 

@@ -1,8 +1,9 @@
 """Rotary position embedding (HF "rotate_half" / GPT-NeoX layout).
 
 The cos/sin table is precomputed once for every position up to ``max_position`` and
-indexed by each token's position, so a flat batch of tokens from many sequences (each at
-its own offset) is rotated in one gather, with no per-sequence work.
+indexed by each token's position inside the native ``rotary_embedding`` op, so a flat
+batch of tokens from many sequences (each at its own offset) is rotated in one call, with
+no per-sequence work.
 
 Supported ``rope_type``s: ``default``, ``linear``, ``llama3`` (HF's formulas, bit for bit
 in float32) and ``dynamic``. ``dynamic`` (NTK) in HF recomputes the frequencies from the
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from vllm_lite import ops
 
 logger = logging.getLogger(__name__)
 
@@ -106,32 +109,13 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache = cache.to(device=self.cos_sin_cache.device)
         return self
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, num_heads, head_size], k: [T, num_kv_heads, head_size]; positions [T]."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of each token's position, [T, 1, head_size / 2] in ``dtype``. The
-        same for every layer: a model gathers them once per forward and passes them to
-        :meth:`rotate` in each layer (one gather and cast instead of one per layer)."""
-        cos_sin = self.cos_sin_cache.index_select(0, positions)
-        cos, sin = cos_sin.chunk(2, dim=-1)
-        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotates x [T, heads, head_size] (any number of heads: q and k side by side in
-        one call rotate exactly as apart) with :meth:`cos_sin`'s tables."""
-        return _rotate(x, cos, sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotates q [T, num_heads(, )head_size] and k [T, num_kv_heads(, )head_size] in
+        place (any token stride: slices of a fused qkv projection), positions int64 [T],
+        with the native ``rotary_embedding`` op: HF's rotate_half rounding, the float32
+        table cast to q's dtype as HF casts cos / sin."""
+        ops.rotary_embedding(positions, q, k, self.head_size, self.cos_sin_cache, True)
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, max_position={self.max_position}, rope_type={self.rope_type}"
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), written on the halves.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

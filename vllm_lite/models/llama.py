@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_lite import ops
 from vllm_lite.distributed.group import TensorParallelGroup
 from vllm_lite.distributed.layers import Shard, VocabParallelEmbedding, all_reduce, gather_vocab
 from vllm_lite.layers.attention import Attention
@@ -125,26 +126,18 @@ class LlamaAttention(nn.Module):
             self.head_dim, max_position, rope_parameters_of(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``rope``: the step's (cos, sin) from ``rotary_emb.cos_sin`` (computed here when
-        None)."""
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        cos, sin = rope if rope is not None else self.rotary_emb.cos_sin(positions, qkv.dtype)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3: per-head RMSNorm of q and k, before rotary (as HF).
-            q, k, _ = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = self.rotary_emb.rotate(self.q_norm(q.view(-1, self.num_heads, self.head_dim)),
-                                       cos, sin)
-            k = self.rotary_emb.rotate(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)),
-                                       cos, sin)
-        else:
-            # q and k are adjacent in the fused output: rotate their heads in one go.
-            qk = qkv[:, :self.q_size + self.kv_size].view(
-                -1, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = self.rotary_emb.rotate(qk, cos, sin).split(
-                (self.num_heads, self.num_kv_heads), dim=1)
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        # In place, on the fused output's columns (or the normed copies).
+        self.rotary_emb(positions, q, k)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         return all_reduce(self.tp, self.o_proj(self.attn(q, k, v)))
 
 
@@ -167,8 +160,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=opts.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return all_reduce(self.tp, self.down_proj(F.silu(gate) * up))
+        return all_reduce(self.tp, self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -182,10 +174,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        # HF's order of residual adds (no fused add+norm), so half precision rounds alike.
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (this layer's MLP output, the residual stream before it
+        is added). The add of each sublayer's output into the residual stream is fused
+        with the next norm (rounded first, as HF's ``hidden = residual + out``); the first
+        layer gets residual None and the last add happens in the final norm."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -203,11 +204,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        # Every layer rotates with the same positions: gather cos/sin once per forward.
-        rope = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, rope)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard id).
