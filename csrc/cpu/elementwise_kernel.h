@@ -197,7 +197,16 @@ void silu_and_mul_rows(const SiluAndMulArgs& a, int64_t r0, int64_t r1) {
     const T* g = static_cast<const T*>(a.input) + r * a.input_row_stride;
     const T* u = g + D;
     T* out = static_cast<T*>(a.out) + r * D;
-    for (int64_t i = 0; i < full; i += EW) {
+    int64_t i = 0;
+    // Two vectors per step: the exp polynomial and the division are one long dependency
+    // chain per vector, so a second independent one keeps the FP units busy.
+    for (; i + 2 * EW <= full; i += 2 * EW) {
+      const EF a = silu(L::load(g + i));
+      const EF b = silu(L::load(g + i + EW));
+      L::store(out + i, L::round(a) * L::load(u + i));
+      L::store(out + i + EW, L::round(b) * L::load(u + i + EW));
+    }
+    for (; i < full; i += EW) {
       L::store(out + i, L::round(silu(L::load(g + i))) * L::load(u + i));
     }
     if (full < D) {
