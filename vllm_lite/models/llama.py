@@ -55,8 +55,8 @@ class Linear(nn.Linear):
     with the weight prepacked in its blocked layout (AVX-512 / AVX2 / AMX, picked by the
     CPU's features). For float32 that replaces torch's default, MKL's sgemm, which on the
     project's AMD EPYC VM (AVX-512, no AMX) took 1.2-2.5x as long at decode's 8-128 rows
-    and 3x as long for the 49k-column LM head (README "CPU GEMMs"). bfloat16 results equal
-    ``F.linear``'s bit for bit (torch's bf16 GEMM is oneDNN's too); float32 ones differ by
+    and 3x as long for the 49k-column LM head (README "Linear-layer benchmark"). bfloat16
+    results equal ``F.linear``'s bit for bit (torch's bf16 GEMM is oneDNN's too); float32 ones differ by
     accumulation order only. The packed copy doubles these weights' memory, so a float32
     weight shared with the embedding (``copy_float32=False``: the LM head, often tied) is passed to
     oneDNN as it is instead (no copy; 1.2x the packed time, still 2.3x faster than MKL at
