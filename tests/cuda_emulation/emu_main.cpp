@@ -6,7 +6,8 @@
 // freshly loaded inputs. A case directory holds spec.txt and its buffers as raw files.
 // spec.txt lines:
 //   op NAME                       attention | varlen | reshape_and_cache | copy_blocks
-//                                 | swap_blocks | convert | selftest
+//                                 | swap_blocks | convert | selftest | rms_norm
+//                                 | fused_add_rms_norm | silu_and_mul | rotary_embedding
 //   dtype f32|f16|bf16
 //   kv auto|fp8_e4m3|fp8_e5m2     what the caches hold (default auto: the dtype)
 //   KEY INT_OR_FLOAT              the op's scalar arguments (see run_case)
@@ -305,6 +306,62 @@ void run_convert(const Case& c) {
   }
 }
 
+// rms_norm / fused_add_rms_norm / silu_and_mul: rows, hidden (silu: the output width d),
+// row_stride (the input's), epsilon (norms); input points in_offset elements into
+// input_storage (a strided view), out / residual / weight are whole buffers.
+emu_ops::RowsArgs read_rows_args(const Case& c) {
+  emu_ops::RowsArgs a{};
+  a.rows = c.i("rows");
+  a.hidden = c.i("hidden");
+  a.row_stride = c.i("row_stride", a.hidden);
+  a.epsilon = c.kv.count("epsilon") ? c.f("epsilon") : 0.0;
+  return a;
+}
+
+void run_elementwise(const Case& c, const std::string& op) {
+  const emu_ops::RowsArgs a = read_rows_args(c);
+  dispatch(dtype_of(c), [&](auto tag) {
+    using T = decltype(tag);
+    if (op == "rms_norm") {
+      const T* x = static_cast<const T*>(c.p("input_storage")) + c.i("in_offset", 0);
+      emu_ops::rms_norm<T>(a, c.p("out"), x, c.p("weight"));
+    } else if (op == "fused_add_rms_norm") {
+      emu_ops::fused_add_rms_norm<T>(a, c.p("input"), c.p("residual"), c.p("weight"));
+    } else {
+      const T* x = static_cast<const T*>(c.p("input_storage")) + c.i("in_offset", 0);
+      emu_ops::silu_and_mul<T>(a, c.p("out"), x);
+    }
+  });
+}
+
+// rotary_embedding: query / key point q_offset / k_offset elements into qkv_storage (one
+// buffer: q and k are column slices of a fused row); table f32 | same (the dtype's).
+void run_rotary(const Case& c) {
+  emu_ops::RotaryArgs a{};
+  a.num_tokens = c.i("num_tokens");
+  a.num_heads = c.i("num_heads");
+  a.num_kv_heads = c.i("num_kv_heads");
+  a.head_size = c.i("head_size");
+  a.rot_dim = c.i("rot_dim");
+  a.max_position = c.i("max_position");
+  a.q_stride = c.i("q_stride");
+  a.k_stride = c.i("k_stride");
+  a.is_neox = c.i("is_neox") != 0;
+  a.positions = static_cast<const int64_t*>(c.p("positions"));
+  a.cos_sin_cache = c.p("cos_sin_cache");
+  const bool f32_table = c.s("table") == "f32";
+  dispatch(dtype_of(c), [&](auto tag) {
+    using T = decltype(tag);
+    a.query = static_cast<T*>(c.p("qkv_storage")) + c.i("q_offset");
+    a.key = static_cast<T*>(c.p("qkv_storage")) + c.i("k_offset");
+    if (f32_table) {
+      emu_ops::rotary_embedding<T, float>(a);
+    } else {
+      emu_ops::rotary_embedding<T, T>(a);
+    }
+  });
+}
+
 void run_case(const Case& c) {
   const std::string& op = c.s("op");
   if (op == "attention") {
@@ -319,6 +376,10 @@ void run_case(const Case& c) {
     run_swap_blocks(c);
   } else if (op == "convert") {
     run_convert(c);
+  } else if (op == "rms_norm" || op == "fused_add_rms_norm" || op == "silu_and_mul") {
+    run_elementwise(c, op);
+  } else if (op == "rotary_embedding") {
+    run_rotary(c);
   } else if (op == "selftest") {
     emu_ops::run_selftest(c.s("test"), c.p_or_null("in"), c.bufs.count("in") ? c.bytes("in") : 0,
                           c.p("out"));

@@ -69,3 +69,34 @@ int64_t swap_blocks(const void* src, void* dst, const int64_t* mapping, int64_t 
                     int64_t block_bytes, int64_t src_blocks, int64_t dst_blocks);
 
 }  // namespace emu_ops
+
+// ---- element-wise ops (elementwise.cu; emu_elementwise.cpp)
+namespace emu_ops {
+
+// rms_norm / fused_add_rms_norm / silu_and_mul: rows of the input row_stride apart (the
+// outputs, and fused_add's tensors, contiguous); hidden = silu_and_mul's output width d.
+struct RowsArgs {
+  int64_t rows, hidden, row_stride;
+  double epsilon;
+};
+template <typename T>
+void rms_norm(const RowsArgs& a, void* out, const void* input, const void* weight);
+template <typename T>
+void fused_add_rms_norm(const RowsArgs& a, void* input, void* residual, const void* weight);
+template <typename T>
+void silu_and_mul(const RowsArgs& a, void* out, const void* input);
+
+struct RotaryArgs {
+  int64_t num_tokens, num_heads, num_kv_heads, head_size, rot_dim, max_position;
+  int64_t q_stride, k_stride;
+  bool is_neox;
+  const int64_t* positions;
+  void* query;  // first element of each view
+  void* key;
+  const void* cos_sin_cache;
+};
+// CT: the table's element type (float or T).
+template <typename T, typename CT>
+void rotary_embedding(const RotaryArgs& a);
+
+}  // namespace emu_ops

@@ -40,12 +40,12 @@ SOURCES = [
     "emu_runtime.cpp", "emu_main.cpp", "emu_selftest.cpp", "emu_cache.cpp",
     "emu_attention_f32.cpp", "emu_attention_f16.cpp", "emu_attention_bf16.cpp",
     "emu_attention_fp8_e4m3.cpp", "emu_attention_fp8_e5m2.cpp", "emu_varlen.cpp",
-    "emu_varlen_fp8.cpp",
+    "emu_varlen_fp8.cpp", "emu_elementwise.cpp",
 ]
 # Sources a translation unit includes besides the headers (its object depends on them).
 INCLUDED = {"emu_varlen_fp8.cpp": ("emu_varlen.cpp",)}
 # The translation units that include kernels from csrc/cuda (their objects depend on it).
-KERNEL_TUS = ("emu_attention", "emu_varlen", "emu_cache")
+KERNEL_TUS = ("emu_attention", "emu_varlen", "emu_cache", "emu_elementwise")
 # The slowest first, so two parallel jobs finish together.
 SOURCES.sort(key=lambda s: not s.startswith(("emu_attention", "emu_varlen")))
 
