@@ -26,18 +26,35 @@
 //          walked in chunks of kChunkTokens = 512 tokens with an online softmax:
 //     1. block numbers of the chunk -> shared memory (ids outside [0, num_blocks) -> -1:
 //        that block reads as zeros, so a corrupt table can never fault).
-//     2. K pass: a warp step covers TPW tokens; TGS = 32 / TPW lanes share a token, each
-//        holding up to 8 16-byte chunks of its key (fp8: up to 4, 64 values) (lane-interleaved, so a warp's loads of
-//        one step are contiguous 16-byte chunks), converted to float32 once. Per query
-//        head: dot with q (float32, shared memory), xor-shuffle reduce over the TGS lanes,
-//        logit -> shared memory.
+//     2. K pass: TGS lanes share a token, a warp step covers 32 / TGS tokens; each lane
+//        holds KCPL chunks (16 bytes) of its key, dc = tg + k * TGS (lane-interleaved, so
+//        a warp's loads of one step are contiguous 16-byte chunks). Several heads (G > 1):
+//        KCPL <= 8 chunks and <= 64 key values per lane, converted to float32 once; per
+//        head a dot with q read from shared memory. One head (G == 1: MHA, or the last
+//        CTA of a split group; a CTA-uniform branch to a loop compiled apart from the
+//        multi-head one, so it adds no registers to it): the q values matching the lane's
+//        chunks are read from shared memory into registers once per chunk of tokens (<= 32
+//        floats: KCPL1 = min(KCPL, 32 / elements per chunk) chunks per lane and TGS1 lanes
+//        per token there), and the dot product reads no shared memory. Then an xor-shuffle
+//        reduce over the lanes of the token, logit -> shared memory.
 //     3. softmax: one warp per head: chunk max, new running max m, p = exp(logit - m)
 //        written back in place, running sum l = l * exp(m_old - m) + sum(p).
-//     4. V pass: thread <-> value row d (head_size rows; for head_size <= 64 several
-//        "splits" of threads share a row and take alternate blocks). Each row of a block is
-//        block_size contiguous elements: 16-byte loads (8-byte ones for the 8-byte rows of
-//        fp8 at block size 8), U <= 8 blocks in flight per step.
-//        acc[row][head] = acc * exp(m_old - m) + sum_t p[t] * v[t].
+//     4. V pass: a block's value tile [head_size, block_size] is contiguous; it is read in
+//        units of VX = min(16 bytes, one row) elements (8-byte units for the 8-byte rows of
+//        fp8 at block size 8), UPR = block_size / VX units per row. Rows are taken in
+//        "row groups" of 32; row group rg of a block is read by one warp with UPR load
+//        instructions, instruction k: lane = r * UPR + c loads unit c of row
+//        rg * 32 + k * (32 / UPR) + r, so each instruction reads 32 consecutive units
+//        (coalesced). The ceil(head_size / 32) row groups are spread over the 4 warps
+//        (up to 2 per warp at head_size 256); with fewer row groups than warps (head_size
+//        <= 96), kWarps / row groups "splits" of warps take alternate blocks and are
+//        summed through shared memory at the end. A lane's unit covers the same VX tokens
+//        in all UPR instructions: per block and head it forms UPR partial dots
+//        p[tokens] . v[row k][tokens], and a reduce-scatter over the UPR lanes of the rows
+//        (UPR - 1 xor shuffles per head) leaves lane c with the block's full sum for row
+//        k = c, i.e. row rg * 32 + c * (32 / UPR) + r, which it accumulates in registers:
+//        acc[row][head] = acc * exp(m_old - m) + sum_t p[t] * v[t]. U <= 8 blocks are in
+//        flight per step; token slots past the sequence's end are zeroed before use.
 //   Output v1: out = acc * v_scale / l (0 when the sequence is empty).
 //          v2: tmp_out = acc * v_scale / l, max_logits = m, exp_sums = l, per partition;
 //              partitions at or past a sequence's end exit at once (write nothing).
@@ -46,8 +63,8 @@
 //          static 512 / block_size ints and 3 * 8 floats. It does NOT grow with the sequence
 //          length: long sequences only add chunks, so v1 has no length limit.
 //   Head sizes: every multiple of 8 (fp8: 16) up to kMaxHeadSize = 256, at runtime; HEAD_MAX in
-//          {64, 128, 256} is a bucket that fixes register arrays (chunks per lane, value
-//          rows per thread) and the loops are guarded by the runtime head_size.
+//          {64, 128, 256} is a bucket that fixes register arrays (key chunks per lane, value
+//          row groups per warp) and the loops are guarded by the runtime head_size.
 //   Limits shared with the CPU side and validate.cpp: csrc/attention_limits.h.
 //   Block sizes: 8, 16, 32 (template). dtypes: float, half, bfloat16 (math in float32);
 //          caches in the query dtype or fp8 e4m3 / e5m2.
@@ -65,6 +82,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../attention_limits.h"
 #include "../dtype.cuh"
@@ -157,6 +175,29 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return r;
 }
 
+// Reduce-scatter over the N lanes lane ^ m (m < N, N a power of two <= 32) of a group:
+// every lane passes N partial sums x[0..N); lane returns sum over the group of
+// x[lane % N]. Recursive halving: N - 1 shuffles (not N * log2(N) as N all-reduces would
+// take). x is clobbered. All 32 lanes must call it.
+template <int N>
+__device__ __forceinline__ float reduce_scatter(float (&x)[N], int lane) {
+#pragma unroll
+  for (int s = 0; (1 << s) < N; ++s) {
+    // Before this step x[i] (i < 2n) is the sum over the lanes differing in bits < s of
+    // the partial whose index has bits < s equal to this lane's and bits >= s equal to i.
+    const int m = 1 << s;
+    const int n = N >> (s + 1);
+    const bool hi = (lane & m) != 0;
+#pragma unroll
+    for (int i = 0; i < n; ++i) {
+      const float keep = hi ? x[2 * i + 1] : x[2 * i];
+      const float send = hi ? x[2 * i] : x[2 * i + 1];
+      x[i] = keep + __shfl_xor_sync(0xffffffffu, send, m);
+    }
+  }
+  return x[0];
+}
+
 // Dynamic shared memory of the attention kernel, in bytes.
 inline size_t attention_smem_bytes(int heads_per_cta, int head_size) {
   return static_cast<size_t>(heads_per_cta) * (head_size + kChunkTokens) * sizeof(float);
@@ -172,20 +213,34 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
   constexpr int kMaxKcpl = 64 / X < 8 ? 64 / X : 8;
   constexpr int KCPL = kTokenChunks < kMaxKcpl ? kTokenChunks : kMaxKcpl;
   constexpr int TGS = kTokenChunks / KCPL;                // lanes per token
-  constexpr int TPW = 32 / TGS;                           // tokens per warp step
-  constexpr int ROWS = (HEAD_MAX + kThreads - 1) / kThreads;  // value rows per thread
-  // A value row of a block is BS elements: loaded in units of VX elements, 16 bytes, or 8
-  // bytes when the row is shorter than a chunk (fp8 at block size 8).
+  // One query head (G == 1): q of the lane's chunks stays in registers, at most 32 floats
+  // of it: 64 (KCPL chunks of half / bf16 / fp8) made ptxas spill, as -Xptxas -v shows.
+  constexpr int KCPL1 = KCPL * X > 32 ? 32 / X : KCPL;
+  constexpr int TGS1 = kTokenChunks / KCPL1;
+  // V pass. A value row of a block is BS elements, read in units of VX elements: 16 bytes,
+  // or 8 bytes when the row is shorter than a chunk (fp8 at block size 8). A warp load
+  // instruction covers 32 consecutive units of a block's value tile [head_size, BS], i.e.
+  // RPI whole rows with UPR lanes per row; a row group is the 32 rows that UPR such
+  // instructions cover.
   constexpr int VX = X < BS ? X : BS;
-  constexpr int VCH = BS / VX;                            // load units per value row
-  constexpr int kRowBytes = ROWS * BS * static_cast<int>(sizeof(CT));
+  constexpr int UPR = BS / VX;                            // units (lanes) per row
+  constexpr int RPI = 32 / UPR;                           // rows per warp load instruction
+  constexpr int kGroupRows = 32;
+  // Row groups per warp (the bucket's head over kWarps warps).
+  constexpr int RGW = (HEAD_MAX + kWarps * kGroupRows - 1) / (kWarps * kGroupRows);
+  // Bytes a lane loads per block: one row's worth (UPR units) per row group.
+  constexpr int kRowBytes = RGW * BS * static_cast<int>(sizeof(CT));
   constexpr int U = kRowBytes >= 128 ? 1 : (128 / kRowBytes < 8 ? 128 / kRowBytes : 8);
   constexpr int kBlocksPerChunk = kChunkTokens / BS;
   static_assert(BS == 8 || BS == 16 || BS == 32, "block size");
   static_assert(HEAD_MAX % (KCPL * X) == 0, "head bucket");
   static_assert(TGS * KCPL == kTokenChunks && TGS >= 1 && TGS <= 32 && 32 % TGS == 0,
                 "lanes per token");
-  static_assert(VCH >= 1 && VCH * VX == BS, "value rows are whole load units");
+  static_assert(TGS1 * KCPL1 == kTokenChunks && TGS1 >= 1 && TGS1 <= 32 && 32 % TGS1 == 0,
+                "lanes per token (one head)");
+  static_assert(UPR >= 1 && UPR * VX == BS && UPR <= 32 && 32 % UPR == 0,
+                "value rows are whole load units, a power of two of them");
+  static_assert(RGW * kWarps * kGroupRows >= HEAD_MAX, "every value row has a lane");
   static_assert(BS % 4 == 0 && kChunkTokens % BS == 0, "float4 reads of probabilities");
 
   extern __shared__ __align__(16) float smem[];
@@ -234,24 +289,28 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
     alpha_s[tid] = 1.f;
   }
 
-  // V-pass mapping: thread -> (row0 [+ r * kThreads], split).
-  int splits, split, row0;
-  if (HS <= kThreads) {
-    splits = kThreads / HS;
-    split = tid / HS;
-    row0 = tid - split * HS;
-  } else {
-    splits = 1;
-    split = 0;
-    row0 = tid;
-  }
+  // V-pass mapping. The head's nrg row groups are spread over wrg warps (warp rg0 takes
+  // row groups rg0, rg0 + wrg, ...); when there are fewer row groups than warps, the
+  // kWarps / wrg "splits" of warps take alternate blocks and are summed at the end.
+  // Within a row group, lane = vrow * UPR + vunit loads unit vunit of row k * RPI + vrow in
+  // load instruction k < UPR: consecutive lanes, consecutive units. After the per-block
+  // reduction over the UPR lanes of a row (reduce_scatter), the lane holds row
+  // vunit * RPI + vrow of the row group: acc[j][h] for row group rg0 + j * wrg.
+  const int nrg = (HS + kGroupRows - 1) / kGroupRows;
+  const int wrg = min(nrg, kWarps);
+  const int splits = kWarps / wrg;
+  const int split = warp / wrg;  // warp-uniform
+  const int rg0 = warp - split * wrg;
   const bool v_active = split < splits;
+  const int vunit = lane % UPR;
+  const int vrow = lane / UPR;
+  const int vown = vunit * RPI + vrow;  // the row of a row group this lane accumulates
 
-  float acc[ROWS][kMaxHeadsPerCta];
+  float acc[RGW][kMaxHeadsPerCta];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
+  for (int j = 0; j < RGW; ++j) {
 #pragma unroll
-    for (int h = 0; h < kMaxHeadsPerCta; ++h) acc[r][h] = 0.f;
+    for (int h = 0; h < kMaxHeadsPerCta; ++h) acc[j][h] = 0.f;
   }
 
   const int64_t head_offset = static_cast<int64_t>(kvh) * HS * BS;
@@ -271,51 +330,100 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
 
     // ---- K pass: logits of the chunk for all G heads -> logit_s.
     {
-      const int tok = lane % TPW;
-      const int tg = lane / TPW;
       const int nck = HS / X;  // chunks of one key (runtime)
-      for (int t0 = warp * TPW; t0 < n; t0 += kWarps * TPW) {  // warp-uniform loop
-        const int t = t0 + tok;
-        const int blk = t < n ? blk_s[t / BS] : -1;
-        const CT* kp = kc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
-                      (t % BS) * X;
-        uint4 kr[KCPL];
+      // kSingle (G == 1): a lane's key chunks are dc = tg + k * TGS1 for every token it
+      // visits, so the matching q values are fixed per lane: they are read from q_s once per
+      // chunk of tokens into registers (qf, float32) and the dot product reads no shared
+      // memory. The multi-head path keeps the key in float32 instead (kf) and reads q from
+      // q_s per head: G * KCPL * X q floats per lane would not fit in registers.
+      auto k_pass = [&](auto single) {
+        constexpr bool kSingle = decltype(single)::value;
+        constexpr int KC = kSingle ? KCPL1 : KCPL;  // chunks per lane
+        constexpr int TG = kTokenChunks / KC;       // lanes per token
+        constexpr int TP = 32 / TG;                 // tokens per warp step
+        const int tok = lane % TP;
+        const int tg = lane / TP;
+        float qf[kSingle ? KC : 1][X];
+        if constexpr (kSingle) {
 #pragma unroll
-        for (int k = 0; k < KCPL; ++k) {
-          const int dc = tg + k * TGS;
-          kr[k] = (blk >= 0 && dc < nck) ? load_chunk(kp + dc * (BS * X)) : zero_chunk();
+          for (int k = 0; k < KC; ++k) {
+            const int dc = tg + k * TG;
+#pragma unroll
+            for (int i = 0; i < X; i += 4) {  // chunks past the head stay 0 (their key is 0)
+              const float4 qv = dc < nck
+                                    ? *reinterpret_cast<const float4*>(q_s + dc * X + i)
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+              qf[k][i] = qv.x;
+              qf[k][i + 1] = qv.y;
+              qf[k][i + 2] = qv.z;
+              qf[k][i + 3] = qv.w;
+            }
+          }
         }
-        // The key in float32 once, for all G heads (not once per head).
-        float kf[KCPL][X];
+        for (int t0 = warp * TP; t0 < n; t0 += kWarps * TP) {  // warp-uniform loop
+          const int t = t0 + tok;
+          const int blk = t < n ? blk_s[t / BS] : -1;
+          const CT* kp = kc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
+                        (t % BS) * X;
+          uint4 kr[KC];
 #pragma unroll
-        for (int k = 0; k < KCPL; ++k) chunk_to_float<CT>(kr[k], kf[k]);
-        for (int h = 0; h < G; ++h) {
-          const float* qh = q_s + h * HS;
-          float dot = 0.f;
+          for (int k = 0; k < KC; ++k) {
+            const int dc = tg + k * TG;
+            kr[k] = (blk >= 0 && dc < nck) ? load_chunk(kp + dc * (BS * X)) : zero_chunk();
+          }
+          // Reduces a lane's partial dot over the TG lanes of its token and stores the
+          // logit of head h. All 32 lanes run this (the loops around it are warp-uniform).
+          auto store_logit = [&](int h, float dot) {
 #pragma unroll
-          for (int k = 0; k < KCPL; ++k) {
-            const int dc = tg + k * TGS;
-            if (dc < nck) {  // q_s holds head_size floats per head
-              const float4* q4 = reinterpret_cast<const float4*>(qh + dc * X);
-#pragma unroll
-              for (int i = 0; i < X / 4; ++i) {
-                const float4 qv = q4[i];
-                dot += qv.x * kf[k][4 * i] + qv.y * kf[k][4 * i + 1] +
-                       qv.z * kf[k][4 * i + 2] + qv.w * kf[k][4 * i + 3];
+            for (int m = TP; m < 32; m <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+            if (tg == 0 && t < n) {
+              float logit = dot * p.qk_scale;
+              if (p.alibi_slopes != nullptr) {
+                logit += p.alibi_slopes[head0 + h] * static_cast<float>(c0 + t - L + 1);
               }
+              logit_s[h * kChunkTokens + t] = logit;
             }
-          }
-          // All 32 lanes run this (the loops above are warp-uniform).
+          };
+          if constexpr (kSingle) {
+            float dot = 0.f;
 #pragma unroll
-          for (int m = TPW; m < 32; m <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
-          if (tg == 0 && t < n) {
-            float logit = dot * p.qk_scale;
-            if (p.alibi_slopes != nullptr) {
-              logit += p.alibi_slopes[head0 + h] * static_cast<float>(c0 + t - L + 1);
+            for (int k = 0; k < KC; ++k) {
+              float kf[X];
+              chunk_to_float<CT>(kr[k], kf);
+#pragma unroll
+              for (int i = 0; i < X; ++i) dot += qf[k][i] * kf[i];
             }
-            logit_s[h * kChunkTokens + t] = logit;
+            store_logit(0, dot);
+          } else {
+            // The key in float32 once, for all G heads (not once per head).
+            float kf[KC][X];
+#pragma unroll
+            for (int k = 0; k < KC; ++k) chunk_to_float<CT>(kr[k], kf[k]);
+            for (int h = 0; h < G; ++h) {
+              const float* qh = q_s + h * HS;
+              float dot = 0.f;
+#pragma unroll
+              for (int k = 0; k < KC; ++k) {
+                const int dc = tg + k * TG;
+                if (dc < nck) {  // q_s holds head_size floats per head
+                  const float4* q4 = reinterpret_cast<const float4*>(qh + dc * X);
+#pragma unroll
+                  for (int i = 0; i < X / 4; ++i) {
+                    const float4 qv = q4[i];
+                    dot += qv.x * kf[k][4 * i] + qv.y * kf[k][4 * i + 1] +
+                           qv.z * kf[k][4 * i + 2] + qv.w * kf[k][4 * i + 3];
+                  }
+                }
+              }
+              store_logit(h, dot);
+            }
           }
         }
+      };
+      if (G == 1) {  // CTA-uniform
+        k_pass(std::true_type{});
+      } else {
+        k_pass(std::false_type{});
       }
     }
     __syncthreads();
@@ -349,61 +457,71 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
     __syncthreads();
 
     // ---- V pass: acc = acc * alpha + sum_t p[t] * v[t].
-    if (v_active) {
+    if (v_active) {  // warp-uniform
 #pragma unroll
       for (int h = 0; h < kMaxHeadsPerCta; ++h) {
         if (h < G) {
           const float a = alpha_s[h];
 #pragma unroll
-          for (int r = 0; r < ROWS; ++r) acc[r][h] *= a;
+          for (int j = 0; j < RGW; ++j) acc[j][h] *= a;
         }
       }
-      for (int b0 = split; b0 < nb; b0 += U * splits) {
-        uint4 raw[U][ROWS][VCH];
+      for (int b0 = split; b0 < nb; b0 += U * splits) {  // warp-uniform
+        uint4 raw[U][RGW][UPR];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int b = b0 + u * splits;
           const int blk = b < nb ? blk_s[b] : -1;
-          const CT* vb = vc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride;
+          const CT* vb = vc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
+                         vunit * VX;
 #pragma unroll
-          for (int r = 0; r < ROWS; ++r) {
-            const int d = row0 + r * kThreads;
-            const bool ok = blk >= 0 && d < HS;
+          for (int j = 0; j < RGW; ++j) {
+            const int rbase = (rg0 + j * wrg) * kGroupRows + vrow;
 #pragma unroll
-            for (int c = 0; c < VCH; ++c) {
-              raw[u][r][c] = ok ? load_unit<CT, VX>(vb + d * BS + c * VX) : zero_chunk();
+            for (int k = 0; k < UPR; ++k) {
+              const int d = rbase + k * RPI;  // rows past the head (or the bucket) read 0
+              raw[u][j][k] = (blk >= 0 && d < HS) ? load_unit<CT, VX>(vb + d * BS)
+                                                  : zero_chunk();
             }
           }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int b = b0 + u * splits;
-          if (b < nb) {
+          if (b < nb) {  // warp-uniform
             const int valid = n - b * BS;  // tokens of block b inside the chunk (>= 1)
-            const float* pb = logit_s + b * BS;
+            const float* pb = logit_s + b * BS + vunit * VX;  // this lane's VX tokens
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-              const int d = row0 + r * kThreads;
-              if (d < HS) {
-                float v[BS];
+            for (int j = 0; j < RGW; ++j) {
+              if (rg0 + j * wrg < nrg) {  // warp-uniform
+                float v[UPR][VX];
 #pragma unroll
-                for (int c = 0; c < VCH; ++c) unit_to_float<CT, VX>(raw[u][r][c], v + c * VX);
-                if (valid < BS) {  // slots past the end may hold anything (NaN * 0 = NaN)
+                for (int k = 0; k < UPR; ++k) {
+                  unit_to_float<CT, VX>(raw[u][j][k], v[k]);
+                  if (valid < BS) {  // slots past the end may hold anything (NaN * 0 = NaN)
 #pragma unroll
-                  for (int j = 0; j < BS; ++j) v[j] = j < valid ? v[j] : 0.f;
+                    for (int i = 0; i < VX; ++i) {
+                      v[k][i] = vunit * VX + i < valid ? v[k][i] : 0.f;
+                    }
+                  }
                 }
 #pragma unroll
                 for (int h = 0; h < kMaxHeadsPerCta; ++h) {
-                  if (h < G) {
+                  if (h < G) {  // CTA-uniform: every lane takes part in the shuffles
                     const float4* p4 = reinterpret_cast<const float4*>(pb + h * kChunkTokens);
-                    float s = 0.f;
+                    float part[UPR];
 #pragma unroll
-                    for (int j = 0; j < BS / 4; ++j) {
-                      const float4 pv = p4[j];
-                      s += pv.x * v[4 * j] + pv.y * v[4 * j + 1] + pv.z * v[4 * j + 2] +
-                           pv.w * v[4 * j + 3];
+                    for (int k = 0; k < UPR; ++k) part[k] = 0.f;
+#pragma unroll
+                    for (int i = 0; i < VX / 4; ++i) {
+                      const float4 pv = p4[i];
+#pragma unroll
+                      for (int k = 0; k < UPR; ++k) {
+                        part[k] += pv.x * v[k][4 * i] + pv.y * v[k][4 * i + 1] +
+                                   pv.z * v[k][4 * i + 2] + pv.w * v[k][4 * i + 3];
+                      }
                     }
-                    acc[r][h] += s;
+                    acc[j][h] += reduce_scatter<UPR>(part, lane);
                   }
                 }
               }
@@ -416,21 +534,34 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
   }
   __syncthreads();  // running stats visible even when the loop did not run (empty seq)
 
-  // ---- combine the splits of a row (head_size <= 64), reusing the logit buffer.
+  // ---- combine the splits (fewer row groups than warps), reusing the logit buffer.
   if (splits > 1) {  // CTA-uniform
-    float* red = logit_s;  // (splits - 1) * G * HS < kThreads * G <= kChunkTokens * G
+    // (splits - 1) * G * HS <= 3 * G * 32 <= kChunkTokens * G floats
+    float* red = logit_s;
     if (v_active && split > 0) {
 #pragma unroll
-      for (int h = 0; h < kMaxHeadsPerCta; ++h) {
-        if (h < G) red[((split - 1) * G + h) * HS + row0] = acc[0][h];
+      for (int j = 0; j < RGW; ++j) {
+        const int d = (rg0 + j * wrg) * kGroupRows + vown;
+        if (d < HS) {
+#pragma unroll
+          for (int h = 0; h < kMaxHeadsPerCta; ++h) {
+            if (h < G) red[((split - 1) * G + h) * HS + d] = acc[j][h];
+          }
+        }
       }
     }
     __syncthreads();
     if (v_active && split == 0) {
       for (int s = 1; s < splits; ++s) {
 #pragma unroll
-        for (int h = 0; h < kMaxHeadsPerCta; ++h) {
-          if (h < G) acc[0][h] += red[((s - 1) * G + h) * HS + row0];
+        for (int j = 0; j < RGW; ++j) {
+          const int d = (rg0 + j * wrg) * kGroupRows + vown;
+          if (d < HS) {
+#pragma unroll
+            for (int h = 0; h < kMaxHeadsPerCta; ++h) {
+              if (h < G) acc[j][h] += red[((s - 1) * G + h) * HS + d];
+            }
+          }
         }
       }
     }
@@ -447,9 +578,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
         T* o = static_cast<T*>(p.out) +
                (is_v2 ? (row * p.num_partitions + part) * HS : row * HS);
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          const int d = row0 + r * kThreads;
-          if (d < HS) o[d] = from_float<T>(acc[r][h] * inv);
+        for (int j = 0; j < RGW; ++j) {
+          const int d = (rg0 + j * wrg) * kGroupRows + vown;
+          if (d < HS) o[d] = from_float<T>(acc[j][h] * inv);
         }
       }
     }
