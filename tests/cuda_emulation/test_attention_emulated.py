@@ -57,6 +57,7 @@ class Case:
     sms: int = 132  # 1: the launcher keeps up to 8 heads per CTA
     k_scale: float = 1.0
     v_scale: float = 1.0
+    corrupt: int = 0  # table entries inside the lengths replaced by ids outside the pool
 
     @property
     def msl(self) -> int:
@@ -104,6 +105,20 @@ def _cases() -> list[Case]:
     cases.append(Case("scales-f16", F16, 8, 2, 80, 8, (50, 520), alibi=True, k_scale=0.5,
                       v_scale=2.0))
     cases.append(Case("all-empty-f16", F16, 4, 4, 32, 16, (0, 0), max_seq_len=0))
+    # One query head per CTA (MHA: heads_per_cta == 1, the K pass keeps q in registers) for
+    # every block size and head-size bucket, with head sizes that leave the last 32-row
+    # group of the V pass partly empty; lengths end inside a block and cross a chunk.
+    dts = (F32, F16, BF16)
+    for i, (bs, hs) in enumerate([(8, 24), (8, 104), (8, 256), (16, 64), (16, 72), (16, 232),
+                                  (32, 40), (32, 128), (32, 136)]):
+        dt = dts[i % 3]
+        cases.append(Case(f"mha-{dtype_name(dt)}-d{hs}-b{bs}", dt, 2, 2, hs, bs,
+                          (bs - 1, PARTITION_SIZE + 18, 3), alibi=i % 2 == 0))
+    # Block ids outside the pool inside a sequence's length: those blocks read as zeros
+    # (one head per CTA and 4 per CTA).
+    cases.append(Case("corrupt-ids-mha-f32", F32, 2, 2, 48, 16, (100, 530), corrupt=3))
+    cases.append(Case("corrupt-ids-gqa-bf16", BF16, 8, 2, 128, 32, (200, 70), corrupt=3,
+                      sms=1))
     return cases
 
 
@@ -125,6 +140,7 @@ class Prepared:
     out: torch.Tensor  # NaN templates (shape/dtype of the outputs)
     exp_sums: torch.Tensor
     tmp_out: torch.Tensor
+    ref_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the reference's K, V, table
 
 
 def _query(c: Case, g: torch.Generator) -> torch.Tensor:
@@ -145,6 +161,9 @@ def prepare(c: Case, root) -> Prepared:
     kv = make_paged_kv(list(c.seq_lens), c.num_kv_heads, c.head_size, c.block_size, c.dtype,
                        "cpu", g, table_cols=cols, unused_table_fill=c.table_fill)
     query = _query(c, g)
+    ref_kv = (kv.key_cache, kv.value_cache, kv.block_tables)
+    if c.corrupt:
+        ref_kv, kv.block_tables = _corrupt_table(c, kv, g)
     slopes = alibi_slopes(c.num_heads) if c.alibi else None
     scale = 1.0 / math.sqrt(c.head_size)
     storage, q_off = harness.storage_of(query)
@@ -175,7 +194,25 @@ def prepare(c: Case, root) -> Prepared:
     cd.buf("tmp_out", tmp_out, out=True)
     cd.write()
     return Prepared(c, cd, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
-                    slopes, scale, storage, out, exp_sums, tmp_out)
+                    slopes, scale, storage, out, exp_sums, tmp_out, ref_kv)
+
+
+def _corrupt_table(c: Case, kv, g: torch.Generator):
+    """c.corrupt table entries inside the lengths get ids outside the pool (the kernel
+    reads such a block as zeros). Returns the reference's (K, V, table): the caches with
+    a zero block appended and the table pointing there instead, and the corrupted table."""
+    nb = kv.key_cache.shape[0]
+    bad_ids = torch.tensor([-1, nb, 2**31 - 1, -(2**31)], dtype=torch.int32)
+    inside = [(s, b) for s, n in enumerate(c.seq_lens) for b in range(math.ceil(n / c.block_size))]
+    pick = torch.randperm(len(inside), generator=g)[: c.corrupt].tolist()
+    table, ref_table = kv.block_tables.clone(), kv.block_tables.clone()
+    for j, i in enumerate(pick):
+        s, b = inside[i]
+        table[s, b] = bad_ids[j % len(bad_ids)]
+        ref_table[s, b] = nb
+    zk = torch.zeros_like(kv.key_cache[:1])
+    zv = torch.zeros_like(kv.value_cache[:1])
+    return (torch.cat([kv.key_cache, zk]), torch.cat([kv.value_cache, zv]), ref_table), table
 
 
 @pytest.fixture(scope="module")
@@ -219,9 +256,10 @@ def test_paged_attention_emulated(runs, case, seed):
     res = results[p.dir.path]
     assert res.ok, res.message
     d = p.dir
-    ref, stats = ref_paged_attention(p.query, p.key_cache, p.value_cache, case.num_kv_heads,
-                                     p.scale, p.block_tables, p.seq_lens, case.block_size,
-                                     p.slopes, case.k_scale, case.v_scale)
+    ref_k, ref_v, ref_table = p.ref_kv
+    ref, stats = ref_paged_attention(p.query, ref_k, ref_v, case.num_kv_heads, p.scale,
+                                     ref_table, p.seq_lens, case.block_size, p.slopes,
+                                     case.k_scale, case.v_scale)
     out1 = d.read("out_v1", seed, p.out)
     out2 = d.read("out_v2", seed, p.out)
     exp_sums = d.read("exp_sums", seed, p.exp_sums)

@@ -218,6 +218,16 @@ def _attn_cases() -> list[AttnCase]:
                     f"-n{'_'.join(map(str, news))}-k{kvh}g{group}-d{d}-b{bs}-s{ks}_{vs}",
                     fmt, dt, lens, news, kvh, group, d, bs, ks, vs))
                 i += 1
+    # One query head per CTA (MHA: the K pass keeps q in registers) for every block size
+    # and head-size bucket; fp8 value rows at block size 8 are 8 bytes.
+    for j, (bs, d) in enumerate([(8, 48), (8, 112), (8, 176), (16, 64), (16, 80), (16, 256),
+                                 (32, 16), (32, 128), (32, 208)]):
+        fmt, dt = FORMATS[j % 2], (F32, F16, BF16)[j % 3]
+        ks, vs = scales[j % len(scales)]
+        lens = (bs - 1, 530)
+        cases.append(AttnCase(
+            f"decode-mha-{fmt}-{dtype_name(dt)}-L{'_'.join(map(str, lens))}-k2g1-d{d}-b{bs}"
+            f"-s{ks}_{vs}", fmt, dt, lens, None, 2, 1, d, bs, ks, vs))
     return cases
 
 
