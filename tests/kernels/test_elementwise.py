@@ -37,8 +37,9 @@ def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def norm_limit(dtype: torch.dtype) -> float:
     """How far (in ulps of the dtype) a norm may be from the float64 reference: float32
     math (sum, rsqrt, two products) costs a few float32 ulps; in bf16 / fp16 that error
-    only matters at a rounding boundary, one step of the dtype."""
-    return 4.0 if dtype == torch.float32 else 1.0
+    only matters at a rounding boundary: y = round(x * inv) one step off, and w * y
+    rounded again can then land two steps away when it crosses a power of two."""
+    return 4.0 if dtype == torch.float32 else 2.0
 
 
 def assert_norm_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -148,9 +149,9 @@ def test_silu_and_mul(backend, dtype: torch.dtype, d: int) -> None:
     act = rnd(gd / (1 + torch.exp(-gd)), dtype)
     ref = rnd(act * up.double(), dtype)
     assert not out.isnan().any()
-    # float32 exp to a few ulp, then two roundings: one step of the dtype at most where it
-    # rounds (bf16 / fp16); float32 a few ulps.
-    limit = 8.0 if dtype == torch.float32 else 1.0
+    # float32 exp to a few ulp, then two roundings: round(silu) one step off at a boundary
+    # can move the product two steps (see norm_limit); float32 a few ulps.
+    limit = 8.0 if dtype == torch.float32 else 2.0
     assert ulps_apart(out.cpu().double(), ref, dtype).max() <= limit
     if dtype != torch.float32:  # and equal almost everywhere (see assert_norm_close)
         assert (out.cpu().double() == ref).double().mean() >= 0.99
