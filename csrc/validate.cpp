@@ -504,7 +504,8 @@ int64_t check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
 int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
                           const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   const char* op = "int8_linear";
-  check_dtype(op, x, "x", at::kFloat);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be Float or BFloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K], got a scalar");
   check_dtype(op, qweight, "qweight", at::kChar);
   check_dim(op, qweight, "qweight", 2, "[N, K]");

@@ -269,8 +269,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ (qweight [N, K] int8 * scales[:, None]).T + bias, all
-    float32 but the weight; CPU only (quantization="int8", vllm_lite.layers.quantization)."""
+    """y [..., N] = x [..., K] @ (qweight [N, K] int8 * scales[:, None]).T + bias; x float32
+    or bfloat16 (y in x's dtype, rounded once), scales and bias float32; CPU only
+    (quantization="int8", vllm_lite.layers.quantization)."""
     return _ops.int8_linear(x, qweight, scales, bias)
 
 

@@ -4,7 +4,9 @@
 // the block kernels of int8_linear_kernel.h, the AVX2 build where the CPU ISA switch
 // (cpu_isa.h) picks a non-generic build, else the generic one; tasks of
 // kInt8ChannelsPerTask output channels run on torch's intra-op threads. Larger inputs
-// (prefills) dequantize the weight once and use at::linear. Only CPU kernels exist: on CUDA
+// (prefills) dequantize the weight once and use at::linear. bfloat16 x (int8 only) runs the
+// AVX512-BF16 kernel (int8_linear_avx512bf16.cpp) for any number of rows when that build is
+// selected, else the float32 path on a float32 copy. Only CPU kernels exist: on CUDA
 // the Python layer uses torch's _weight_int8pack_mm (int8) or dequantizes at load (int4).
 #include <memory>
 #include <vector>
@@ -26,12 +28,13 @@ Fn select_kernel(Fn avx2, Fn generic) {
   return avx2 != nullptr && cpu_isa() != "generic" ? avx2 : generic;
 }
 
-// Runs fn(n0, n1, wbuf) over tasks of kInt8ChannelsPerTask output channels in parallel.
-template <typename Block>
-void run_channel_tasks(int64_t N, int64_t K, Block&& block) {
+// Runs fn(n0, n1, wbuf) over tasks of kInt8ChannelsPerTask output channels in parallel;
+// wbuf holds kInt8RowsPerPass rows of `row` elements of type T per thread.
+template <typename T = float, typename Block>
+void run_channel_tasks(int64_t N, int64_t row, Block&& block) {
   const int64_t tasks = (N + kInt8ChannelsPerTask - 1) / kInt8ChannelsPerTask;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> wbuf(static_cast<size_t>(kInt8RowsPerPass * K));
+    std::vector<T> wbuf(static_cast<size_t>(kInt8RowsPerPass * row));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kInt8ChannelsPerTask;
       block(n0, std::min(N, n0 + kInt8ChannelsPerTask), wbuf.data());
@@ -48,17 +51,40 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t K = qweight.size(1);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  // Rows need only be contiguous within themselves (the kernels take a row stride).
+  const at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
+  if (x.scalar_type() == at::kBFloat16) {
+    const Int8LinearBf16BlockFn bf16 =
+        cpu_isa() == "avx512bf16" ? int8_linear_bf16_avx512bf16() : nullptr;
+    if (bf16 == nullptr) {
+      // No bf16 dot products in the selected build: the float32 kernel, rounded once.
+      return int8_linear(x.to(at::kFloat), qweight, scales, bias).to(at::kBFloat16);
+    }
+    const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0 || N == 0) return y.reshape(out_shape);
+    Int8LinearBf16Args a{reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
+                         qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                         bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                         reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, K, N,
+                         xc.stride(0)};
+    run_channel_tasks<uint16_t>(N, int8_bf16_padded_k(K), [&](int64_t n0, int64_t n1,
+                                                              uint16_t* wbuf) {
+      bf16(a, n0, n1, wbuf);
+    });
+    return y.reshape(out_shape);
+  }
   if (M > kInt8KernelMaxRows) {
     const at::Tensor w = qweight.to(at::kFloat).mul_(scales.unsqueeze(1));
     return at::linear(x2, w, bias).reshape(out_shape);
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y.reshape(out_shape);
-  Int8LinearArgs a{x2.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+  const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
+  Int8LinearArgs a{xc.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
                    bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                   M, K, N, x2.stride(0)};
+                   M, K, N, xc.stride(0)};
   const Int8LinearBlockFn fn = select_kernel(int8_linear_avx2(), int8_linear_generic());
   run_channel_tasks(N, K, [&](int64_t n0, int64_t n1, float* wbuf) { fn(a, n0, n1, wbuf); });
   return y.reshape(out_shape);

@@ -40,10 +40,29 @@ struct Int4LinearArgs {
 
 using Int4LinearBlockFn = void (*)(const Int4LinearArgs&, int64_t n0, int64_t n1, float* wbuf);
 
+// int8_linear with bfloat16 activations (int8_linear_avx512bf16.cpp): x and y bf16 as raw
+// uint16 bits; the kernel widens weights to bf16 into wbuf (kInt8RowsPerPass rows of
+// int8_bf16_padded_k(K) elements) and has no row limit.
+struct Int8LinearBf16Args {
+  const uint16_t* x;     // [M, K], row stride x_row_stride
+  const int8_t* q;       // [N, K]
+  const float* scales;   // [N]
+  const float* bias;     // [N] or nullptr
+  uint16_t* y;           // [M, N]
+  int64_t M, K, N, x_row_stride;
+};
+
+using Int8LinearBf16BlockFn = void (*)(const Int8LinearBf16Args&, int64_t n0, int64_t n1,
+                                       uint16_t* wbuf);
+
+// K rounded up to the bf16 kernel's 32-element vectors.
+constexpr int64_t int8_bf16_padded_k(int64_t K) { return (K + 31) / 32 * 32; }
+
 // Each build's kernel; nullptr where the build was compiled out (another architecture).
 Int8LinearBlockFn int8_linear_generic();
 Int8LinearBlockFn int8_linear_avx2();
 Int4LinearBlockFn int4_linear_generic();
 Int4LinearBlockFn int4_linear_avx2();
+Int8LinearBf16BlockFn int8_linear_bf16_avx512bf16();
 
 }  // namespace vllm_lite::cpu

@@ -1,6 +1,7 @@
 """torch.ops.vllm_lite.int8_linear (CPU): every build the CPU runs (the block kernel up to
-32 rows, the dequantize + GEMM path above) against a float64 matmul on the dequantized
-weights; shapes that leave partial passes and partial tasks; argument checks; opcheck."""
+32 rows, the dequantize + GEMM path above; bfloat16 activations on the AVX512-BF16 kernel or
+the float32 fallback) against a float64 matmul on the dequantized weights; shapes that leave
+partial passes, partial tasks and partial row tiles; argument checks; opcheck."""
 
 from __future__ import annotations
 
@@ -68,13 +69,54 @@ def test_leading_dims_and_strided_rows(isa: str) -> None:
                                atol=RTOL * float(ref.abs().max()))
 
 
+# bfloat16 x: K not a multiple of 32 (the kernel's masked tail), rows 1..4 tiles.
+BF16_SHAPES = SHAPES + [(5, 577, 9), (64, 1536, 40), (130, 96, 33)]
+
+
+def _assert_bf16_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """y is ref (float64) rounded once to bfloat16, but for float32 accumulation in another
+    order: each element within half a bf16 step of ref plus that error, and >= 99% of them
+    exactly ref's rounding (a rounding of the weights or of partial sums would miss both)."""
+    assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
+    acc_err = RTOL * float(ref.abs().max()) + 1e-7
+    step = ref.abs().to(torch.bfloat16).double()  # |ref| rounded: its bf16 step is /128
+    err = (y.double() - ref).abs()
+    assert bool((err <= step / 256 * 1.01 + acc_err).all()), float((err - step / 256).max())
+    exact = (y == ref.to(torch.bfloat16)).double().mean().item()
+    assert exact >= 0.99, exact
+
+
+@pytest.mark.parametrize("m,k,n", BF16_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_matches_float64(isa: str, m: int, k: int, n: int, bias: bool) -> None:
+    x, q, scales, b = _case(m, k, n, seed=m * 1000 + n + 7, bias=bias)
+    xb = x.bfloat16()
+    y = ops.int8_linear(xb, q, scales, b)
+    assert y.shape == (m, n)
+    _assert_bf16_close(y, _reference(xb, q, scales, b))
+
+
+def test_bfloat16_strided_rows_never_read_past_k(isa: str) -> None:
+    """x a column slice (K = 40, a masked tail) of a NaN-filled bf16 tensor; x [2, 3, K]."""
+    x, q, scales, b = _case(6, 40, 24, seed=9, bias=True)
+    xb = x.bfloat16()
+    wide = torch.full((6, 100), float("nan"), dtype=torch.bfloat16)
+    wide[:, 30:70] = xb
+    ref = _reference(xb, q, scales, b)
+    _assert_bf16_close(ops.int8_linear(wide[:, 30:70], q, scales, b), ref)
+    y3 = ops.int8_linear(xb.reshape(2, 3, 40), q, scales, b)
+    assert y3.shape == (2, 3, 24)
+    _assert_bf16_close(y3.reshape(6, 24), ref)
+
+
 def test_empty_inputs() -> None:
     x, q, scales, _ = _case(0, 16, 8, seed=1, bias=False)
     assert ops.int8_linear(x, q, scales).shape == (0, 8)
 
 
 @pytest.mark.parametrize("what,args,match", [
-    ("x dtype", lambda x, q, s, b: (x.double(), q, s, b), "x must be Float"),
+    ("x dtype", lambda x, q, s, b: (x.double(), q, s, b), "x must be Float or BFloat16"),
+    ("x half", lambda x, q, s, b: (x.half(), q, s, b), "x must be Float or BFloat16"),
     ("q dtype", lambda x, q, s, b: (x, q.to(torch.uint8), s, b), "qweight must be Char"),
     ("q dims", lambda x, q, s, b: (x, q[None], s, b), "qweight must be 2-D"),
     ("q strided", lambda x, q, s, b: (x, q.t().contiguous().t(), s, b), "qweight must be contiguous"),
@@ -92,8 +134,9 @@ def test_bad_arguments(what: str, args, match: str) -> None:
         ops.int8_linear(*args(x, q, scales, b))
 
 
-def test_opcheck() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype: torch.dtype) -> None:
     x, q, scales, b = _case(3, 16, 8, seed=3, bias=True)
-    torch.library.opcheck(torch.ops.vllm_lite.int8_linear.default, (x, q, scales, b),
+    torch.library.opcheck(torch.ops.vllm_lite.int8_linear.default, (x.to(dtype), q, scales, b),
                           test_utils=("test_schema", "test_faketensor",
                                       "test_aot_dispatch_static"))

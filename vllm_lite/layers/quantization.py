@@ -6,7 +6,8 @@
 and a memory-bound decode GEMM reads that much less. The GEMM:
 
 - CPU: vllm_lite's own ``torch.ops.vllm_lite.int8_linear`` (csrc/cpu/int8_linear*.cpp;
-  float32 activations: other dtypes are converted to float32 and back). torch's
+  float32 or bfloat16 activations, bfloat16 on vdpbf16ps where the CPU has AVX512-BF16;
+  float16 is converted to float32 and back). torch's
   ``_weight_int8pack_mm`` was 5-50x slower than the float32 GEMM on an AVX2 CPU.
 - other devices: torch's ``aten._weight_int8pack_mm(x [T, K], q [N, K], scale [N])``
   with x in the engine's dtype; where that op is missing for the device and dtype, the
@@ -94,6 +95,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_cpu:
+            if x.dtype == torch.bfloat16:  # the op's own bf16 path (vdpbf16ps where the CPU has it)
+                return ops.int8_linear(x, self.qweight, self.scales, self._bias_f32)
             y = ops.int8_linear(x.float(), self.qweight, self.scales, self._bias_f32)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         if self._dequantized is not None:
