@@ -533,7 +533,8 @@ int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,
                           const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                           const std::optional<at::Tensor>& bias) {
   const char* op = "int4_linear";
-  check_dtype(op, x, "x", at::kFloat);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be Float or BFloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K], got a scalar");
   TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, op,
               ": group_size must be 32, 64 or 128, got ", group_size);

@@ -113,7 +113,7 @@ int64_t check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
 int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
                           const at::Tensor& scales, const std::optional<at::Tensor>& bias);
 
-// int4_linear: x float32 [..., K]; qweight uint8 [N, K / 2] contiguous; scales, zeros
+// int4_linear: x float32 or bfloat16 [..., K] (y in x's dtype); qweight uint8 [N, K / 2] contiguous; scales, zeros
 // float32 [N, K / group_size] contiguous; group_size 32, 64 or 128 dividing K; bias float32
 // [N] or none; all on one device. Returns N.
 int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,

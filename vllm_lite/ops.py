@@ -281,7 +281,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """y [..., N] = x [..., K] @ w.T + bias, w[n, k] = q[n, k] * scales[n, k // group_size]
     + zeros[n, k // group_size]; q unsigned 4-bit, two per byte of uint8 ``qweight`` [N,
     K / 2] (k = 2j in byte j's low nibble, 2j + 1 in its high one); scales, zeros float32
-    [N, K / group_size], group_size 32, 64 or 128; x, bias float32. CPU only
+    [N, K / group_size], group_size 32, 64 or 128; x float32 or bfloat16 (y in x's dtype;
+    the bf16 kernel uses each weight rounded to bf16), bias float32. CPU only
     (quantization="int4" / "gguf", vllm_lite.layers.quantization)."""
     return _ops.int4_linear(x, qweight, scales, zeros, group_size, bias)
 

@@ -4,9 +4,9 @@
 // the block kernels of int8_linear_kernel.h, the AVX2 build where the CPU ISA switch
 // (cpu_isa.h) picks a non-generic build, else the generic one; tasks of
 // kInt8ChannelsPerTask output channels run on torch's intra-op threads. Larger inputs
-// (prefills) dequantize the weight once and use at::linear. bfloat16 x (int8 only) runs the
-// AVX512-BF16 kernel (int8_linear_avx512bf16.cpp) for any number of rows when that build is
-// selected, else the float32 path on a float32 copy. Only CPU kernels exist: on CUDA
+// (prefills) dequantize the weight once and use at::linear. bfloat16 x runs the AVX512-BF16
+// kernels (int8_linear_avx512bf16.cpp) for any number of rows when that build is selected,
+// else the float32 path on a float32 copy. Only CPU kernels exist: on CUDA
 // the Python layer uses torch's _weight_int8pack_mm (int8) or dequantizes at load (int4).
 #include <memory>
 #include <vector>
@@ -100,6 +100,26 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   out_shape.back() = N;
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
+  if (x.scalar_type() == at::kBFloat16) {
+    const Int4LinearBf16BlockFn bf16 =
+        cpu_isa() == "avx512bf16" ? int4_linear_bf16_avx512bf16() : nullptr;
+    if (bf16 == nullptr) {
+      return int4_linear(x.to(at::kFloat), qweight, scales, zeros, group_size, bias)
+          .to(at::kBFloat16);
+    }
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0 || N == 0) return y.reshape(out_shape);
+    Int4LinearBf16Args a{reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()),
+                         qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                         zeros.data_ptr<float>(),
+                         bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                         reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, K, N,
+                         x2.stride(0), group_size};
+    run_channel_tasks<uint16_t>(N, K, [&](int64_t n0, int64_t n1, uint16_t* wbuf) {
+      bf16(a, n0, n1, wbuf);
+    });
+    return y.reshape(out_shape);
+  }
   if (M > kInt8KernelMaxRows) {
     // Prefills: dequantize once, then the float32 GEMM.
     const at::Tensor q = at::stack({qweight.bitwise_and(15), qweight.bitwise_right_shift(4)}, -1)

@@ -54,6 +54,36 @@ inline void widen_rows(const int8_t* q, int64_t K, int64_t kp, int64_t nb, uint1
   }
 }
 
+// int4: wbuf row j = bf16(q * scale + zero) of weight row j, the weight that dequantizing
+// to float32 and casting to bfloat16 gives (so a kept int4 layer matches the dequantized
+// bfloat16 model's weight). K is a multiple of G >= 32, so a 32-weight step never crosses
+// a group.
+inline void widen_int4_rows(const uint8_t* q, const float* scales, const float* zeros,
+                            int64_t K, int64_t G, int64_t nb, uint16_t* wbuf) {
+  const int64_t groups = K / G;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t j = 0; j < kInt8RowsPerPass; ++j) {
+    uint16_t* w = wbuf + j * K;
+    if (j >= nb) {
+      std::memset(w, 0, static_cast<size_t>(K) * sizeof(uint16_t));
+      continue;
+    }
+    const uint8_t* qr = q + j * (K / 2);
+    for (int64_t k = 0; k < K; k += kStep) {
+      const int64_t g = j * groups + k / G;
+      const __m512 sc = _mm512_set1_ps(scales[g]);
+      const __m512 zr = _mm512_set1_ps(zeros[g]);
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k / 2));
+      const __m128i lo = _mm_and_si128(b, low4);                     // k = 2i
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);  // k = 2i + 1
+      const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+      const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+      _mm512_storeu_si512(w + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(f1, sc, zr),
+                                                               _mm512_fmadd_ps(f0, sc, zr)));
+    }
+  }
+}
+
 // The sums of the 16 lanes of a, b, c, d, in lanes 0..3.
 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -141,9 +171,28 @@ void int8_linear_bf16_block(const Int8LinearBf16Args& a, int64_t n0, int64_t n1,
   }
 }
 
+void int4_linear_bf16_block(const Int4LinearBf16Args& a, int64_t n0, int64_t n1,
+                            uint16_t* wbuf) {
+  const int64_t K = a.K, groups = K / a.group_size;
+  for (int64_t n = n0; n < n1; n += kInt8RowsPerPass) {
+    const int64_t nb = std::min<int64_t>(kInt8RowsPerPass, n1 - n);
+    widen_int4_rows(a.q + n * (K / 2), a.scales + n * groups, a.zeros + n * groups, K,
+                    a.group_size, nb, wbuf);
+    const __mmask8 lanes = static_cast<__mmask8>((1u << nb) - 1u);
+    const __m128 one = _mm_set1_ps(1.0f);
+    const __m128 bias = a.bias != nullptr ? _mm_maskz_loadu_ps(lanes, a.bias + n)
+                                          : _mm_setzero_ps();
+    for (int64_t m = 0; m < a.M; m += 4) {
+      dot_tile(a.x + m * a.x_row_stride, a.x_row_stride, std::min<int64_t>(4, a.M - m), K, wbuf,
+               K, one, bias, nb, a.y + m * a.N + n, a.N);
+    }
+  }
+}
+
 }  // namespace
 
 Int8LinearBf16BlockFn int8_linear_bf16_avx512bf16() { return &int8_linear_bf16_block; }
+Int4LinearBf16BlockFn int4_linear_bf16_avx512bf16() { return &int4_linear_bf16_block; }
 
 }  // namespace vllm_lite::cpu
 
@@ -152,6 +201,9 @@ Int8LinearBf16BlockFn int8_linear_bf16_avx512bf16() { return &int8_linear_bf16_b
 #endif
 #else
 vllm_lite::cpu::Int8LinearBf16BlockFn vllm_lite::cpu::int8_linear_bf16_avx512bf16() {
+  return nullptr;
+}
+vllm_lite::cpu::Int4LinearBf16BlockFn vllm_lite::cpu::int4_linear_bf16_avx512bf16() {
   return nullptr;
 }
 #endif

@@ -55,6 +55,20 @@ struct Int8LinearBf16Args {
 using Int8LinearBf16BlockFn = void (*)(const Int8LinearBf16Args&, int64_t n0, int64_t n1,
                                        uint16_t* wbuf);
 
+// int4_linear with bfloat16 activations: the same kernel and wbuf (K is a multiple of 32).
+struct Int4LinearBf16Args {
+  const uint16_t* x;     // [M, K], row stride x_row_stride
+  const uint8_t* q;      // [N, K / 2]
+  const float* scales;   // [N, K / group_size]
+  const float* zeros;    // [N, K / group_size]
+  const float* bias;     // [N] or nullptr
+  uint16_t* y;           // [M, N]
+  int64_t M, K, N, x_row_stride, group_size;
+};
+
+using Int4LinearBf16BlockFn = void (*)(const Int4LinearBf16Args&, int64_t n0, int64_t n1,
+                                       uint16_t* wbuf);
+
 // K rounded up to the bf16 kernel's 32-element vectors.
 constexpr int64_t int8_bf16_padded_k(int64_t K) { return (K + 31) / 32 * 32; }
 
@@ -64,5 +78,6 @@ Int8LinearBlockFn int8_linear_avx2();
 Int4LinearBlockFn int4_linear_generic();
 Int4LinearBlockFn int4_linear_avx2();
 Int8LinearBf16BlockFn int8_linear_bf16_avx512bf16();
+Int4LinearBf16BlockFn int4_linear_bf16_avx512bf16();
 
 }  // namespace vllm_lite::cpu

@@ -441,3 +441,17 @@ def to_fp8_caches(kv, kv_cache_dtype: str, k_scale: float, v_scale: float):
     fp8 = FP8_DTYPES[kv_cache_dtype]
     return (k8, v8, k8.view(fp8).to(torch.float64) * k_scale,
             v8.view(fp8).to(torch.float64) * v_scale)
+
+
+def assert_rounded_once_to_bf16(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
+    """y (bfloat16) is ref (float64) rounded once to bfloat16, but for float32 accumulation
+    in another order (rtol x max |ref|): each element within half a bf16 step of ref plus
+    that, and >= 99% of them exactly ref's rounding (rounding a weight or a partial sum to
+    bf16 on the way would miss both)."""
+    assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
+    acc_err = rtol * float(ref.abs().max()) + 1e-7
+    step = ref.abs().to(torch.bfloat16).double()  # |ref| rounded: its bf16 step is /128
+    err = (y.double() - ref).abs()
+    assert bool((err <= step / 256 * 1.01 + acc_err).all()), float((err - step / 256).max())
+    exact = (y == ref.to(torch.bfloat16)).double().mean().item()
+    assert exact >= 0.99, exact

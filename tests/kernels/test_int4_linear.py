@@ -10,6 +10,8 @@ import torch
 
 from vllm_lite import ops
 
+from .reference import assert_rounded_once_to_bf16
+
 # Relative to the largest |output|: float32 accumulation in another order, and the kernel
 # folds scale and zero into float32 weights before the dot product.
 RTOL = 4e-6
@@ -25,12 +27,16 @@ def _case(m: int, k: int, n: int, group: int, seed: int, bias: bool):
     return x, packed, scales, zeros, b
 
 
-def _reference(x, packed, scales, zeros, group, b):
+def _reference(x, packed, scales, zeros, group, b, weight_bf16: bool = False):
+    """weight_bf16: each weight q * scale + zero rounded (once) to float32, then to bfloat16,
+    as the AVX512-BF16 kernel widens it."""
     n = packed.shape[0]
     q = torch.empty(n, packed.shape[1] * 2, dtype=torch.float64)
     q[:, 0::2] = (packed & 15).double()  # k = 2j: the low nibble of byte j
     q[:, 1::2] = (packed >> 4).double()
     w = q.view(n, -1, group) * scales.double()[..., None] + zeros.double()[..., None]
+    if weight_bf16:
+        w = w.float().bfloat16().double()
     ref = x.double() @ w.view(n, -1).t()
     return ref + b.double() if b is not None else ref
 
@@ -61,6 +67,30 @@ def test_matches_float64(isa: str, m: int, k: int, n: int, group: int, bias: boo
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=RTOL * float(ref.abs().max()) + 1e-7)
 
 
+@pytest.mark.parametrize("m,k,n,group", SHAPES + [(130, 96, 33, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_matches_float64(isa: str, m: int, k: int, n: int, group: int,
+                                  bias: bool) -> None:
+    """bf16 x: the AVX512-BF16 kernel rounds each widened weight to bf16 (the dequantized
+    bf16 model's weight); the other builds run the float32 kernel on x converted."""
+    x, packed, scales, zeros, b = _case(m, k, n, group, seed=m * 1000 + n + 7, bias=bias)
+    xb = x.bfloat16()
+    y = ops.int4_linear(xb, packed, scales, zeros, group, b)
+    assert y.shape == (m, n)
+    ref = _reference(xb, packed, scales, zeros, group, b, weight_bf16=isa == "avx512bf16")
+    assert_rounded_once_to_bf16(y, ref, RTOL)
+
+
+def test_bfloat16_strided_rows(isa: str) -> None:
+    x, packed, scales, zeros, b = _case(6, 64, 24, 32, seed=8, bias=True)
+    xb = x.bfloat16()
+    wide = torch.full((6, 100), float("nan"), dtype=torch.bfloat16)
+    wide[:, 30:94] = xb
+    y = ops.int4_linear(wide[:, 30:94], packed, scales, zeros, 32, b)
+    ref = _reference(xb, packed, scales, zeros, 32, b, weight_bf16=isa == "avx512bf16")
+    assert_rounded_once_to_bf16(y, ref, RTOL)
+
+
 def test_leading_dims_and_strided_rows(isa: str) -> None:
     x, packed, scales, zeros, b = _case(6, 64, 24, 32, seed=5, bias=True)
     ref = _reference(x, packed, scales, zeros, 32, b)
@@ -81,7 +111,8 @@ def test_traces_under_torch_compile() -> None:
 
 
 @pytest.mark.parametrize("what,change,match", [
-    ("x dtype", lambda a: a.update(x=a["x"].double()), "x must be Float"),
+    ("x dtype", lambda a: a.update(x=a["x"].double()), "x must be Float or BFloat16"),
+    ("x half", lambda a: a.update(x=a["x"].half()), "x must be Float or BFloat16"),
     ("qweight dtype", lambda a: a.update(qweight=a["qweight"].to(torch.int8)), "qweight must be Byte"),
     ("qweight shape", lambda a: a.update(qweight=a["qweight"][:, :-1].contiguous()), "qweight must be"),
     ("qweight strided", lambda a: a.update(qweight=a["qweight"].t().contiguous().t()), "qweight must be contiguous"),

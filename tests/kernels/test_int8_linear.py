@@ -10,6 +10,8 @@ import torch
 
 from vllm_lite import ops
 
+from .reference import assert_rounded_once_to_bf16
+
 # Relative to the largest |output|: float32 accumulation in another order.
 RTOL = 2e-6
 
@@ -73,19 +75,6 @@ def test_leading_dims_and_strided_rows(isa: str) -> None:
 BF16_SHAPES = SHAPES + [(5, 577, 9), (64, 1536, 40), (130, 96, 33)]
 
 
-def _assert_bf16_close(y: torch.Tensor, ref: torch.Tensor) -> None:
-    """y is ref (float64) rounded once to bfloat16, but for float32 accumulation in another
-    order: each element within half a bf16 step of ref plus that error, and >= 99% of them
-    exactly ref's rounding (a rounding of the weights or of partial sums would miss both)."""
-    assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
-    acc_err = RTOL * float(ref.abs().max()) + 1e-7
-    step = ref.abs().to(torch.bfloat16).double()  # |ref| rounded: its bf16 step is /128
-    err = (y.double() - ref).abs()
-    assert bool((err <= step / 256 * 1.01 + acc_err).all()), float((err - step / 256).max())
-    exact = (y == ref.to(torch.bfloat16)).double().mean().item()
-    assert exact >= 0.99, exact
-
-
 @pytest.mark.parametrize("m,k,n", BF16_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_bfloat16_matches_float64(isa: str, m: int, k: int, n: int, bias: bool) -> None:
@@ -93,7 +82,7 @@ def test_bfloat16_matches_float64(isa: str, m: int, k: int, n: int, bias: bool) 
     xb = x.bfloat16()
     y = ops.int8_linear(xb, q, scales, b)
     assert y.shape == (m, n)
-    _assert_bf16_close(y, _reference(xb, q, scales, b))
+    assert_rounded_once_to_bf16(y, _reference(xb, q, scales, b), RTOL)
 
 
 def test_bfloat16_strided_rows_never_read_past_k(isa: str) -> None:
@@ -103,10 +92,10 @@ def test_bfloat16_strided_rows_never_read_past_k(isa: str) -> None:
     wide = torch.full((6, 100), float("nan"), dtype=torch.bfloat16)
     wide[:, 30:70] = xb
     ref = _reference(xb, q, scales, b)
-    _assert_bf16_close(ops.int8_linear(wide[:, 30:70], q, scales, b), ref)
+    assert_rounded_once_to_bf16(ops.int8_linear(wide[:, 30:70], q, scales, b), ref, RTOL)
     y3 = ops.int8_linear(xb.reshape(2, 3, 40), q, scales, b)
     assert y3.shape == (2, 3, 24)
-    _assert_bf16_close(y3.reshape(6, 24), ref)
+    assert_rounded_once_to_bf16(y3.reshape(6, 24), ref, RTOL)
 
 
 def test_empty_inputs() -> None:

@@ -24,8 +24,9 @@ same form, exactly (vllm_lite.models.gguf_quant), group 32; ``gptq`` / ``awq``: 
 AWQ checkpoint's 4-bit weights in that form, exactly (vllm_lite.models.gptq_awq; GPTQ
 act-order as a column permutation of x). The GEMM:
 
-- CPU: vllm_lite's ``torch.ops.vllm_lite.int4_linear`` (float32 activations, like
-  int8_linear).
+- CPU: vllm_lite's ``torch.ops.vllm_lite.int4_linear`` (float32 or bfloat16 activations,
+  like int8_linear; the bf16 kernel rounds each weight q * scale + zero to bfloat16, the
+  weight of the dequantized bfloat16 model).
 - other devices: dequantized once at load into the engine's dtype, with a warning
   (correct, no memory saving; torch's int4 GEMMs want other layouts).
 
@@ -160,10 +161,14 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._dequantized is not None:
             return nn.functional.linear(x, self._dequantized, self.bias)
-        xf = x.float() if self.perm is None else x.float().index_select(-1, self.perm)
-        y = ops.int4_linear(xf, self.qweight, self.scales, self.zeros, self.group_size,
+        # float32 and bfloat16 go to the op as they are (bf16 on vdpbf16ps where the CPU has
+        # it); float16 through float32.
+        xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        if self.perm is not None:
+            xin = xin.index_select(-1, self.perm)
+        y = ops.int4_linear(xin, self.qweight, self.scales, self.zeros, self.group_size,
                             self._bias_f32)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4, "
