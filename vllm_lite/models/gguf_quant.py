@@ -166,6 +166,29 @@ def _cat(parts: list[Int4Weight | Int8GroupWeight], name: str) -> Int4Weight | I
                            GGUF_GROUP)
 
 
+#: The decoder projections' GGUF tensors, grouped as our fused layers take them.
+_FUSED_PARTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"),
+                ("ffn_down",))
+
+
+def why_not_kept(gguf_file: str | Path, num_layers: int) -> str | None:
+    """None when quantization="gguf" can keep every decoder projection of the file (each
+    Q4_0 / Q4_1 / Q8_0, no fused layer mixing Q8_0 with Q4_1); else why not, in words. Reads
+    the tensor table only (what the engine's default for a GGUF model is decided on)."""
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(gguf_file)).tensors}
+    for i in range(num_layers):
+        for parts in _FUSED_PARTS:
+            kinds = [types.get(f"blk.{i}.{p}.weight") for p in parts]
+            for part, kind in zip(parts, kinds):
+                if kind not in _BLOCK_BYTES:
+                    return f"blk.{i}.{part}.weight is {kind or 'missing'}"
+            if "Q8_0" in kinds and "Q4_1" in kinds:
+                return f"blk.{i} fuses Q8_0 with Q4_1 in {' + '.join(parts)}"
+    return None
+
+
 def read_llama_projections(gguf_file: str | Path, hf_config: Any
                            ) -> dict[str, Int4Weight | Int8GroupWeight]:
     """Our module name (e.g. ``model.layers.0.self_attn.qkv_proj``) -> its kept weight, for
