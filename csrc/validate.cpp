@@ -515,8 +515,18 @@ int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
   TORCH_CHECK(x.size(-1) == qweight.size(1), op, ": x's last dimension (", x.size(-1),
               ") must equal qweight's K (", qweight.size(1), ")");
   check_dtype(op, scales, "scales", at::kFloat);
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, op, ": scales must be [N] = [", n,
-              "], got shape ", scales.sizes());
+  const int64_t k = qweight.size(1);
+  if (scales.dim() == 2) {  // groups of G consecutive weights of a row share a scale
+    const int64_t groups = scales.size(1);
+    TORCH_CHECK(scales.size(0) == n && groups > 0 && k % groups == 0 &&
+                    (k / groups == 32 || k / groups == 64 || k / groups == 128),
+                op, ": scales must be [N] or [N, K / G] with G 32, 64 or 128 (N = ", n,
+                ", K = ", k, "), got shape ", scales.sizes());
+  } else {
+    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, op,
+                ": scales must be [N] or [N, K / G] with G 32, 64 or 128 (N = ", n, ", K = ",
+                k, "), got shape ", scales.sizes());
+  }
   check_contiguous(op, scales, "scales");
   check_same_device(op, scales, "scales", x, "x");
   if (bias.has_value()) {

@@ -108,8 +108,9 @@ int64_t check_copy_blocks(
 int64_t check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
                           const at::Tensor& block_mapping);
 
-// int8_linear: x float32 or bfloat16 [..., K] (y in x's dtype); qweight int8 [N, K] contiguous; scales float32 [N]
-// contiguous; bias float32 [N] contiguous or none; all on one device. Returns N.
+// int8_linear: x float32 or bfloat16 [..., K] (y in x's dtype); qweight int8 [N, K]
+// contiguous; scales float32 [N] (per row) or [N, K / G], G 32, 64 or 128 (groups, GGUF
+// Q8_0), contiguous; bias float32 [N] contiguous or none; all on one device. Returns N.
 int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
                           const at::Tensor& scales, const std::optional<at::Tensor>& bias);
 

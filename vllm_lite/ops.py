@@ -270,8 +270,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ (qweight [N, K] int8 * scales[:, None]).T + bias; x float32
-    or bfloat16 (y in x's dtype, rounded once), scales and bias float32; CPU only
-    (quantization="int8", vllm_lite.layers.quantization)."""
+    or bfloat16 (y in x's dtype, rounded once), scales and bias float32. ``scales`` may also
+    be [N, K / G] (G 32, 64 or 128; GGUF Q8_0): w[n, k] = q[n, k] * scales[n, k // G] (the
+    bf16 kernel then uses each w rounded to bf16). CPU only (quantization="int8" / "gguf",
+    vllm_lite.layers.quantization)."""
     return _ops.int8_linear(x, qweight, scales, bias)
 
 

@@ -49,6 +49,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t N = check_int8_linear(x, qweight, scales, bias);
   TORCH_CHECK(x.device().is_cpu(), "int8_linear: x must be on the CPU, got ", x.device());
   const int64_t K = qweight.size(1);
+  const int64_t group_size = scales.dim() == 2 ? K / scales.size(1) : 0;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   // Rows need only be contiguous within themselves (the kernels take a row stride).
@@ -68,7 +69,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                          qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
                          bias.has_value() ? bias->data_ptr<float>() : nullptr,
                          reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, K, N,
-                         xc.stride(0)};
+                         xc.stride(0), group_size};
     run_channel_tasks<uint16_t>(N, int8_bf16_padded_k(K), [&](int64_t n0, int64_t n1,
                                                               uint16_t* wbuf) {
       bf16(a, n0, n1, wbuf);
@@ -76,7 +77,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     return y.reshape(out_shape);
   }
   if (M > kInt8KernelMaxRows) {
-    const at::Tensor w = qweight.to(at::kFloat).mul_(scales.unsqueeze(1));
+    const at::Tensor w =
+        group_size == 0
+            ? qweight.to(at::kFloat).mul_(scales.unsqueeze(1))
+            : qweight.to(at::kFloat).view({N, scales.size(1), group_size}).mul_(
+                  scales.unsqueeze(-1)).view({N, K});
     return at::linear(x2, w, bias).reshape(out_shape);
   }
   at::Tensor y = at::empty({M, N}, x.options());
@@ -84,7 +89,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
   Int8LinearArgs a{xc.data_ptr<float>(), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
                    bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                   M, K, N, xc.stride(0)};
+                   M, K, N, xc.stride(0), group_size};
   const Int8LinearBlockFn fn = select_kernel(int8_linear_avx2(), int8_linear_generic());
   run_channel_tasks(N, K, [&](int64_t n0, int64_t n1, float* wbuf) { fn(a, n0, n1, wbuf); });
   return y.reshape(out_shape);

@@ -1,8 +1,11 @@
-// The AVX512-BF16 build of int8_linear for bfloat16 activations: y = bf16(scales[n] *
-// sum_k x[m, k] * q[n, k] + bias[n]), the products on vdpbf16ps (pairs of bf16 products
-// accumulated in float32). An int8 weight is exact in bfloat16 (at most 8 significant
-// bits) and so is each product, so the only roundings are the float32 accumulation and the
-// final bfloat16 store: more exact than dequantizing the weight to bfloat16 first.
+// The AVX512-BF16 build of int8_linear / int4_linear for bfloat16 activations: y =
+// bf16(scales[n] * sum_k x[m, k] * q[n, k] + bias[n]), the products on vdpbf16ps (pairs of
+// bf16 products accumulated in float32). An int8 weight is exact in bfloat16 (at most 8
+// significant bits) and so is each product, so the only roundings are the float32
+// accumulation and the final bfloat16 store: more exact than dequantizing the weight to
+// bfloat16 first. Group-wise weights (int8 with [N, K / G] scales, int4) cannot keep the
+// scale outside the sum, so they are widened to bf16(dequantized weight), the bfloat16
+// model's own weight.
 //
 // Layouts: x [M, K] bf16 (row stride x_row_stride), q [N, K] int8 contiguous, scales [N] and
 // bias [N] (or null) float32, y [M, N] bf16 contiguous. One call covers the output channels
@@ -34,8 +37,11 @@ namespace {
 
 constexpr int64_t kStep = 32;  // bf16 per vector (16 pairs)
 
-// wbuf row j (kp bf16) = weight row j widened, zeros past K.
-inline void widen_rows(const int8_t* q, int64_t K, int64_t kp, int64_t nb, uint16_t* wbuf) {
+// wbuf row j (kp bf16) = weight row j widened, zeros past K; with groups (G > 0, K a
+// multiple of G >= 32), each weight times its group's scale, rounded to bf16 (the weight of
+// the dequantized bfloat16 model).
+inline void widen_rows(const int8_t* q, const float* scales, int64_t K, int64_t G, int64_t kp,
+                       int64_t nb, uint16_t* wbuf) {
   for (int64_t j = 0; j < kInt8RowsPerPass; ++j) {
     uint16_t* w = wbuf + j * kp;
     if (j >= nb) {  // a short pass: zero rows, so the 4-row dots stay correct (unused)
@@ -47,8 +53,13 @@ inline void widen_rows(const int8_t* q, int64_t K, int64_t kp, int64_t nb, uint1
       const int64_t rem = K - k;
       const __mmask32 m = rem >= kStep ? ~__mmask32{0} : (__mmask32{1} << rem) - 1;
       const __m256i b = _mm256_maskz_loadu_epi8(m, qr + k);  // never reads past the row
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+      if (G > 0) {
+        const __m512 sc = _mm512_set1_ps(scales[j * (K / G) + k / G]);
+        lo = _mm512_mul_ps(lo, sc);
+        hi = _mm512_mul_ps(hi, sc);
+      }
       _mm512_storeu_si512(w + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // lo -> low half
     }
   }
@@ -159,9 +170,10 @@ void int8_linear_bf16_block(const Int8LinearBf16Args& a, int64_t n0, int64_t n1,
   const int64_t K = a.K, kp = int8_bf16_padded_k(K);
   for (int64_t n = n0; n < n1; n += kInt8RowsPerPass) {
     const int64_t nb = std::min<int64_t>(kInt8RowsPerPass, n1 - n);
-    widen_rows(a.q + n * K, K, kp, nb, wbuf);
+    const int64_t G = a.group_size;
+    widen_rows(a.q + n * K, G > 0 ? a.scales + n * (K / G) : nullptr, K, G, kp, nb, wbuf);
     const __mmask8 lanes = static_cast<__mmask8>((1u << nb) - 1u);
-    const __m128 scale = _mm_maskz_loadu_ps(lanes, a.scales + n);
+    const __m128 scale = G > 0 ? _mm_set1_ps(1.0f) : _mm_maskz_loadu_ps(lanes, a.scales + n);
     const __m128 bias = a.bias != nullptr ? _mm_maskz_loadu_ps(lanes, a.bias + n)
                                           : _mm_setzero_ps();
     for (int64_t m = 0; m < a.M; m += 4) {

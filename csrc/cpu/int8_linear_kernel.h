@@ -2,7 +2,8 @@
 // attention_kernel.h): the including file defines VLLM_LITE_INT8_FN / VLLM_LITE_INT4_FN, the
 // names of the functions that return this build's block kernels, and sets the target ISA.
 //
-//   int8: y[m, n] = scales[n] * sum_k x[m, k] * q[n, k] (+ bias[n])
+//   int8: y[m, n] = scales[n] * sum_k x[m, k] * q[n, k] (+ bias[n]); with groups of G
+//         (GGUF Q8_0): y[m, n] = sum_k x[m, k] * (q[n, k] * scales[n, k / G]) (+ bias[n])
 //   int4: y[m, n] = sum_k x[m, k] * (q[n, k] * scales[n, k / G] + zeros[n, k / G]) (+ bias[n])
 //         q [N, K / 2] uint8, k = 2j in byte j's low nibble, 2j + 1 in its high nibble;
 //         scales, zeros [N, K / G] float32, G = group_size (32, 64 or 128).
@@ -106,18 +107,33 @@ inline void dot_pass(const float* x, int64_t x_row_stride, int64_t M, int64_t K,
 }
 
 void int8_linear_block(const Int8LinearArgs& a, int64_t n0, int64_t n1, float* wbuf) {
-  const int64_t K = a.K;
+  const int64_t K = a.K, G = a.group_size;
   for (int64_t n = n0; n < n1; n += kInt8RowsPerPass) {
     const int64_t nb = std::min<int64_t>(kInt8RowsPerPass, n1 - n);
     for (int64_t j = 0; j < nb; ++j) {
       const int8_t* qr = a.q + (n + j) * K;
       float* w = wbuf + j * K;
+      if (G == 0) {
 #pragma omp simd
-      for (int64_t k = 0; k < K; ++k) w[k] = static_cast<float>(qr[k]);
+        for (int64_t k = 0; k < K; ++k) w[k] = static_cast<float>(qr[k]);
+        continue;
+      }
+      // groups: the weight itself, q * scale (the dequantized float32 weight), no row scale
+      const float* sc = a.scales + (n + j) * (K / G);
+      for (int64_t g0 = 0; g0 < K; g0 += G) {
+        const float s = sc[g0 / G];
+#pragma omp simd
+        for (int64_t k = g0; k < g0 + G; ++k) w[k] = static_cast<float>(qr[k]) * s;
+      }
     }
     const float* scales = a.scales + n;
-    dot_pass(a.x, a.x_row_stride, a.M, K, wbuf, nb, a.bias, a.y, a.N, n,
-             [scales](int64_t j) { return scales[j]; });
+    if (G == 0) {
+      dot_pass(a.x, a.x_row_stride, a.M, K, wbuf, nb, a.bias, a.y, a.N, n,
+               [scales](int64_t j) { return scales[j]; });
+    } else {
+      dot_pass(a.x, a.x_row_stride, a.M, K, wbuf, nb, a.bias, a.y, a.N, n,
+               [](int64_t) { return 1.0f; });
+    }
   }
 }
 

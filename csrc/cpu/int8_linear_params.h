@@ -19,10 +19,11 @@ constexpr int64_t kInt8KernelMaxRows = 32;
 struct Int8LinearArgs {
   const float* x;        // [M, K], row stride x_row_stride
   const int8_t* q;       // [N, K]
-  const float* scales;   // [N]
+  const float* scales;   // [N], or [N, K / group_size] when group_size > 0
   const float* bias;     // [N] or nullptr
   float* y;              // [M, N]
   int64_t M, K, N, x_row_stride;
+  int64_t group_size;    // 0: one scale per row
 };
 
 using Int8LinearBlockFn = void (*)(const Int8LinearArgs&, int64_t n0, int64_t n1, float* wbuf);
@@ -46,10 +47,11 @@ using Int4LinearBlockFn = void (*)(const Int4LinearArgs&, int64_t n0, int64_t n1
 struct Int8LinearBf16Args {
   const uint16_t* x;     // [M, K], row stride x_row_stride
   const int8_t* q;       // [N, K]
-  const float* scales;   // [N]
+  const float* scales;   // [N], or [N, K / group_size] when group_size > 0
   const float* bias;     // [N] or nullptr
   uint16_t* y;           // [M, N]
   int64_t M, K, N, x_row_stride;
+  int64_t group_size;    // 0: one scale per row
 };
 
 using Int8LinearBf16BlockFn = void (*)(const Int8LinearBf16Args&, int64_t n0, int64_t n1,

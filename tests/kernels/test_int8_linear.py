@@ -98,6 +98,45 @@ def test_bfloat16_strided_rows_never_read_past_k(isa: str) -> None:
     assert_rounded_once_to_bf16(y3.reshape(6, 24), ref, RTOL)
 
 
+def _group_case(m: int, k: int, n: int, group: int, seed: int, bias: bool):
+    x, q, _, b = _case(m, k, n, seed, bias)
+    g = torch.Generator().manual_seed(seed + 1)
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-4
+    return x, q, scales, b
+
+
+def _group_reference(x, q, scales, b, weight_bf16: bool = False):
+    """w = q * scales[n, k // G]: float32 (one rounding of the exact product), then bf16 for
+    the AVX512-BF16 kernel."""
+    n, k = q.shape
+    w = (q.double().view(n, scales.shape[1], -1) * scales.double()[..., None]).view(n, k)
+    w = w.float().bfloat16().double() if weight_bf16 else w.float().double()
+    ref = x.double() @ w.t()
+    return ref + b.double() if b is not None else ref
+
+
+# Group-wise scales [N, K / G] (GGUF Q8_0): 1..32 rows on the block kernel, 33+ dequantized.
+GROUP_SHAPES = [(1, 64, 37, 32), (3, 576, 96, 32), (7, 256, 70, 64), (32, 384, 40, 128),
+                (33, 128, 24, 32), (130, 96, 33, 32)]
+
+
+@pytest.mark.parametrize("m,k,n,group", GROUP_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_scales_match_float64(isa: str, m: int, k: int, n: int, group: int,
+                                    dtype: torch.dtype) -> None:
+    x, q, scales, b = _group_case(m, k, n, group, seed=m * 100 + n, bias=True)
+    xd = x.to(dtype)
+    y = ops.int8_linear(xd, q, scales, b)
+    assert y.shape == (m, n) and y.dtype == dtype
+    if dtype == torch.float32:
+        ref = _group_reference(xd, q, scales, b)
+        torch.testing.assert_close(y.double(), ref, rtol=0,
+                                   atol=RTOL * float(ref.abs().max()) + 1e-7)
+    else:
+        ref = _group_reference(xd, q, scales, b, weight_bf16=isa == "avx512bf16")
+        assert_rounded_once_to_bf16(y, ref, RTOL)
+
+
 def test_empty_inputs() -> None:
     x, q, scales, _ = _case(0, 16, 8, seed=1, bias=False)
     assert ops.int8_linear(x, q, scales).shape == (0, 8)
@@ -111,6 +150,9 @@ def test_empty_inputs() -> None:
     ("q strided", lambda x, q, s, b: (x, q.t().contiguous().t(), s, b), "qweight must be contiguous"),
     ("K", lambda x, q, s, b: (x[:, :-1], q, s, b), "last dimension"),
     ("scales shape", lambda x, q, s, b: (x, q, s[:-1], b), "scales must be"),
+    ("group of 8", lambda x, q, s, b: (x, q, s[:, None].expand(16, 2).contiguous(), b),
+     r"scales must be \[N\] or \[N, K / G\] with G 32, 64 or 128"),
+    ("scales 3-D", lambda x, q, s, b: (x, q, s[:, None, None], b), "scales must be"),
     ("scales dtype", lambda x, q, s, b: (x, q, s.half(), b), "scales must be Float"),
     ("bias shape", lambda x, q, s, b: (x, q, s, b[:-1]), "bias must be"),
     ("scalar x", lambda x, q, s, b: (x[0, 0], q, s, b), "at least 1 dimension"),

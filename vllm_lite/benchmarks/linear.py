@@ -1,10 +1,11 @@
-"""Linear-layer benchmark: vllm_lite's int8 weight-only GEMM against the float32 GEMM and torch's int8 weight-only op.
+"""Linear-layer benchmark: vllm_lite's int8 weight-only GEMM against the float32 (or bf16) GEMM and torch's int8 weight-only op.
 
 For each projection shape (K x N; default: the default model's qkv, o, gate_up and down)
 and each row count (tokens in the step), one run times, on the CPU:
 
 - ``fp32``: the engine's float32 projection (oneDNN on the weight that
-  ``Linear.prepare_for_cpu`` prepacks), the reference of the ratios;
+  ``Linear.prepare_for_cpu`` prepacks), the reference of the ratios (``--dtype bfloat16``:
+  every column's activations are bf16, and this is the engine's bf16 projection);
 - ``torch fp32``: ``F.linear`` on the plain weight (torch's own CPU path, MKL's sgemm in
   the official builds): what the engine's float32 projection replaced;
 - ``vllm_lite int8``: ``torch.ops.vllm_lite.int8_linear`` (quantization="int8");
@@ -46,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"rows per call (default: {' '.join(map(str, DEFAULT_ROWS))})")
     p.add_argument("--target-s", type=float, default=None,
                    help="seconds of timed calls per cell (default 0.3; --quick 0.1)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="activations (and the reference GEMM's weight) of every column: "
+                   "bfloat16 runs int8_linear's bf16 kernel (vdpbf16ps where the CPU has "
+                   "AVX512-BF16) against oneDNN's bf16 GEMM (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder "
@@ -90,28 +95,31 @@ def run(args: argparse.Namespace) -> str:
         raise ValueError("--rows must be >= 1")
     target = args.target_s if args.target_s is not None else (0.1 if args.quick else 0.3)
     gen = torch.Generator().manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    d = "fp32" if dtype == torch.float32 else "bf16"
     lines = [
         f"# Linear layers on the CPU ({torch.get_num_threads()} threads, CPU ISA "
-        f"{ops.cpu_isa()}, torch {torch.__version__})",
+        f"{ops.cpu_isa()}, torch {torch.__version__}, {args.dtype} activations)",
         "",
-        "| K x N | rows | fp32 (us) | torch fp32 (us) | vllm_lite int8 (us) | torch int8 (us) | "
-        "torch fp32 speedup | vllm_lite int8 speedup | torch int8 speedup | int8 max rel err |",
+        f"| K x N | rows | {d} (us) | torch {d} (us) | vllm_lite int8 (us) | torch int8 (us) | "
+        f"torch {d} speedup | vllm_lite int8 speedup | torch int8 speedup | int8 max rel err |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     with torch.inference_mode():
         for k, n in shapes:
-            lin = Linear(k, n, bias=False)
+            lin = Linear(k, n, bias=False, dtype=dtype)
             lin.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
             lin.prepare_for_cpu()
             plain = lin.weight.detach().clone()
             q, scale = quantize_int8(lin.weight)
             deq = q.double() * scale.double()[:, None]
+            scale_t = scale.to(dtype)  # torch's op wants the scales in x's dtype
             for m in rows:
-                x = torch.randn(m, k, generator=gen)
+                x = torch.randn(m, k, generator=gen).to(dtype)
                 fp32 = _time_us(lambda: lin(x), target)
                 torch_fp32 = _time_us(lambda: F.linear(x, plain), target)
                 ours = _time_us(lambda: ops.int8_linear(x, q, scale), target)
-                theirs = _time_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q, scale),
+                theirs = _time_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q, scale_t),
                                   target)
                 ref = x.double() @ deq.t()
                 err = float((ops.int8_linear(x, q, scale).double() - ref).abs().max()
@@ -120,7 +128,9 @@ def run(args: argparse.Namespace) -> str:
                              f"{theirs:.1f} | {fp32 / torch_fp32:.2f} | {fp32 / ours:.2f} | "
                              f"{fp32 / theirs:.2f} | {err:.1e} |")
                 log.info("%dx%d rows %d: fp32 %.1f us, int8 %.1f us", k, n, m, fp32, ours)
-    lines += ["", "Speedup: fp32 time / that column's time (above 1: faster than float32)."]
+    lines += ["", f"Speedup: {d} time / that column's time (above 1: faster than the engine's "
+              f"{args.dtype} GEMM). Error: relative to the largest output, against float64 "
+              "on the same (rounded) x; bf16 outputs carry their own rounding (2^-9)."]
     return "\n".join(lines) + "\n"
 
 

@@ -31,9 +31,9 @@ act-order as a column permutation of x). The GEMM:
   (correct, no memory saving; torch's int4 GEMMs want other layouts).
 
 GGUF Q8_0 projections (32 int8 weights per fp16 scale) keep their per-32 scales in
-Int8GroupLinear: the int8 op has one scale per row, and rescaling to one would round. Its
-GEMM is torch's: the weight is dequantized (exactly) in row chunks of a few MB at each
-call and multiplied in float32, so it saves memory but is slower than float32 weights.
+Int8GroupLinear (rescaling to one per row would round). On the CPU its GEMM is
+``int8_linear`` with [N, K / 32] scales (the kernels widen q * scale); elsewhere torch code
+dequantizes the weight (exactly) in row chunks of a few MB at each call.
 """
 
 from __future__ import annotations
@@ -178,7 +178,8 @@ class Int4Linear(nn.Module):
 class Int8GroupLinear(nn.Module):
     """A linear layer with int8 weights in groups sharing a scale (GGUF Q8_0,
     :class:`Int8GroupWeight`); ``forward`` takes [..., K] in the engine's dtype and returns
-    [..., N] in that dtype, computed in float32."""
+    [..., N] in that dtype. CPU: ``int8_linear`` with [N, K / G] scales (float32 or bf16
+    activations, as Int8Linear); elsewhere torch code dequantizing row chunks in float32."""
 
     #: float32 elements of weight dequantized at a time (16 MB): bounds the temporary.
     CHUNK_ELEMENTS = 1 << 22
@@ -196,8 +197,15 @@ class Int8GroupLinear(nn.Module):
         self.register_buffer("scales", weight.scales.to(device=device,
                                                         dtype=torch.float32).contiguous())
         self.bias = linear.bias
+        self.on_cpu = device.type == "cpu"
+        self._bias_f32 = (None if linear.bias is None or not self.on_cpu
+                          else linear.bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cpu:
+            xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+            y = ops.int8_linear(xin, self.qweight, self.scales, self._bias_f32)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         n, k = self.qweight.shape
         g = self.group_size
         xf = x.float().reshape(-1, k)
