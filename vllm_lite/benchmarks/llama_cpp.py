@@ -10,7 +10,8 @@ client thread per request, and times from the first send to the last answer. The
 is stopped afterwards.
 
 Which GGUF: the run's precision picks the file: float32 -> F32, bfloat16 -> BF16,
-``quantization="int8"`` -> Q8_0, ``"int4"`` / ``"gguf"`` -> the original Q4_1 file.
+``quantization="int8"`` -> Q8_0, ``"int4"`` -> the original Q4_1 file; ``"gguf"`` (the
+default for a quantized GGUF model) -> the model's own GGUF file, the blocks vllm_lite keeps.
 """
 
 from __future__ import annotations

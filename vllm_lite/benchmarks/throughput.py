@@ -296,13 +296,17 @@ def run_llama_cpp_peer(s: BenchSetup, requests: Sequence[BenchRequest],
                        args: argparse.Namespace, stem: str) -> E.RunResult:
     """llama-server on the GGUF of this run's precision (vllm_lite.benchmarks.llama_cpp)."""
     from vllm_lite.benchmarks import llama_cpp
+    from vllm_lite.models.gguf import gguf_source
 
     if s.device.type != "cpu":
         raise ValueError("engine llama_cpp runs on the CPU only (bench/peers/llama_cpp.sh "
                          "builds it without GPU support)")
     bin_dir = llama_cpp.find_bin(args.llama_cpp_bin)
     precision = s.quantization or s.dtype_name
-    gguf = llama_cpp.model_file(bin_dir, precision)
+    source = gguf_source(s.model) if precision == "gguf" else None
+    # Kept blocks: the very file vllm_lite keeps (the alias's own Q4_1, or a user's Q8_0
+    # GGUF); other precisions: the conversions next to the build.
+    gguf = Path(source) if source is not None else llama_cpp.model_file(bin_dir, precision)
     log_path = Path(args.out) / f"{stem}_llama_server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     return llama_cpp.run_llama_cpp(bin_dir, gguf, requests, s.threads,
