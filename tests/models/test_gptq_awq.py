@@ -184,6 +184,8 @@ def test_explicit_method_and_mismatches(tmp_path: Path) -> None:
         make_llm(tmp_path, quantization="gptq")
     with pytest.raises(ValueError, match="is a awq checkpoint"):
         make_llm(tmp_path, quantization="int8")
+    with pytest.raises(ValueError, match="is a awq checkpoint"):  # no float weights to run
+        make_llm(tmp_path, quantization="none")
 
 
 def test_gptq_asked_of_a_float_folder(tmp_path: Path) -> None:
@@ -232,7 +234,7 @@ def test_int8_group_linear_matches_float64(dtype: torch.dtype) -> None:
     weight = Int8GroupWeight(q, torch.rand(40, 4, generator=gen) / 100, 32)
     lin = torch.nn.Linear(128, 40, bias=True)
     layer = Int8GroupLinear(lin.to(dtype), weight)
-    layer.CHUNK_ELEMENTS = 128 * 7  # several chunks, the last one partial
+    layer.CHUNK_ELEMENTS = 128 * 7  # off the CPU: several chunks, the last one partial
     x = torch.randn(6, 128, generator=gen).to(dtype)
     with torch.no_grad():
         got = layer(x)

@@ -148,7 +148,14 @@ def test_engine_int8_weights_take_a_quarter_of_float32(checkpoint: Path) -> None
         projection_bytes(make_llm(checkpoint))
 
 
-@pytest.mark.parametrize("bad", ["gptq", "awq", "fp8", 8, True])
+def test_quantization_none_keeps_the_weights(checkpoint: Path) -> None:
+    """"none" (explicit) on a plain checkpoint: nothing quantized, as None."""
+    llm = make_llm(checkpoint, quantization="none")
+    assert llm.llm_engine.config.model_config.quantization is None
+    assert not any(isinstance(m, Int8Linear) for m in llm.llm_engine.model.modules())
+
+
+@pytest.mark.parametrize("bad", ["gptq", "awq", "fp8", "None", 8, True])
 def test_unknown_quantization_is_refused(checkpoint: Path, bad: Any) -> None:
     with pytest.raises(ValueError, match="quantization"):
         make_llm(checkpoint, quantization=bad)
