@@ -11,7 +11,8 @@
 // bias [N] (or null) float32, y [M, N] bf16 contiguous. One call covers the output channels
 // [n0, n1) of every row of x. Passes of kInt8RowsPerPass (4) weight rows are widened to
 // bf16 once into `wbuf` (4 x round_up(K, 32) bf16, zero-padded, the caller's) and dotted
-// with 4 activation rows at a time (a register tile of 16 float32 accumulators), 4 + 4 loads per 16 vdpbf16ps.
+// with 4 activation rows at a time (a register tile of 16 float32 accumulators; one row, a
+// batch-1 decode, has a loop of its own), 4 + 4 loads per 16 vdpbf16ps.
 // Each accumulator's 16 lanes are summed at the end (4 at a time, shuffles), so K should be
 // a few hundred for that to be small. No row limit: the widening is paid once per call
 // whatever M is. Chosen at run time on CPUs with AVX-512F/BW/VL/DQ and AVX512_BF16 (the
@@ -165,6 +166,61 @@ inline void dot_tile(const uint16_t* x, int64_t xs, int64_t rows, int64_t K,
   }
 }
 
+// One activation row (a batch-1 decode) against the 4 widened weight rows: the 4-row tile
+// would repeat the row 4 times, so this loop has 4 accumulators per half of a 64-wide step
+// (8 in all, enough independent chains for vdpbf16ps's latency).
+inline void dot_row(const uint16_t* x, int64_t K, const uint16_t* wbuf, int64_t kp,
+                    __m128 scale, __m128 bias, int64_t nb, uint16_t* y) {
+  const uint16_t* w0 = wbuf;
+  const uint16_t* w1 = wbuf + kp;
+  const uint16_t* w2 = wbuf + 2 * kp;
+  const uint16_t* w3 = wbuf + 3 * kp;
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  int64_t k = 0;
+  for (; k + 2 * kStep <= kp; k += 2 * kStep) {
+    const int64_t rem = K - k - kStep;  // the second half may hold x's tail
+    const __mmask32 m = rem >= kStep ? ~__mmask32{0} : (__mmask32{1} << rem) - 1;
+    const __m512bh u = (__m512bh)_mm512_loadu_si512(x + k);
+    const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k + kStep);
+    a0 = _mm512_dpbf16_ps(a0, u, (__m512bh)_mm512_loadu_si512(w0 + k));
+    a1 = _mm512_dpbf16_ps(a1, u, (__m512bh)_mm512_loadu_si512(w1 + k));
+    a2 = _mm512_dpbf16_ps(a2, u, (__m512bh)_mm512_loadu_si512(w2 + k));
+    a3 = _mm512_dpbf16_ps(a3, u, (__m512bh)_mm512_loadu_si512(w3 + k));
+    b0 = _mm512_dpbf16_ps(b0, v, (__m512bh)_mm512_loadu_si512(w0 + k + kStep));
+    b1 = _mm512_dpbf16_ps(b1, v, (__m512bh)_mm512_loadu_si512(w1 + k + kStep));
+    b2 = _mm512_dpbf16_ps(b2, v, (__m512bh)_mm512_loadu_si512(w2 + k + kStep));
+    b3 = _mm512_dpbf16_ps(b3, v, (__m512bh)_mm512_loadu_si512(w3 + k + kStep));
+  }
+  if (k < kp) {  // one 32-wide step left
+    const int64_t rem = K - k;
+    const __mmask32 m = rem >= kStep ? ~__mmask32{0} : (__mmask32{1} << rem) - 1;
+    const __m512bh u = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
+    a0 = _mm512_dpbf16_ps(a0, u, (__m512bh)_mm512_loadu_si512(w0 + k));
+    a1 = _mm512_dpbf16_ps(a1, u, (__m512bh)_mm512_loadu_si512(w1 + k));
+    a2 = _mm512_dpbf16_ps(a2, u, (__m512bh)_mm512_loadu_si512(w2 + k));
+    a3 = _mm512_dpbf16_ps(a3, u, (__m512bh)_mm512_loadu_si512(w3 + k));
+  }
+  const __m128 sums = sum4(_mm512_add_ps(a0, b0), _mm512_add_ps(a1, b1),
+                           _mm512_add_ps(a2, b2), _mm512_add_ps(a3, b3));
+  const __m128i h = (__m128i)_mm_cvtneps_pbh(_mm_fmadd_ps(sums, scale, bias));
+  _mm_mask_storeu_epi16(y, static_cast<__mmask8>((1u << nb) - 1u), h);
+}
+
+// Rows m .. m + M of x: the one-row loop for a single row, else 4-row tiles.
+inline void dot_rows(const uint16_t* x, int64_t xs, int64_t M, int64_t K, const uint16_t* wbuf,
+                     int64_t kp, __m128 scale, __m128 bias, int64_t nb, uint16_t* y,
+                     int64_t N) {
+  if (M == 1) {
+    dot_row(x, K, wbuf, kp, scale, bias, nb, y);
+    return;
+  }
+  for (int64_t m = 0; m < M; m += 4) {
+    dot_tile(x + m * xs, xs, std::min<int64_t>(4, M - m), K, wbuf, kp, scale, bias, nb,
+             y + m * N, N);
+  }
+}
+
 void int8_linear_bf16_block(const Int8LinearBf16Args& a, int64_t n0, int64_t n1,
                             uint16_t* wbuf) {
   const int64_t K = a.K, kp = int8_bf16_padded_k(K);
@@ -176,10 +232,7 @@ void int8_linear_bf16_block(const Int8LinearBf16Args& a, int64_t n0, int64_t n1,
     const __m128 scale = G > 0 ? _mm_set1_ps(1.0f) : _mm_maskz_loadu_ps(lanes, a.scales + n);
     const __m128 bias = a.bias != nullptr ? _mm_maskz_loadu_ps(lanes, a.bias + n)
                                           : _mm_setzero_ps();
-    for (int64_t m = 0; m < a.M; m += 4) {
-      dot_tile(a.x + m * a.x_row_stride, a.x_row_stride, std::min<int64_t>(4, a.M - m), K, wbuf,
-               kp, scale, bias, nb, a.y + m * a.N + n, a.N);
-    }
+    dot_rows(a.x, a.x_row_stride, a.M, K, wbuf, kp, scale, bias, nb, a.y + n, a.N);
   }
 }
 
@@ -194,10 +247,7 @@ void int4_linear_bf16_block(const Int4LinearBf16Args& a, int64_t n0, int64_t n1,
     const __m128 one = _mm_set1_ps(1.0f);
     const __m128 bias = a.bias != nullptr ? _mm_maskz_loadu_ps(lanes, a.bias + n)
                                           : _mm_setzero_ps();
-    for (int64_t m = 0; m < a.M; m += 4) {
-      dot_tile(a.x + m * a.x_row_stride, a.x_row_stride, std::min<int64_t>(4, a.M - m), K, wbuf,
-               K, one, bias, nb, a.y + m * a.N + n, a.N);
-    }
+    dot_rows(a.x, a.x_row_stride, a.M, K, wbuf, K, one, bias, nb, a.y + n, a.N);
   }
 }
 

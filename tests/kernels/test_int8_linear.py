@@ -71,8 +71,10 @@ def test_leading_dims_and_strided_rows(isa: str) -> None:
                                atol=RTOL * float(ref.abs().max()))
 
 
-# bfloat16 x: K not a multiple of 32 (the kernel's masked tail), rows 1..4 tiles.
-BF16_SHAPES = SHAPES + [(5, 577, 9), (64, 1536, 40), (130, 96, 33)]
+# bfloat16 x: K not a multiple of 32 (the kernel's masked tail), rows 1..4 tiles; one row
+# (its own loop, 64 wide) with K ending in either 32-wide half or in a last odd step.
+BF16_SHAPES = SHAPES + [(5, 577, 9), (64, 1536, 40), (130, 96, 33), (1, 577, 9), (1, 100, 7),
+                        (1, 72, 5)]
 
 
 @pytest.mark.parametrize("m,k,n", BF16_SHAPES)
@@ -96,6 +98,9 @@ def test_bfloat16_strided_rows_never_read_past_k(isa: str) -> None:
     y3 = ops.int8_linear(xb.reshape(2, 3, 40), q, scales, b)
     assert y3.shape == (2, 3, 24)
     assert_rounded_once_to_bf16(y3.reshape(6, 24), ref, RTOL)
+    # One row (the one-row loop), NaN right after K.
+    assert_rounded_once_to_bf16(ops.int8_linear(wide[2:3, 30:70], q, scales, b), ref[2:3],
+                                RTOL)
 
 
 def _group_case(m: int, k: int, n: int, group: int, seed: int, bias: bool):
