@@ -92,6 +92,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size,
                        const std::optional<at::Tensor>& bias);
+
+// Binds torch's OpenMP threads one per CPU of cpu_ids ("0-3,8"); cpu/threads.cpp.
+std::string init_cpu_threads_env(const std::string& cpu_ids);
 }  // namespace cpu
 
 namespace cuda {

@@ -46,6 +46,8 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.def(
       "int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
       "Tensor? bias) -> Tensor");
+  // No tensors: one implementation for every backend (vLLM v0.6's CPU schema).
+  m.def("init_cpu_threads_env(str cpu_ids) -> str", &vllm_lite::cpu::init_cpu_threads_env);
 }
 
 #define VLLM_LITE_REGISTER_IMPLS(ns)                                 \

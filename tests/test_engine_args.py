@@ -180,7 +180,7 @@ def _non_defaults(model_dir: Path) -> dict[str, Any]:
         "preemption_mode": "swap", "scheduling_policy": "priority", "seed": 7,
         "num_gpu_blocks_override": 12, "max_logprobs": 5, "quantization": "int4",
         "quantization_group_size": 32, "kv_cache_dtype": "fp8_e5m2",
-        "tensor_parallel_size": 2, "distributed_timeout": 30.0,
+        "tensor_parallel_size": 2, "distributed_timeout": 30.0, "cpu_threads_bind": "auto",
     }
 
 
@@ -197,6 +197,11 @@ def test_serve_accepts_every_engine_option(model_dir: Path) -> None:
     args = _parser().parse_args(argv)
     engine_args = EngineArgs.from_cli_args(args)
     assert dataclasses.asdict(engine_args) == values
+    # Binding threads is refused with several ranks (test_cpu_threads_bind.py): the rest of
+    # the options are checked on one config.
+    with pytest.raises(ValueError, match="cpu_threads_bind"):
+        engine_args.create_engine_config()
+    engine_args.cpu_threads_bind = None
     config = engine_args.create_engine_config()
     mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
     assert Path(mc.model) == model_dir and Path(mc.tokenizer) == model_dir

@@ -199,6 +199,11 @@ class EngineArgs:
     distributed_timeout: float = _opt(
         300.0, "seconds a tensor-parallel collective may wait for a rank before the engine "
         "fails with an error naming it (a dead or hung worker)")
+    cpu_threads_bind: str | None = _opt(
+        None, "bind torch's threads one per CPU when the engine starts (vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND): a list such as 0-3,8 (one thread per CPU listed; the "
+        "thread count follows it) or auto (every CPU this process may run on); CPU device, "
+        "one rank only", type=str, none_means="not bound (the OS schedules the threads)")
 
     # -- the Python API -----------------------------------------------------------------------
     @classmethod
@@ -252,6 +257,7 @@ class EngineArgs:
             device=device,
             kv_cache_space=self.kv_cache_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cpu_threads_bind=self.cpu_threads_bind,
             parallel_config=parallel_config,
         )
 
@@ -668,6 +674,9 @@ class EngineConfig:
     kv_cache_space: float = EngineArgs.kv_cache_space
     num_gpu_blocks_override: int | None = EngineArgs.num_gpu_blocks_override
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    # The CPUs the engine's threads are bound to, one each (resolved from the option's list
+    # or "auto"), or None.
+    cpu_threads_bind: str | list[int] | None = EngineArgs.cpu_threads_bind
 
     def __post_init__(self) -> None:
         import torch
@@ -703,6 +712,14 @@ class EngineConfig:
             )
         mc.quantization = resolve_quantization(mc.quantization, mc.gguf_file, mc.hf_config,
                                                self.device.type)
+        if self.cpu_threads_bind is not None and not isinstance(self.cpu_threads_bind, list):
+            if self.device.type != "cpu":
+                raise ValueError(f"cpu_threads_bind binds CPU threads; the device is "
+                                 f"{self.device}")
+            if self.parallel_config.tensor_parallel_size > 1:
+                raise ValueError("cpu_threads_bind with tensor_parallel_size > 1 is not "
+                                 "supported (each rank would need its own CPUs)")
+            self.cpu_threads_bind = parse_cpu_ids(self.cpu_threads_bind)
         pc = self.parallel_config
         pc.check_model(mc.hf_config, mc.quantization, mc.quantization_group_size)
         tp = pc.tensor_parallel_size
@@ -739,6 +756,45 @@ def resolve_quantization(requested: str | None, gguf_file: str | None, hf_config
     logger.info("quantization: gguf (the GGUF's quantized blocks kept; quantization='none' "
                 "dequantizes them)")
     return "gguf"
+
+
+def parse_cpu_ids(spec: object) -> list[int]:
+    """cpu_threads_bind's CPUs: "auto" (every CPU this process may run on) or a list of CPU
+    numbers and ranges ("0-3,8"), each allowed to this process, no repeats. ValueError naming
+    cpu_threads_bind otherwise."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if allowed is None:
+        raise ValueError("cpu_threads_bind needs Linux (CPU affinity)")
+    if spec == "auto":
+        return allowed
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"cpu_threads_bind must be 'auto' or a CPU list such as '0-3,8', "
+                         f"got {spec!r}")
+    cpus: list[int] = []
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+            raise ValueError(f"cpu_threads_bind {spec!r}: {part!r} is not a CPU number or a "
+                             f"range a-b with a <= b")
+        cpus.extend(range(int(lo), int(hi if sep else lo) + 1))
+    bad = [c for c in cpus if c not in allowed]
+    if bad:
+        raise ValueError(f"cpu_threads_bind {spec!r}: CPU {bad[0]} is not one this process may "
+                         f"run on ({_ranges(allowed)})")
+    if len(set(cpus)) != len(cpus):
+        raise ValueError(f"cpu_threads_bind {spec!r} lists a CPU twice")
+    return cpus
+
+
+def _ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out: list[str] = []
+    for c in cpus:
+        if out and int(out[-1].split("-")[-1]) == c - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        else:
+            out.append(str(c))
+    return ",".join(out)
 
 
 # -- process settings -------------------------------------------------------------------------

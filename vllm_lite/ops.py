@@ -289,6 +289,13 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return _ops.int4_linear(x, qweight, scales, zeros, group_size, bias)
 
 
+def init_cpu_threads_env(cpu_ids: str) -> str:
+    """Binds torch's OpenMP threads one per CPU of ``cpu_ids`` ("0-3,8"; thread i to the
+    i-th, the caller's thread being 0) and sets torch's thread count to match; returns one
+    line per thread. vLLM v0.6's op (``VLLM_CPU_OMP_THREADS_BIND``); Linux only."""
+    return _ops.init_cpu_threads_env(cpu_ids)
+
+
 def rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of each row of ``input`` [..., hidden] (rows at one stride, last dim

@@ -38,6 +38,12 @@ class Worker:
         self.config = config
         self.tp = tp
         mc = config.model_config
+        if isinstance(config.cpu_threads_bind, list):
+            from vllm_lite import ops
+
+            # Before the model loads, so every parallel region after runs on the bound threads.
+            bound = ops.init_cpu_threads_env(",".join(map(str, config.cpu_threads_bind)))
+            logger.info("cpu_threads_bind: %s", bound.replace("\n", ", "))
         self.device = tp.device if tp is not None else config.device
         torch.manual_seed(mc.seed)
         if model is None:
