@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from entrypoints.utils import make_llm  # noqa: E402
+from entrypoints.utils import cli_env, make_llm  # noqa: E402
 from vllm_lite.config import parse_cpu_ids  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux")
@@ -54,8 +54,9 @@ def test_refused_with_several_ranks(model_dir: Path) -> None:
 
 
 def _run(code: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    # The vllm_lite these tests import (installed in CI, where the checkout has no _C).
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT / "tests")])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, env=env, cwd="/")
     assert out.returncode == 0, out.stderr[-3000:]

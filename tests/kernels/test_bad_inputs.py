@@ -564,9 +564,13 @@ def test_cuda_value_checks_are_opt_in():
     import sys
     from pathlib import Path
 
+    import vllm_lite
+
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LITE_CHECK_VALUES"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _UNCHECKED_CUDA_CALLS], env=env, cwd=root,
+    # The vllm_lite this test imports (installed in CI, where the checkout has no _C).
+    home = str(Path(vllm_lite.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([home, str(root), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _UNCHECKED_CUDA_CALLS], env=env, cwd="/",
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "unchecked ok" in r.stdout, r.stderr[-3000:]
