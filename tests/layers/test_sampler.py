@@ -14,6 +14,8 @@ from vllm_lite.layers.sampler import (
     Sampler,
     beam_search_candidates,
     compute_prompt_logprobs,
+    first_argmax,
+    inverse_cdf_sample,
     process_logits,
 )
 from vllm_lite.errors import InternalError
@@ -294,6 +296,82 @@ def test_greedy_is_argmax_lowest_id_on_ties():
     rows = [make_row(SamplingParams(temperature=0.0), seq_id=i) for i in range(3)]
     out = Sampler()(logits, SamplingMetadata(rows))
     assert [o.token_ids for o in out.outputs] == [[1], [0], [2]]
+
+
+def _plant_ties(x: torch.Tensor, gen: torch.Generator) -> None:
+    """Copies each row's maximum to a few random ids, and to ids 0 / V-1 in some rows."""
+    rows, vocab = x.shape
+    m = x.amax(dim=-1, keepdim=True)
+    ids = torch.randint(0, vocab, (rows, 3), generator=gen)
+    x.scatter_(1, ids, m.expand(-1, 3))
+    x[0::3, -1] = m[0::3, 0]
+    x[1::3, 0] = m[1::3, 0]
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 2), (31, 49152), (7, 1000), (2, 70001)])
+def test_first_argmax_is_torch_argmax(rows, vocab):
+    gen = torch.Generator().manual_seed(rows * 7919 + vocab)
+    for scale in (1.0, 1e-30, 1e30):
+        x = torch.randn(rows, vocab, generator=gen) * scale
+        assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+        if vocab > 1:
+            _plant_ties(x, gen)
+            x[:, vocab // 2] = -math.inf  # cut tokens (top_k, min_tokens) are -inf
+            assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+
+
+def test_first_argmax_odd_rows_follow_torch():
+    x = torch.randn(5, 300)
+    x[1, 17] = float("nan")
+    x[2] = -math.inf
+    x[3, 40] = math.inf
+    x[4, [3, 9]] = math.inf
+    assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+    for other in (x.double(), x.bfloat16(), x[:, ::2]):
+        assert torch.equal(first_argmax(other), other.argmax(dim=-1))
+
+
+def test_inverse_cdf_sample_against_float64():
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(64, 500, generator=gen) ** 4
+    probs[probs < 0.05] = 0.0  # many tokens cut
+    probs /= probs.sum(dim=-1, keepdim=True)
+    u = torch.rand(64, dtype=torch.float64, generator=gen)
+    got = inverse_cdf_sample(probs, u)
+    p64 = probs.double()
+    cdf = p64.cumsum(dim=-1)
+    target = u * cdf[:, -1]
+    for i, t in enumerate(got.tolist()):
+        assert probs[i, t] > 0
+        lo = cdf[i, t - 1].item() if t else 0.0
+        # The token's float64 interval holds the target, up to the float32 sums' rounding.
+        assert lo - 1e-5 <= target[i].item() < cdf[i, t].item() + 1e-5, (i, t)
+
+
+def test_inverse_cdf_sample_extremes_never_draw_cut_tokens():
+    probs = torch.zeros(4, 10)
+    probs[:, 2:5] = torch.tensor([0.2, 0.5, 0.3])  # ids 0-1 and 5-9 cut
+    probs[3] = 0.0
+    probs[3, 9] = 1.0
+    u = torch.tensor([0.0, 1.0 - 2.0**-53, 0.2, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert inverse_cdf_sample(probs, u).tolist() == [2, 4, 3, 9]
+
+
+def test_greedy_large_vocab_with_ties_and_temperature_rows():
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(31, 49152, generator=gen) * 4
+    _plant_ties(logits, gen)
+    params = [SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=0.8)
+              for i in range(31)]
+    rows = [make_row(p, seq_id=i) for i, p in enumerate(params)]
+    out = Sampler(seed=0)(logits, SamplingMetadata(rows))
+    want = logits.argmax(dim=-1)
+    lsm = torch.log_softmax(logits / torch.tensor(
+        [1.0 if i % 2 else 0.8 for i in range(31)]).unsqueeze(1), dim=-1)
+    for i, o in enumerate(out.outputs):
+        if i % 2:
+            assert o.token_ids == [int(want[i])]
+        assert o.logprobs[0] == pytest.approx(float(lsm[i, o.token_ids[0]]), abs=1e-5)
 
 
 def test_greedy_and_random_rows_in_one_batch():
