@@ -20,6 +20,7 @@ from vllm_lite.distributed.group import TensorParallelGroup
 from vllm_lite.layers.sampler import RngSnapshot, Sampler
 from vllm_lite.worker.cache_engine import (
     CacheEngine, cache_block_bytes, num_blocks_for_cpu, profile_num_gpu_blocks)
+from vllm_lite.worker.cpu_malloc import keep_freed_memory
 from vllm_lite.worker import step_broadcast
 from vllm_lite.worker.model_runner import ModelInput, ModelRunner, RunnerOutput
 from vllm_lite.worker.step_broadcast import Command
@@ -45,6 +46,8 @@ class Worker:
             bound = ops.init_cpu_threads_env(",".join(map(str, config.cpu_threads_bind)))
             logger.info("cpu_threads_bind: %s", bound.replace("\n", ", "))
         self.device = tp.device if tp is not None else config.device
+        if torch.device(self.device).type == "cpu":
+            keep_freed_memory()
         torch.manual_seed(mc.seed)
         if model is None:
             model, _ = load_model(mc.model, mc.dtype, self.device, mc.max_model_len, tp=tp)
