@@ -26,11 +26,13 @@ def _args(model: Path, out: Path, **kw) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def test_profile_accounts_for_the_whole_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_profile_accounts_for_the_whole_step(tmp_path: Path, temperature: float) -> None:
     model = tmp_path / "model"
     save_hf_model(make_config("llama"), model)
     report = step_profile.run(_args(model, tmp_path, num_requests=3, input_len=9,
-                                    output_len=5))
+                                    output_len=5, temperature=temperature))
+    assert ("greedy," if temperature == 0 else "temperature 0.7,") in report, report
     rows = {m.group(1): m.group(2) for m in
             re.finditer(r"^\| ([a-z_ ]+) \| (.*) \|$", report, re.M)}
     assert set(step_profile.PHASES) <= set(rows), report
@@ -46,3 +48,5 @@ def test_profile_accounts_for_the_whole_step(tmp_path: Path) -> None:
 def test_bad_sizes_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--output-len must be >= 1"):
         step_profile.run(_args(tmp_path, tmp_path, output_len=0))
+    with pytest.raises(ValueError, match="--temperature must be >= 0"):
+        step_profile.run(_args(tmp_path, tmp_path, temperature=-1))

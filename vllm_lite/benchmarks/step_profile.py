@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GiB of KV cache (default: %(default)s, so nothing is preempted)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy; above 0 the sampler's "
+                        "random path, seeded by --seed)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR,
                    help="results folder (default: %(default)s)")
 
@@ -108,10 +111,10 @@ def _workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
             for _ in range(args.num_requests)]
 
 
-def _run(llm: Any, prompts: list[list[int]], output_len: int) -> float:
+def _run(llm: Any, prompts: list[list[int]], output_len: int, temperature: float = 0.0) -> float:
     from vllm_lite import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     t = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return time.perf_counter() - t
@@ -188,6 +191,8 @@ def run(args: argparse.Namespace) -> str:
     for name in ("num_requests", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.temperature >= 0.0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     set_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, device="cpu", seed=args.seed,
               kv_cache_space=args.kv_cache_space, kv_cache_dtype=args.kv_cache_dtype,
@@ -197,16 +202,18 @@ def run(args: argparse.Namespace) -> str:
     prompts = _workload(args, vocab)
     _run(llm, prompts[:2], 4)  # warm-up
     # The faster of two plain runs (the first still pays one-time costs of new GEMM shapes).
-    plain = min(_run(llm, prompts, args.output_len) for _ in range(2))
+    plain = min(_run(llm, prompts, args.output_len, args.temperature) for _ in range(2))
     clock = _Clock()
     _instrument(llm, clock)
-    timed = _run(llm, prompts, args.output_len)
+    timed = _run(llm, prompts, args.output_len, args.temperature)
     out_tokens = args.num_requests * args.output_len
     lines = [
         f"Engine step profile, {time.strftime('%Y-%m-%d %H:%M')}: model `{args.model}`, "
         f"{llm.llm_engine.dtype}, KV cache {args.kv_cache_dtype}, quantization "
         f"{llm.llm_engine.config.model_config.quantization or 'none'}, {args.num_requests} requests x {args.input_len} "
-        f"prompt + {args.output_len} output tokens, {torch.get_num_threads()} threads.",
+        f"prompt + {args.output_len} output tokens, "
+        f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}, "
+        f"{torch.get_num_threads()} threads.",
         "",
         f"Uninstrumented: {plain:.2f} s, {out_tokens / plain:.1f} output tok/s; "
         f"instrumented: {timed:.2f} s (the hooks' cost).",
