@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 import pytest
 import torch
 
+from vllm_lite.layers import sampler as sampler_mod
 from vllm_lite.layers.sampler import (
     LOGPROB_FLOOR,
     Sampler,
@@ -203,6 +204,78 @@ def test_penalties_match_reference(kw):
     assert not torch.equal(got[0], logits[0])
 
 
+def test_penalties_ids_outside_vocab_duplicates_and_nothing_seen():
+    V = 40
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, V, generator=g) * 3
+    logits[0, 5] = 0.0  # neither side of the > 0 split
+    kw = dict(repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2)
+    rows = [
+        make_row(SamplingParams(**kw), prompt=[5, -1, V, 5, V + 7], output=[9, 9, 9, 39], seq_id=0),
+        make_row(SamplingParams(**kw), prompt=[], output=[], seq_id=1),
+        make_row(SamplingParams(**kw), prompt=[V, -3], output=[V + 1], seq_id=2),
+        make_row(SamplingParams(**kw), prompt=[0, 39], output=[0, 0, 39], seq_id=3),
+    ]
+    got = check_processing(logits, rows)
+    assert torch.equal(got[1], logits[1]) and torch.equal(got[2], logits[2])
+    changed = (got[0] != logits[0]).nonzero().flatten().tolist()
+    assert changed == [9, 39]  # 5 is 0.0: divided or multiplied, it stays 0
+
+
+@pytest.fixture(params=["sort", "candidates"])
+def top_candidates(request, monkeypatch):
+    """Runs a top_k / top_p test through the full sort and through the candidates path
+    (two candidates first, so small vocabularies take the fast path too)."""
+    if request.param == "candidates":
+        monkeypatch.setattr(sampler_mod, "_TOP_CANDIDATES", 2)
+    else:
+        monkeypatch.setattr(sampler_mod, "_TOP_CANDIDATES_MAX", 0)
+    return request.param
+
+
+def test_top_k_top_p_candidates_match_sort_and_float64(monkeypatch):
+    """Large rows (bfloat16-rounded logits, so ties everywhere) through every route: first
+    round, second round (16x), full sort; each row's kept set equals the float64
+    reference's."""
+    V = 4096
+    monkeypatch.setattr(sampler_mod, "_TOP_CANDIDATES", 16)
+    routes = {"candidates": 0, "sorted": 0}
+    cand, srt = sampler_mod._top_k_top_p_candidates, sampler_mod._top_k_top_p_sorted
+
+    def spy_cand(logits, *a):
+        routes["candidates"] += logits.shape[0]
+        return cand(logits, *a)
+
+    def spy_sort(logits, *a):
+        routes["sorted"] += logits.shape[0]
+        return srt(logits, *a)
+
+    monkeypatch.setattr(sampler_mod, "_top_k_top_p_candidates", spy_cand)
+    monkeypatch.setattr(sampler_mod, "_top_k_top_p_sorted", spy_sort)
+    g = torch.Generator().manual_seed(21)
+    rng = random.Random(21)
+    # top_p inside a top_k cut, where the mass past the k best must not count, then
+    # random combinations, flat to peaked.
+    combos = [(100, 0.5, 3.0), (16, 0.7, 4.0), (100, 0.7, 4.0), (7, 0.9, 6.0),
+              (16, 0.5, 3.0), (-1, 0.9, 0.05)]
+    for _ in range(20):
+        combos.append((rng.choice([-1, 1, 7, 16, 100, V]), rng.choice([1.0, 0.5, 0.9, 0.99, 1e-6]),
+                       rng.choice([0.05, 1.0, 4.0, 12.0])))
+    rows = [make_row(SamplingParams(top_k=k, top_p=p), seq_id=i)
+            for i, (k, p, _) in enumerate(combos)]
+    scales = [c[2] for c in combos]
+    logits = (torch.randn(len(rows), V, generator=g)
+              * torch.tensor(scales).unsqueeze(1)).bfloat16().float()
+    logits[::5, :300] = -math.inf  # rows min_tokens / earlier cuts left short
+    got = check_processing(logits, rows)
+    assert routes["sorted"] > 0 and routes["candidates"] > len(rows)  # every route taken
+    sorted_path = sampler_mod._top_k_top_p_sorted(
+        logits,
+        torch.tensor([r.params.top_k if 0 < r.params.top_k < V else V for r in rows]),
+        torch.tensor([r.params.top_p if r.params.top_p < 1 else math.inf for r in rows]))
+    assert torch.equal(torch.isfinite(got), torch.isfinite(sorted_path))
+
+
 def test_temperature_matches_reference():
     V = 10
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
@@ -211,7 +284,7 @@ def test_temperature_matches_reference():
     assert torch.equal(got[2], logits[2])  # greedy: divided by 1
 
 
-def test_top_k_keeps_ties_at_boundary():
+def test_top_k_keeps_ties_at_boundary(top_candidates):
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, 2.0, 2.0, -1.0]])
     for k, kept in [(1, [1]), (2, [1, 3, 4, 5]), (4, [1, 3, 4, 5]), (5, [1, 2, 3, 4, 5]),
                     (7, list(range(7))), (-1, list(range(7)))]:
@@ -220,7 +293,7 @@ def test_top_k_keeps_ties_at_boundary():
         assert torch.isfinite(got[0]).nonzero().flatten().tolist() == kept, k
 
 
-def test_top_p_boundary_and_ties():
+def test_top_p_boundary_and_ties(top_candidates):
     # probs ~ [0.687, 0.093, 0.093, 0.093, 0.034]: p=0.75 needs token 0 and one of the
     # tied tokens; every tied token is kept whatever order the sort leaves them in.
     logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
@@ -237,7 +310,7 @@ def test_top_p_boundary_and_ties():
     check_processing(logits, [make_row(SamplingParams(top_k=3, top_p=0.8))])
 
 
-def test_top_p_float_mass_does_not_drop_tail_when_disabled():
+def test_top_p_float_mass_does_not_drop_tail_when_disabled(top_candidates):
     # Tiny-probability tail: top_p=1 must keep every token even if float cumsum hits 1.
     logits = torch.tensor([[30.0] + [-30.0 - 0.01 * i for i in range(20)]])
     got = process_logits(logits, SamplingMetadata([make_row(SamplingParams(top_k=20))]))
@@ -252,7 +325,7 @@ def test_min_p_matches_reference():
     assert torch.isfinite(got[3]).sum() == 1  # min_p=1: only the top token
 
 
-def test_random_combinations_match_reference():
+def test_random_combinations_match_reference(top_candidates):
     V = 24
     rng = random.Random(4)
     g = torch.Generator().manual_seed(4)

@@ -152,23 +152,46 @@ def apply_penalties(
     repetition_penalties: torch.Tensor,
 ) -> torch.Tensor:
     """vLLM's apply_penalties: repetition over prompt+output, then frequency and presence
-    over the output. The penalty tensors are [rows] on logits' device."""
+    over the output. The penalty tensors are [rows] on logits' device. In place.
+
+    Only the ids a row has seen change, so the logits of those ids are gathered,
+    penalized and scattered back (an id seen twice is written twice with one value),
+    instead of running the penalties over the whole vocabulary: 8 ms -> well under 1 ms
+    for 31 rows x 49152 tokens on the CPU, where broadcasting element-wise ops are slow.
+    Per id the arithmetic is the whole-vocabulary version's."""
     vocab = logits.shape[1]
     dev = logits.device
-    output_counts = _bin_counts(output_tokens, vocab, dev).to(logits.dtype)
-    output_mask = output_counts > 0
-    prompt_mask = _bin_counts(prompt_tokens, vocab, dev) > 0
-    rep = repetition_penalties.to(logits.dtype).unsqueeze(1).expand(-1, vocab)
-    rep = torch.where(prompt_mask | output_mask, rep, torch.ones_like(rep))
-    logits = torch.where(logits > 0, logits / rep, logits * rep)
-    logits -= frequency_penalties.to(logits.dtype).unsqueeze(1) * output_counts
-    logits -= presence_penalties.to(logits.dtype).unsqueeze(1) * output_mask.to(logits.dtype)
-    return logits
+    if logits.shape[0] == 0:
+        return logits
+    seen = _token_table([list(p) + list(o) for p, o in zip(prompt_tokens, output_tokens)],
+                        vocab, dev)
+    valid = seen < vocab
+    # Padding and out-of-range ids (the sentinel `vocab`) become the row's first seen id,
+    # a duplicate write of the same value; a row that saw nothing writes its id 0 back
+    # unchanged (repetition 1, no counts).
+    first = seen.gather(1, valid.to(torch.int8).argmax(dim=1, keepdim=True))
+    any_seen = first < vocab
+    ids = torch.where(valid, seen, torch.where(any_seen, first, torch.zeros_like(first)))
+    output_counts = _bin_counts(output_tokens, vocab, dev).to(logits.dtype).gather(1, ids)
+    rep = torch.where(any_seen.squeeze(1), repetition_penalties.to(logits.dtype),
+                      torch.ones_like(repetition_penalties, dtype=logits.dtype)).unsqueeze(1)
+    x = logits.gather(1, ids)
+    x = torch.where(x > 0, x / rep, x * rep)
+    x -= frequency_penalties.to(logits.dtype).unsqueeze(1) * output_counts
+    x -= presence_penalties.to(logits.dtype).unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+    return logits.scatter_(1, ids, x)
 
 
 def apply_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Divide each row by its temperature ([rows]; greedy rows should pass 1)."""
     return logits.div_(temperatures.to(logits.dtype).unsqueeze(1))
+
+
+# The top_k / top_p fast path first looks at this many best tokens per row (torch.topk,
+# 2.6 ms on 31 x 49152 logits, where a full sort takes 45 ms), then at 16x as many for
+# the rows whose nucleus may reach past them, up to the max; past that, a full sort.
+_TOP_CANDIDATES = 256
+_TOP_CANDIDATES_MAX = 4096
 
 
 def apply_top_k_top_p(
@@ -177,16 +200,81 @@ def apply_top_k_top_p(
     """top_k (ks [rows] long; <= 0 or >= vocab disables) then top_p (ps [rows]; >= 1
     disables) on the top_k-truncated distribution; ties at either boundary kept."""
     vocab = logits.shape[1]
-    neg_inf = -float("inf")
     ks = top_ks.to(device=logits.device, dtype=torch.long)
     ks = torch.where((ks <= 0) | (ks > vocab), torch.full_like(ks, vocab), ks)
+    ps = top_ps.to(device=logits.device, dtype=logits.dtype)
+    ps = torch.where(ps >= 1.0, torch.full_like(ps, float("inf")), ps)
+    enabled_k = ks[ks < vocab]
+    max_k = int(enabled_k.max()) if enabled_k.numel() else 0
+    if not bool(torch.isfinite(ps).any()):
+        if not max_k:
+            return logits  # top_k past the vocabulary and no top_p: nothing to cut
+        return _top_k_top_p(logits, ks, ps, max_k)  # the k best are all it needs
+    count = max(_TOP_CANDIDATES, max_k)
+    return _top_k_top_p(logits, ks, ps, count)
+
+
+def _top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor,
+                 count: int) -> torch.Tensor:
+    """From each row's `count` best logits; rows whose nucleus may reach past them again
+    with 16x as many, then (past _TOP_CANDIDATES_MAX or the vocabulary) a full sort."""
+    if count >= logits.shape[1] or count > _TOP_CANDIDATES_MAX:
+        return _top_k_top_p_sorted(logits, ks, ps)
+    out, need = _top_k_top_p_candidates(logits, ks, ps, count)
+    # Rows that need more candidates than the next round takes skip it for the sort.
+    for rows, next_count in ((need > count) & (need <= count * 16), count * 16), (
+            need > count * 16, logits.shape[1]):
+        if bool(rows.any()):
+            idx = rows.nonzero().squeeze(1)
+            out[idx] = _top_k_top_p(logits[idx], ks[idx], ps[idx], next_count)
+    return out
+
+
+def _top_k_top_p_candidates(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor,
+                            count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_top_k_top_p from each row's `count` best logits, and per row [rows] float
+    how many candidates it needs at least: `count` where the result is final; more where
+    the nucleus may reach past the candidates (that row's result is not valid): the
+    missing mass over the last candidate's probability, which no later token exceeds.
+    Exact: every logit above the k-th largest is among the candidates, and the
+    softmax's sum runs over the whole (top_k-truncated) row; only the order of that sum
+    differs from the sorted path's."""
+    vocab = logits.shape[1]
+    neg_inf = -float("inf")
+    vals = logits.topk(count, dim=-1).values  # sorted, best first
+    kth = vals.gather(1, (ks.clamp(max=count) - 1).unsqueeze(1))
+    kth = torch.where((ks >= vocab).unsqueeze(1), torch.full_like(kth, neg_inf), kth)
+    nucleus = torch.isfinite(ps)
+    if not bool(nucleus.any()):
+        return logits.masked_fill(logits < kth, neg_inf), torch.full_like(ps, float(count))
+    top = vals[:, :1]
+    e = torch.sub(logits, top).exp_()
+    if bool((ks < vocab).any()):
+        e = e.masked_fill_(logits < kth, 0.0)
+    total = e.sum(dim=-1, keepdim=True)
+    probs = torch.sub(vals, top).exp_().div_(total).masked_fill_(vals < kth, 0.0)
+    # Keep a token while the probability mass strictly before it is below p.
+    cum = probs.cumsum(dim=-1)
+    keep = cum - probs < ps.unsqueeze(1)
+    keep[:, 0] = True
+    threshold = vals.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+    cut = torch.where(nucleus.unsqueeze(1), torch.maximum(threshold, kth), kth)
+    open_rows = nucleus & keep[:, -1]
+    missing = ((ps - cum[:, -1]) / probs[:, -1]).nan_to_num(nan=float("inf"), posinf=float("inf"))
+    need = torch.where(open_rows, count + missing.clamp_min(1.0),
+                       torch.full_like(missing, float(count)))
+    return logits.masked_fill(logits < cut, neg_inf), need
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, ks: torch.Tensor,
+                        ps: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p over a full sort of every row (ks, ps already normalized)."""
+    neg_inf = -float("inf")
     logits_sort, _ = logits.sort(dim=-1, descending=True)
     kth = logits_sort.gather(1, (ks - 1).unsqueeze(1))  # [rows, 1]
     logits = logits.masked_fill(logits < kth, neg_inf)
     logits_sort = logits_sort.masked_fill(logits_sort < kth, neg_inf)
 
-    ps = top_ps.to(device=logits.device, dtype=logits_sort.dtype)
-    ps = torch.where(ps >= 1.0, torch.full_like(ps, float("inf")), ps)
     probs_sort = logits_sort.softmax(dim=-1)
     # Keep a token while the probability mass strictly before it is below p.
     exclusive_cum = probs_sort.cumsum(dim=-1) - probs_sort
