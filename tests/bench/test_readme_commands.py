@@ -64,6 +64,9 @@ def _tiny_flags(command: str, model: Path, out: Path) -> list[str]:
     if "elementwise" in command:
         return ["--rows", "1", "3", "--target-s", "0.001", "--threads", "1", "--hidden", "40",
                 "--intermediate", "24", "--heads", "2/1x8", "--out", str(out)]
+    if "sampler" in command:
+        return ["--rows", "2", "--vocab", "300", "--target-s", "0.001", "--threads", "1",
+                "--out", str(out)]
     if "linear" in command:
         return ["--shapes", "64x32", "--rows", "1", "3", "--target-s", "0.001", "--threads",
                 "1", "--out", str(out)]
@@ -88,7 +91,7 @@ def test_readme_lists_the_benchmarks() -> None:
     for wanted in ("python3 bench/kernels.py --quick", "vllm-lite bench kernels --quick",
                    "python3 bench/throughput.py --quick", "python3 bench/latency.py --quick",
                    "python3 bench/linear.py --quick", "python3 bench/step_profile.py --quick",
-                   "python3 bench/elementwise.py --quick"):
+                   "python3 bench/elementwise.py --quick", "python3 bench/sampler.py --quick"):
         assert wanted in commands, commands
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,20 @@ from vllm_lite.benchmarks.report import DEFAULT_OUT
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def time_us(fn: Callable[[], Any], target_s: float) -> float:
+    """Median microseconds of fn() over about target_s seconds of calls (at least 5),
+    after 3 untimed ones."""
+    for _ in range(3):
+        fn()
+    samples = []
+    end = time.perf_counter() + target_s
+    while time.perf_counter() < end or len(samples) < 5:
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e6
 
 
 def int_range(text: str) -> tuple[int, int]:

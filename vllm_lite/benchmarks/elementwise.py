@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from vllm_lite.benchmarks import RESULTS_DIR
+from vllm_lite.benchmarks.common import time_us
 from vllm_lite.config import THREADS_HELP, set_threads
 
 log = logging.getLogger(__name__)
@@ -59,18 +58,6 @@ def _parse_heads(s: str) -> tuple[int, int, int]:
         raise ValueError(f"--heads: {s!r} needs positive sizes, an even head size and "
                          "query heads a multiple of kv heads")
     return out
-
-
-def _time_us(fn: Any, target_s: float) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    end = time.perf_counter() + target_s
-    while time.perf_counter() < end or len(samples) < 5:
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e6
 
 
 def run(args: argparse.Namespace) -> str:
@@ -152,8 +139,8 @@ def run(args: argparse.Namespace) -> str:
                     a, b = check()
                     diff = float((a.double() - b.double()).abs().max()
                                  / b.double().abs().max().clamp_min(1e-30))
-                    ours = _time_us(ours_fn, target)
-                    peer = _time_us(peer_fn, target)
+                    ours = time_us(ours_fn, target)
+                    peer = time_us(peer_fn, target)
                     lines.append(f"| {dname} | {name} | {m} | {ours:.1f} | {peer:.1f} | "
                                  f"{peer / ours:.2f} | {diff:.1e} |")
                     log.info("%s %s rows %d: ours %.1f us, torch %.1f us", dname, name, m,

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from vllm_lite.benchmarks import RESULTS_DIR
+from vllm_lite.benchmarks.common import time_us
 from vllm_lite.config import THREADS_HELP, set_threads
 
 log = logging.getLogger(__name__)
@@ -67,18 +66,6 @@ def _parse_shape(s: str) -> tuple[int, int]:
     return k, n
 
 
-def _time_us(fn: Any, target_s: float) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    end = time.perf_counter() + target_s
-    while time.perf_counter() < end or len(samples) < 5:
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e6
-
-
 def run(args: argparse.Namespace) -> str:
     """The report (markdown) of one run."""
     import torch
@@ -116,10 +103,10 @@ def run(args: argparse.Namespace) -> str:
             scale_t = scale.to(dtype)  # torch's op wants the scales in x's dtype
             for m in rows:
                 x = torch.randn(m, k, generator=gen).to(dtype)
-                fp32 = _time_us(lambda: lin(x), target)
-                torch_fp32 = _time_us(lambda: F.linear(x, plain), target)
-                ours = _time_us(lambda: ops.int8_linear(x, q, scale), target)
-                theirs = _time_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q, scale_t),
+                fp32 = time_us(lambda: lin(x), target)
+                torch_fp32 = time_us(lambda: F.linear(x, plain), target)
+                ours = time_us(lambda: ops.int8_linear(x, q, scale), target)
+                theirs = time_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q, scale_t),
                                   target)
                 ref = x.double() @ deq.t()
                 err = float((ops.int8_linear(x, q, scale).double() - ref).abs().max()

@@ -3,7 +3,7 @@
     vllm-lite generate --model smollm2-135m "Hello, my name is" "The capital of France is"
     vllm-lite generate --model smollm2-135m --chat "What is the capital of France?"
     vllm-lite serve --model smollm2-135m --host 127.0.0.1 --port 8000 [--api-key KEY]
-    vllm-lite bench throughput|latency|kernels|linear|elementwise|profile [--quick] [--threads 1]
+    vllm-lite bench throughput|latency|kernels|linear|elementwise|sampler|profile [--quick] [--threads 1]
     vllm-lite --version
 
 `generate` prints each prompt's completion, then the throughput of the run; `serve` runs
@@ -190,8 +190,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark vllm_lite's engine against HF transformers, "
                                      "or its kernels")
     kinds = p.add_subparsers(dest="bench", required=True)
-    from vllm_lite.benchmarks import (elementwise, kernels, latency, linear, step_profile,
-                                      throughput)
+    from vllm_lite.benchmarks import (elementwise, kernels, latency, linear, sampler,
+                                      step_profile, throughput)
 
     for name, module in (("throughput", throughput), ("latency", latency)):
         module.add_arguments(kinds.add_parser(name, help=module.__doc__.splitlines()[0],
@@ -207,6 +207,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
         "elementwise", help="native element-wise ops vs the torch code they replaced "
                             "(bench/elementwise.py)",
         description=elementwise.__doc__.split("\n\n")[0], formatter_class=_FMT))
+    sampler.add_arguments(kinds.add_parser(
+        "sampler", help="the sampler vs HF transformers' sampling step (bench/sampler.py)",
+        description=sampler.__doc__.split("\n\n")[0], formatter_class=_FMT))
     step_profile.add_arguments(kinds.add_parser(
         "profile", help="where an engine step's time goes, prefill and decode "
                         "(bench/step_profile.py)",
@@ -214,8 +217,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from vllm_lite.benchmarks import (elementwise, kernels, latency, linear, step_profile,
-                                      throughput)
+    from vllm_lite.benchmarks import (elementwise, kernels, latency, linear, sampler,
+                                      step_profile, throughput)
     from vllm_lite.benchmarks.common import run_cli
 
     if args.bench == "kernels":
@@ -224,6 +227,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         return linear.run_args(args)
     if args.bench == "elementwise":
         return elementwise.run_args(args)
+    if args.bench == "sampler":
+        return sampler.run_args(args)
     if args.bench == "profile":
         return step_profile.run_args(args)
     module = {"throughput": throughput, "latency": latency}[args.bench]
