@@ -134,13 +134,18 @@ def run(args: argparse.Namespace) -> str:
                 t_ours = time_us(lambda: sampler(logits, meta), target) / 1e3
                 t_hf = time_us(lambda: _hf_step(torch, processors, ids, logits.clone(), greedy),
                                target) / 1e3
-                lines.append(f"| {name} | {m} | {t_ours:.2f} | {t_hf:.2f} | "
+                lines.append(f"| {name} | {m} | {_ms(t_ours)} | {_ms(t_hf)} | "
                              f"{t_hf / t_ours:.1f} |")
                 log.info("%s, %d rows: vllm_lite %.2f ms, HF %.2f ms", name, m, t_ours, t_hf)
     lines += ["", "Speedup: HF transformers' time / vllm_lite's (above 1: vllm_lite is "
               "faster). HF's time includes a copy of the logits (its processors work in "
               "place), under 1% of it."]
     return "\n".join(lines) + "\n"
+
+
+def _ms(t: float) -> str:
+    # Two decimals, more below 0.01 ms (tiny test sizes), so no cell reads 0.00.
+    return f"{t:.2f}" if t >= 0.01 else f"{t:.4f}"
 
 
 def main(argv: list[str] | None = None) -> int:
