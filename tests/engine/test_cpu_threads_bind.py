@@ -5,10 +5,7 @@ binding runs in subprocesses."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,13 +13,12 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from entrypoints.utils import cli_env, make_llm  # noqa: E402
+from entrypoints.utils import make_llm, run_python_json  # noqa: E402
 from vllm_lite.config import parse_cpu_ids  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux")
 
 ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_parse_cpu_ids() -> None:
@@ -53,19 +49,9 @@ def test_refused_with_several_ranks(model_dir: Path) -> None:
         make_llm(model_dir, cpu_threads_bind="auto", tensor_parallel_size=2)
 
 
-def _run(code: str) -> dict:
-    # The vllm_lite these tests import (installed in CI, where the checkout has no _C).
-    env = cli_env()
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT / "tests")])
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, env=env, cwd="/")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_op_binds_threads_one_per_cpu() -> None:
     cpu = ALLOWED[-1]
-    got = _run(f"""
+    got = run_python_json(f"""
 import json, os, torch, vllm_lite
 from vllm_lite import ops
 lines = ops.init_cpu_threads_env("{cpu}")
@@ -97,7 +83,7 @@ print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs],
                   "affinity": sorted(os.sched_getaffinity(0)),
                   "threads": torch.get_num_threads()}}))
 """
-    bound = _run(code.format(folder=str(model_dir), bind="auto"))
-    plain = _run(code.format(folder=str(model_dir), bind=None))
+    bound = run_python_json(code.format(folder=str(model_dir), bind="auto"))
+    plain = run_python_json(code.format(folder=str(model_dir), bind=None))
     assert bound["tokens"] == plain["tokens"]
     assert bound["affinity"] == [ALLOWED[0]] and bound["threads"] == len(ALLOWED)

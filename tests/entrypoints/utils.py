@@ -107,6 +107,25 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
                 "PYTHONPATH", "").split(os.pathsep) if p])}
 
 
+def run_python_json(code: str, *args: str, env: dict[str, str] | None = None,
+                    unset: tuple[str, ...] = ()) -> Any:
+    """Runs ``python -c code *args`` in a fresh process (for what pins or tunes the whole
+    process) with the vllm_lite these tests import (installed in CI, where the checkout
+    has no _C) and the tests folder importable, from "/" so the checkout is not on the
+    path; returns the JSON of its last stdout line. ``unset``: variables removed from the
+    environment before ``env`` is added."""
+    child_env = cli_env()
+    for name in unset:
+        child_env.pop(name, None)
+    child_env.update(env or {})
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [child_env["PYTHONPATH"], str(Path(__file__).resolve().parents[1])])
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         timeout=300, env=child_env, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 class ServeProcess:
     """``vllm-lite serve`` on the tiny model in a child process (the real entry point:
     signals, exit status, logs), on 127.0.0.1:``port``.

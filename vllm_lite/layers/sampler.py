@@ -565,7 +565,6 @@ class Sampler:
         processed = process_logits(logits, metadata)
         logprobs = torch.log_softmax(processed, dim=-1)
         dev = processed.device
-        vocab = processed.shape[1]
 
         # Greedy rows: argmax; random rows: num_samples draws each (_draw).
         greedy = [i for i, r in enumerate(rows) if r.sampling_type == SamplingType.GREEDY]
