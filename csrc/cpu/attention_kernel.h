@@ -13,9 +13,11 @@
 // Grid: one task per (sequence, KV head, partition of partition_size tokens); the caller
 // runs tasks in parallel. A task serves all num_heads / num_kv_heads query heads of its KV
 // head, so each K/V block of the partition is read from memory once (GQA/MQA):
-//   1. K pass: per token, convert its key to float32 (an L1 buffer), then the dot products
-//      of all query heads at once -> logits [group, partition_size] in scratch. Meanwhile
-//      prefetch the next block's K tile and this block's V tile (blocks are scattered).
+//   1. K pass: VW tokens at a time, tokens across lane groups (key_vectors: one load serves
+//      several tokens, no per-token horizontal sum); a run's last < VW tokens one at a
+//      time (the key in float32 in an L1 buffer, then the dot products of all query heads)
+//      -> logits [group, partition_size] in scratch. Meanwhile prefetch the next block's K
+//      tile and this block's V tile (blocks are scattered).
 //   2. Softmax per head: max, exp (a branchless polynomial that vectorizes), sum; logits
 //      become probabilities.
 //   3. V pass: value rows are token-contiguous, so for each dim accumulate p * v with
@@ -200,6 +202,114 @@ VLLM_LITE_INLINE void dots(const float* q, int64_t q_stride, const float* k, int
     for (int64_t g = 0; g < NG; ++g) acc[g] += load_vec<FV>(q + g * q_stride + i) * kv;
   }
   for (int64_t g = 0; g < NG; ++g) out[g * out_stride] = hsum(acc[g]);
+}
+
+// The K pass over whole vectors of tokens. In the key cache, a chunk of X elements of
+// consecutive tokens is contiguous ([head_size / X, block_size, X] per block), so one
+// vector holds the same LPT = min(X, VW) dims of TPV = VW / LPT tokens. Multiplied by the
+// query's LPT dims repeated TPV times and summed over the head's vectors, it leaves each
+// token's dot product spread over its LPT lanes; LPT such accumulators (VW tokens) fold
+// into one vector of VW logits by log2(LPT) rounds of adjacent-pair sums. A dot product
+// per token (dots) instead ends in a horizontal sum per token and head, which at head
+// size 64 cost more than the token's FMAs (fp32 decode ran at ~17 GFLOP/s).
+template <int64_t X>
+constexpr int64_t key_lanes() { return X < VW ? X : VW; }
+// Query heads per key_vectors call: LPT x heads accumulators, the heads' query vectors and
+// a key vector must fit the register file (32 vectors with AVX-512, else 16).
+template <int64_t X>
+constexpr int64_t key_heads() {
+  constexpr int64_t n = (VW >= 16 ? 24 : 12) / (key_lanes<X>() + 1);
+  return n < 1 ? 1 : (n > 4 ? 4 : n);
+}
+
+// a's adjacent-pair sums, then b's: (a0 + a1, a2 + a3, ..., b0 + b1, ...). A template, so
+// builds with narrower vectors never instantiate the wide shuffles.
+template <int64_t N>
+VLLM_LITE_INLINE Vec<float, N> pair_sums(Vec<float, N> a, Vec<float, N> b) {
+  if constexpr (N == 4) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
+  } else if constexpr (N == 8) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+  } else {
+    static_assert(N == 16, "vectors of 4, 8 or 16 floats");
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                   30) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                   31);
+  }
+}
+
+// The query rows as key_vectors reads them: head g's dims [i * LPT, (i + 1) * LPT) repeated
+// TPV times in vector i of qrep + g * D * TPV (D / LPT vectors per head).
+template <int64_t X>
+VLLM_LITE_INLINE void repeat_query(const float* q, int64_t q_stride, int64_t G, int64_t D,
+                                   float* qrep) {
+  constexpr int64_t LPT = key_lanes<X>();
+  static_assert(VW / LPT <= 4, "attention_scratch_floats has room for 4 copies of q");
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < D / LPT; ++i) {
+      for (int64_t l = 0; l < VW; ++l) {
+        qrep[(g * (D / LPT) + i) * VW + l] = q[g * q_stride + i * LPT + l % LPT];
+      }
+    }
+  }
+}
+
+// lg[g * lg_stride + i] = dot(q_g, key of token i) for the VW consecutive tokens from kt
+// (their chunk 0 in a block's key tile, bs tokens per chunk row) and NG query heads, whose
+// repeat_query vectors start at qrep.
+template <typename E, int64_t NG>
+VLLM_LITE_INLINE void key_vectors(const typename E::T* kt, int64_t bs, int64_t D,
+                                  const float* qrep, float* lg, int64_t lg_stride) {
+  constexpr int64_t X = 16 / sizeof(typename E::T);
+  constexpr int64_t LPT = key_lanes<X>();
+  constexpr int64_t TPV = VW / LPT;
+  const int64_t nv = D / LPT;  // query vectors per head
+  FV acc[LPT][NG] = {};
+  for (int64_t c = 0; c < D / X; ++c) {
+    for (int64_t j = 0; j < X; j += LPT) {
+      FV qv[NG];
+      const int64_t i = (c * X + j) / LPT;
+      for (int64_t g = 0; g < NG; ++g) qv[g] = load_vec<FV>(qrep + (g * nv + i) * VW);
+      for (int64_t u = 0; u < LPT; ++u) {
+        const FV kv = E::template load<VW>(kt + (c * bs + u * TPV) * X + j);
+        for (int64_t g = 0; g < NG; ++g) acc[u][g] += qv[g] * kv;
+      }
+    }
+  }
+  for (int64_t g = 0; g < NG; ++g) {
+    FV r[LPT];
+    for (int64_t u = 0; u < LPT; ++u) r[u] = acc[u][g];
+    for (int64_t w = LPT; w > 1; w /= 2) {
+      for (int64_t i = 0; i < w / 2; ++i) r[i] = pair_sums<VW>(r[2 * i], r[2 * i + 1]);
+    }
+    store_vec(lg + g * lg_stride, r[0]);
+  }
+}
+
+// key_vectors for all G query heads, key_heads() at a time.
+template <typename E>
+VLLM_LITE_INLINE void key_vectors_all(const typename E::T* kt, int64_t bs, int64_t D, int64_t G,
+                                      const float* qrep, float* lg, int64_t lg_stride) {
+  constexpr int64_t HG = key_heads<16 / sizeof(typename E::T)>();
+  const int64_t qs = D * VW / key_lanes<16 / sizeof(typename E::T)>();  // floats per head
+  int64_t g = 0;
+  for (; g + HG <= G; g += HG) {
+    key_vectors<E, HG>(kt, bs, D, qrep + g * qs, lg + g * lg_stride, lg_stride);
+  }
+  const int64_t rest = G - g;
+  const float* qr = qrep + g * qs;
+  float* lr = lg + g * lg_stride;
+  if constexpr (HG > 3) {
+    if (rest == 3) return key_vectors<E, 3>(kt, bs, D, qr, lr, lg_stride);
+  }
+  if constexpr (HG > 2) {
+    if (rest == 2) return key_vectors<E, 2>(kt, bs, D, qr, lr, lg_stride);
+  }
+  if constexpr (HG > 1) {
+    if (rest == 1) return key_vectors<E, 1>(kt, bs, D, qr, lr, lg_stride);
+  }
 }
 
 // Lane-wise max of n floats (n >= 1): vectorizes where a scalar running max cannot.
@@ -390,10 +500,12 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   const int64_t G = k.G, D = k.D, P = p.partition_size;
   const int64_t Dp = padded_head_size(D);
 
-  // Scratch layout (attention_scratch_floats): q [G, Dp] | kbuf [Dp] | logits [G, P].
+  // Scratch layout (attention_scratch_floats): q [G, Dp] | kbuf [Dp] | logits [G, P] |
+  // (room for the bf16 task's buffers) | qrep [G, D * TPV] (repeat_query).
   float* q = scratch;
   float* kbuf = q + G * Dp;
   float* logits = kbuf + Dp;
+  float* qrep = logits + 2 * G * P + 2 * G * Dp;
 
   const int64_t q_elem = p.q_dtype == KvDType::kFloat32 ? 4 : 2;
   for (int64_t g = 0; g < G; ++g) {
@@ -403,11 +515,17 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
     for (int64_t d = D; d < Dp; ++d) q[g * Dp + d] = 0.0f;
   }
   for (int64_t d = D; d < Dp; ++d) kbuf[d] = 0.0f;
+  repeat_query<X>(q, Dp, G, D, qrep);
 
-  // 1. K pass: per token, its key in float32, then every head's dot product.
+  // 1. K pass: VW tokens at a time where the run has them (key_vectors); the rest per
+  // token: its key in float32, then every head's dot product.
   Runs<T> runs;
   walk_blocks(k, runs, [&](const T* kblk, int64_t off, int64_t cnt, int64_t first) {
-    for (int64_t i = 0; i < cnt; ++i) {
+    int64_t i0 = 0;
+    for (; i0 + VW <= cnt; i0 += VW) {
+      key_vectors_all<E>(kblk + (off + i0) * X, k.bs, D, G, qrep, logits + first + i0, P);
+    }
+    for (int64_t i = i0; i < cnt; ++i) {
       const T* kt = kblk + (off + i) * X;
       for (int64_t c = 0; c < D / X; ++c) {
         for (int64_t j = 0; j < X; j += CW) {

@@ -93,11 +93,13 @@ inline int64_t padded_head_size(int64_t head_size) { return (head_size + 15) / 1
 // Floats of per-thread scratch one task needs: q [group, padded head] | k [padded head] |
 // logits [group, partition]; the AVX512-BF16 task instead keeps logits | the query chunks
 // repeated 4x in bf16 [group, head / 8, 32] | probabilities as bf16 pairs [group, 2, partition],
-// which fits in the same size plus 2 x group x padded head. The caller aligns it to 64 bytes.
+// which fits in the same size plus 2 x group x padded head. After both, the float32 task's
+// query repeated for its token-vector K pass: at most 4 copies (a vector holds at least 4 of
+// a token's dims) [group, 4 x padded head]. The caller aligns it to 64 bytes.
 inline int64_t attention_scratch_floats(const AttentionParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t dp = padded_head_size(p.head_size);
-  return group * dp + dp + 2 * group * p.partition_size + 2 * group * dp;
+  return group * dp + dp + 2 * group * p.partition_size + 2 * group * dp + 4 * group * dp;
 }
 
 // Floats of per-thread scratch one varlen task needs (rp = varlen_rows_padded):
