@@ -1,11 +1,12 @@
 // Makes the extension importable as the Python module vllm_lite._C: importing it loads the
 // shared library, which runs the op registrations in torch_bindings.cpp. It also exposes
-// the CPU ISA selection (cpu/cpu_isa.h). Only the Python build compiles this file; the
+// the CPU ISA selection (cpu/cpu_isa.h) and bf16_linear's panel width. Only the Python build compiles this file; the
 // CMake build links the same ops without Python.
 #include <Python.h>
 
 #include <c10/util/Exception.h>
 
+#include "cpu/bf16_linear_params.h"
 #include "cpu/cpu_isa.h"
 
 namespace {
@@ -46,4 +47,12 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* m = PyModule_Create(&module);
+  // pack_bf16_weight's panel width, for the op's fake (shape-only) implementation.
+  if (m != nullptr && PyModule_AddIntConstant(m, "BF16_PANEL_COLS", vllm_lite::cpu::kBf16PanelCols) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

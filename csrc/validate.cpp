@@ -539,6 +539,46 @@ int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
   return n;
 }
 
+void check_pack_bf16_weight(const at::Tensor& weight) {
+  const char* op = "pack_bf16_weight";
+  check_dtype(op, weight, "weight", at::kBFloat16);
+  check_dim(op, weight, "weight", 2, "[N, K]");
+  TORCH_CHECK(weight.device().is_cpu(), op, ": weight must be on the CPU, got ", weight.device());
+  TORCH_CHECK(weight.size(0) >= 1 && weight.size(1) >= 2 && weight.size(1) % 2 == 0, op,
+              ": weight [N, K] needs N >= 1 and an even K >= 2 (the kernel multiplies pairs "
+              "of k), got shape ", weight.sizes());
+}
+
+void check_bf16_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                       const std::optional<at::Tensor>& bias, int64_t out_features,
+                       int64_t panel_cols) {
+  const char* op = "bf16_linear";
+  check_dtype(op, x, "x", at::kBFloat16);
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K], got a scalar");
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
+  check_dtype(op, packed_weight, "packed_weight", at::kBFloat16);
+  check_dim(op, packed_weight, "packed_weight", 4, "[panels, K / 2, panel columns, 2]");
+  check_contiguous(op, packed_weight, "packed_weight");
+  check_same_device(op, packed_weight, "packed_weight", x, "x");
+  const int64_t panels = packed_weight.size(0);
+  TORCH_CHECK(packed_weight.size(2) == panel_cols && packed_weight.size(3) == 2, op,
+              ": packed_weight must be pack_bf16_weight's [panels, K / 2, ", panel_cols,
+              ", 2], got shape ", packed_weight.sizes());
+  TORCH_CHECK(x.size(-1) == 2 * packed_weight.size(1), op, ": x's last dimension (",
+              x.size(-1), ") must equal packed_weight's K (", 2 * packed_weight.size(1), ")");
+  TORCH_CHECK(out_features >= 1 && (out_features + panel_cols - 1) / panel_cols == panels, op,
+              ": out_features ", out_features, " does not match packed_weight's ", panels,
+              " panels of ", panel_cols, " columns");
+  if (bias.has_value()) {
+    check_dtype(op, *bias, "bias", at::kFloat);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, op,
+                ": bias must be [out_features] = [", out_features, "], got shape ",
+                bias->sizes());
+    check_contiguous(op, *bias, "bias");
+    check_same_device(op, *bias, "bias", x, "x");
+  }
+}
+
 int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,
                           const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                           const std::optional<at::Tensor>& bias) {

@@ -277,6 +277,27 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return _ops.int8_linear(x, qweight, scales, bias)
 
 
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` bfloat16 [N, K] (K even) in bf16_linear's packed layout: panels of
+    output columns, pairs of k adjacent (csrc/cpu/bf16_linear_params.h). CPU only."""
+    return _ops.pack_bf16_weight(weight)
+
+
+def bf16_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    """bf16(x [..., K] @ W.T + bias) for W [out_features, K] packed by
+    :func:`pack_bf16_weight`; x bfloat16, bias float32 [out_features] or None; float32
+    accumulation, one rounding. CPU only (models.llama.Linear, bfloat16 models on CPUs
+    with AVX512_BF16)."""
+    return _ops.bf16_linear(x, packed_weight, bias, out_features)
+
+
+def bf16_linear_kernel_selected() -> bool:
+    """Whether bf16_linear runs its own kernel here (the selected CPU build is
+    "avx512bf16"); elsewhere it computes through at::linear, correct but no faster."""
+    return cpu_isa() == "avx512bf16"
+
+
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 zeros: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -335,7 +356,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     _ops.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
-# Fake (meta) implementations: every op but int8_linear / int4_linear only mutates its outputs, so
+# Fake (meta) implementations: every op but the linear ones only mutates its outputs, so
 # tracing needs no shape computation, just the promise that nothing is returned.
 def _register_fakes() -> None:
     def _none(*args: object, **kwargs: object) -> None:
@@ -360,6 +381,17 @@ def _register_fakes() -> None:
     def _int8_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("vllm_lite::pack_bf16_weight")
+    def _pack_bf16_weight_fake(weight: torch.Tensor) -> torch.Tensor:
+        n, k = weight.shape
+        cols = vllm_lite._C.BF16_PANEL_COLS  # kBf16PanelCols (csrc/cpu/bf16_linear_params.h)
+        return weight.new_empty((-(-n // cols), k // 2, cols, 2))
+
+    @torch.library.register_fake("vllm_lite::bf16_linear")
+    def _bf16_linear_fake(x: torch.Tensor, packed_weight: torch.Tensor,
+                          bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], out_features))
 
     @torch.library.register_fake("vllm_lite::int4_linear")
     def _int4_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -1,5 +1,5 @@
 """models.llama.Linear's CPU weight forms (oneDNN-prepacked float32 and bfloat16, the
-unpacked float32 head) against a float64 matmul / plain F.linear on the original weight,
+bf16_linear-packed bfloat16 where the AVX512-BF16 kernel is selected, the unpacked float32 head) against a float64 matmul / plain F.linear on the original weight,
 on fresh random inputs."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_lite import ops
 from vllm_lite.models.llama import Linear
 
 
@@ -51,14 +52,18 @@ def test_float32_onednn_weight(bias: bool, copy_float32: bool) -> None:
 def test_bfloat16_prepacked_weight(bias: bool) -> None:
     lin, ref_w = _linear(torch.bfloat16, bias, seed=2)
     lin.prepare_for_cpu()
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch without oneDNN: Linear keeps F.linear")
-    try:  # oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 16)
-    except RuntimeError as e:
-        assert lin._packed is None  # and Linear falls back to F.linear
-        pytest.skip(f"no bf16 weight packing on this CPU: {e}")
-    assert lin._packed is not None
+    if ops.bf16_linear_kernel_selected():  # vllm_lite's own kernel, no oneDNN copy
+        assert lin._bf16_packed is not None and lin._packed is None
+    else:
+        assert lin._bf16_packed is None
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("torch without oneDNN: Linear keeps F.linear")
+        try:  # oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 16)
+        except RuntimeError as e:
+            assert lin._packed is None  # and Linear falls back to F.linear
+            pytest.skip(f"no bf16 weight packing on this CPU: {e}")
+        assert lin._packed is not None
     with torch.no_grad():
         for rows in (1, 16, 64, 300):
             x = torch.randn(rows, 96, dtype=torch.bfloat16)

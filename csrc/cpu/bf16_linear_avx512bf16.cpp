@@ -1,0 +1,125 @@
+// The AVX512-BF16 kernel of bf16_linear: y = bf16(x W^T + bias) with float32 accumulation,
+// on the packed weight of bf16_linear_params.h.
+//
+// Grid: the caller splits the panels (kBf16PanelCols output columns each) over threads;
+// a call walks its panels in order and, per panel, the rows of x in tiles of
+// kBf16TileRows. A tile keeps rows x kBf16PanelVecs float32 accumulators in registers and
+// runs K / 2 steps of: load the panel's 3 weight vectors (16 columns x a pair of k each),
+// then per row broadcast the pair (x[m, 2j], x[m, 2j + 1]) and vdpbf16ps it into the
+// row's 3 accumulators: 3 weight loads and rows broadcasts per 3 x rows products, no
+// horizontal sums, outputs rounded once (vcvtneps2bf16, nearest even).
+// Weights stream from memory once per call (the panel stays in L1/L2 for its row tiles),
+// so the first row tile of a panel prefetches the next panel into L2: at decode sizes the
+// weights, not the arithmetic, are most of the time, and oneDNN's packed GEMM did not
+// hide them (README "Linear-layer benchmark").
+// Limits: K even (the pairs), rows of x contiguous within themselves; any M and N (the
+// last panel's columns past N are zero in the weight and not stored).
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu/bf16_linear_params.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>  // its intrinsics carry their own target attributes
+#if defined(__clang__)
+#pragma clang attribute push(                                                           \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma"))), \
+    apply_to = function)
+#else
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,prefer-vector-width=512")
+#endif
+
+namespace vllm_lite::cpu {
+namespace {
+
+constexpr int64_t NV = kBf16PanelVecs;
+constexpr int64_t kPairStride = kBf16PanelCols * 2;  // bf16 per k pair of a panel
+
+// Rows [0, R) of x (row stride xs) times one panel w; y's rows have stride N and this
+// panel's columns start at y; `cols` of them are stored (< kBf16PanelCols in the last
+// panel). next: the panel to prefetch into L2 meanwhile (nullptr: none).
+template <int64_t R>
+inline void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
+                 const float* bias, uint16_t* y, int64_t N, int64_t cols,
+                 const uint16_t* next) {
+  __m512 acc[R][NV];
+  for (int64_t b = 0; b < NV; ++b) {
+    const __mmask16 m = static_cast<__mmask16>(
+        cols >= (b + 1) * kBf16VecCols ? 0xFFFF
+        : cols > b * kBf16VecCols      ? (1u << (cols - b * kBf16VecCols)) - 1u
+                                       : 0u);
+    const __m512 init = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + b * kBf16VecCols)
+                                        : _mm512_setzero_ps();
+    for (int64_t r = 0; r < R; ++r) acc[r][b] = init;
+  }
+  const int64_t pairs = K / 2;
+  for (int64_t j = 0; j < pairs; ++j) {
+    const uint16_t* wj = w + j * kPairStride;
+    if (next != nullptr) {
+      for (int64_t b = 0; b < NV; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + j * kPairStride + b * 32), _MM_HINT_T1);
+      }
+    }
+    __m512bh wv[NV];
+    for (int64_t b = 0; b < NV; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wj + b * 32);
+    for (int64_t r = 0; r < R; ++r) {
+      int32_t pair;
+      __builtin_memcpy(&pair, x + r * xs + 2 * j, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+    }
+  }
+  for (int64_t b = 0; b < NV; ++b) {
+    const int64_t c0 = b * kBf16VecCols;
+    if (cols <= c0) break;
+    const __mmask16 m = static_cast<__mmask16>(
+        cols >= c0 + kBf16VecCols ? 0xFFFF : (1u << (cols - c0)) - 1u);
+    for (int64_t r = 0; r < R; ++r) {
+      _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
+    }
+  }
+}
+
+template <int64_t R>
+inline void tail_tile(const uint16_t* x, int64_t xs, int64_t rows, const uint16_t* w,
+                      int64_t K, const float* bias, uint16_t* y, int64_t N, int64_t cols,
+                      const uint16_t* next) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile<R>(x, xs, w, K, bias, y, N, cols, next);
+    tail_tile<R - 1>(x, xs, rows, w, K, bias, y, N, cols, next);
+  }
+}
+
+void bf16_linear_panels(const Bf16LinearArgs& a, int64_t p0, int64_t p1) {
+  const int64_t K = a.K, panel = (K / 2) * kPairStride;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* w = a.w + p * panel;
+    const uint16_t* next = p + 1 < p1 ? w + panel : nullptr;
+    const int64_t n0 = p * kBf16PanelCols;
+    const int64_t cols = std::min<int64_t>(kBf16PanelCols, a.N - n0);
+    const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
+    int64_t m = 0;
+    for (; m + kBf16TileRows <= a.M; m += kBf16TileRows) {
+      tile<kBf16TileRows>(a.x + m * a.x_row_stride, a.x_row_stride, w, K, bias,
+                          a.y + m * a.N + n0, a.N, cols, m == 0 ? next : nullptr);
+    }
+    if (m < a.M) {
+      tail_tile<kBf16TileRows - 1>(a.x + m * a.x_row_stride, a.x_row_stride, a.M - m, w, K,
+                                   bias, a.y + m * a.N + n0, a.N, cols,
+                                   m == 0 ? next : nullptr);
+    }
+  }
+}
+
+}  // namespace
+
+Bf16LinearFn bf16_linear_avx512bf16() { return &bf16_linear_panels; }
+
+}  // namespace vllm_lite::cpu
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#else
+vllm_lite::cpu::Bf16LinearFn vllm_lite::cpu::bf16_linear_avx512bf16() { return nullptr; }
+#endif
