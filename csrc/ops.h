@@ -92,14 +92,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size,
                        const std::optional<at::Tensor>& bias);
-// bfloat16 linear on a packed weight (cpu/bf16_linear_params.h): pack_bf16_weight(W [N, K],
-// K even) -> packed; bf16_linear(x [..., K], packed, bias float32 [N] or none, N) ->
-// bf16(x W^T + bias), accumulated in float32. The AVX512-BF16 kernel where that CPU build
-// is selected, else the same math through at::linear on the unpacked weight. CPU only:
-// models.llama.Linear uses it for bfloat16 models on CPUs with AVX512_BF16.
-at::Tensor pack_bf16_weight(const at::Tensor& weight);
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed_weight,
-                       const std::optional<at::Tensor>& bias, int64_t out_features);
+// float32 / bfloat16 linear on a packed weight (cpu/packed_linear_params.h):
+// pack_linear_weight(W [N, K]) -> packed (bfloat16: K even); packed_linear(x [..., K] in
+// W's dtype, packed, bias float32 [N] or none, N) -> x W^T + bias in x's dtype, accumulated
+// in float32. The AVX-512 (float32) / AVX512-BF16 (bfloat16) kernels where that CPU build
+// is selected (packed_linear_kernel_selected), else the same math through at::linear on
+// the unpacked weight. CPU only: models.llama.Linear uses it where the kernel is selected.
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                         const std::optional<at::Tensor>& bias, int64_t out_features);
+bool packed_linear_kernel_selected(at::ScalarType dtype);
 
 // Binds torch's OpenMP threads one per CPU of cpu_ids ("0-3,8"); cpu/threads.cpp.
 std::string init_cpu_threads_env(const std::string& cpu_ids);

@@ -1,13 +1,14 @@
 // Makes the extension importable as the Python module vllm_lite._C: importing it loads the
 // shared library, which runs the op registrations in torch_bindings.cpp. It also exposes
-// the CPU ISA selection (cpu/cpu_isa.h) and bf16_linear's panel width. Only the Python build compiles this file; the
+// the CPU ISA selection (cpu/cpu_isa.h) and packed_linear's panel width and kernels. Only the Python build compiles this file; the
 // CMake build links the same ops without Python.
 #include <Python.h>
 
 #include <c10/util/Exception.h>
 
-#include "cpu/bf16_linear_params.h"
 #include "cpu/cpu_isa.h"
+#include "cpu/packed_linear_params.h"
+#include "ops.h"
 
 namespace {
 
@@ -36,11 +37,26 @@ PyObject* py_set_cpu_isa(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// "float32" / "bfloat16" -> whether packed_linear runs its own kernel for that dtype.
+PyObject* py_packed_linear_kernel(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (name == nullptr) return nullptr;
+  const std::string dtype(name);
+  if (dtype != "float32" && dtype != "bfloat16") {
+    PyErr_SetString(PyExc_ValueError, "dtype must be 'float32' or 'bfloat16'");
+    return nullptr;
+  }
+  return PyBool_FromLong(vllm_lite::cpu::packed_linear_kernel_selected(
+      dtype == "float32" ? at::kFloat : at::kBFloat16));
+}
+
 PyMethodDef methods[] = {
     {"cpu_isas", py_cpu_isas, METH_NOARGS,
      "The builds of the CPU attention kernel this CPU can run, widest first."},
     {"cpu_isa", py_cpu_isa, METH_NOARGS, "The build of the CPU attention kernel in use."},
     {"set_cpu_isa", py_set_cpu_isa, METH_O, "Selects a build of the CPU attention kernel."},
+    {"packed_linear_kernel", py_packed_linear_kernel, METH_O,
+     "Whether packed_linear has a kernel for 'float32' / 'bfloat16' in the selected build."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
@@ -49,8 +65,9 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
 
 PyMODINIT_FUNC PyInit__C(void) {
   PyObject* m = PyModule_Create(&module);
-  // pack_bf16_weight's panel width, for the op's fake (shape-only) implementation.
-  if (m != nullptr && PyModule_AddIntConstant(m, "BF16_PANEL_COLS", vllm_lite::cpu::kBf16PanelCols) < 0) {
+  // pack_linear_weight's panel width, for the op's fake (shape-only) implementation.
+  if (m != nullptr &&
+      PyModule_AddIntConstant(m, "PACKED_PANEL_COLS", vllm_lite::cpu::kPackedPanelCols) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -46,8 +46,8 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.def(
       "int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
       "Tensor? bias) -> Tensor");
-  m.def("pack_bf16_weight(Tensor weight) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
   // No tensors: one implementation for every backend (vLLM v0.6's CPU schema).
   m.def("init_cpu_threads_env(str cpu_ids) -> str", &vllm_lite::cpu::init_cpu_threads_env);
 }
@@ -69,8 +69,8 @@ TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   VLLM_LITE_REGISTER_IMPLS(cpu)
   m.impl("int8_linear", &vllm_lite::cpu::int8_linear);  // CPU only (ops.h)
   m.impl("int4_linear", &vllm_lite::cpu::int4_linear);  // CPU only (ops.h)
-  m.impl("pack_bf16_weight", &vllm_lite::cpu::pack_bf16_weight);  // CPU only (ops.h)
-  m.impl("bf16_linear", &vllm_lite::cpu::bf16_linear);            // CPU only (ops.h)
+  m.impl("pack_linear_weight", &vllm_lite::cpu::pack_linear_weight);  // CPU only (ops.h)
+  m.impl("packed_linear", &vllm_lite::cpu::packed_linear);            // CPU only (ops.h)
 }
 
 #ifdef VLLM_LITE_WITH_CUDA

@@ -539,33 +539,43 @@ int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
   return n;
 }
 
-void check_pack_bf16_weight(const at::Tensor& weight) {
-  const char* op = "pack_bf16_weight";
-  check_dtype(op, weight, "weight", at::kBFloat16);
+void check_pack_linear_weight(const at::Tensor& weight) {
+  const char* op = "pack_linear_weight";
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16, op,
+              ": weight must be Float or BFloat16, got ", weight.scalar_type());
   check_dim(op, weight, "weight", 2, "[N, K]");
   TORCH_CHECK(weight.device().is_cpu(), op, ": weight must be on the CPU, got ", weight.device());
-  TORCH_CHECK(weight.size(0) >= 1 && weight.size(1) >= 2 && weight.size(1) % 2 == 0, op,
-              ": weight [N, K] needs N >= 1 and an even K >= 2 (the kernel multiplies pairs "
-              "of k), got shape ", weight.sizes());
+  const bool pairs = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.size(0) >= 1 && weight.size(1) >= 1 && (!pairs || weight.size(1) % 2 == 0),
+              op, ": weight [N, K] needs N >= 1 and K >= 1", pairs ? ", K even for BFloat16 "
+              "(the kernel multiplies pairs of k)" : "", ", got shape ", weight.sizes());
 }
 
-void check_bf16_linear(const at::Tensor& x, const at::Tensor& packed_weight,
-                       const std::optional<at::Tensor>& bias, int64_t out_features,
-                       int64_t panel_cols) {
-  const char* op = "bf16_linear";
-  check_dtype(op, x, "x", at::kBFloat16);
+void check_packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                         const std::optional<at::Tensor>& bias, int64_t out_features,
+                         int64_t panel_cols) {
+  const char* op = "packed_linear";
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be Float or BFloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K], got a scalar");
   TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
-  check_dtype(op, packed_weight, "packed_weight", at::kBFloat16);
-  check_dim(op, packed_weight, "packed_weight", 4, "[panels, K / 2, panel columns, 2]");
+  check_dtype(op, packed_weight, "packed_weight", x.scalar_type());
+  const bool pairs = x.scalar_type() == at::kBFloat16;
+  if (pairs) {
+    check_dim(op, packed_weight, "packed_weight", 4, "[panels, K / 2, panel columns, 2]");
+  } else {
+    check_dim(op, packed_weight, "packed_weight", 3, "[panels, K, panel columns]");
+  }
   check_contiguous(op, packed_weight, "packed_weight");
   check_same_device(op, packed_weight, "packed_weight", x, "x");
   const int64_t panels = packed_weight.size(0);
-  TORCH_CHECK(packed_weight.size(2) == panel_cols && packed_weight.size(3) == 2, op,
-              ": packed_weight must be pack_bf16_weight's [panels, K / 2, ", panel_cols,
-              ", 2], got shape ", packed_weight.sizes());
-  TORCH_CHECK(x.size(-1) == 2 * packed_weight.size(1), op, ": x's last dimension (",
-              x.size(-1), ") must equal packed_weight's K (", 2 * packed_weight.size(1), ")");
+  const int64_t k = pairs ? 2 * packed_weight.size(1) : packed_weight.size(1);
+  TORCH_CHECK(packed_weight.size(2) == panel_cols && (!pairs || packed_weight.size(3) == 2), op,
+              ": packed_weight must be pack_linear_weight's ",
+              pairs ? "[panels, K / 2, " : "[panels, K, ", panel_cols, pairs ? ", 2]" : "]",
+              ", got shape ", packed_weight.sizes());
+  TORCH_CHECK(x.size(-1) == k, op, ": x's last dimension (", x.size(-1),
+              ") must equal packed_weight's K (", k, ")");
   TORCH_CHECK(out_features >= 1 && (out_features + panel_cols - 1) / panel_cols == panels, op,
               ": out_features ", out_features, " does not match packed_weight's ", panels,
               " panels of ", panel_cols, " columns");

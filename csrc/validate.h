@@ -121,14 +121,16 @@ int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,
                           const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                           const std::optional<at::Tensor>& bias);
 
-// pack_bf16_weight: weight bfloat16 [N, K], N >= 1, K even >= 2, on the CPU.
-void check_pack_bf16_weight(const at::Tensor& weight);
-// bf16_linear: x bfloat16 [..., K]; packed_weight bfloat16 [panels, K / 2, panel columns, 2]
-// contiguous (pack_bf16_weight's), out_features N with panels = ceil(N / panel columns);
-// bias float32 [N] contiguous or none; all on the CPU.
-void check_bf16_linear(const at::Tensor& x, const at::Tensor& packed_weight,
-                       const std::optional<at::Tensor>& bias, int64_t out_features,
-                       int64_t panel_cols);
+// pack_linear_weight: weight float32 or bfloat16 [N, K], N >= 1, K >= 1 (bfloat16: K even),
+// on the CPU.
+void check_pack_linear_weight(const at::Tensor& weight);
+// packed_linear: x float32 or bfloat16 [..., K]; packed_weight pack_linear_weight's of the
+// same dtype (bfloat16 [panels, K / 2, panel columns, 2], float32 [panels, K, panel
+// columns]) contiguous, out_features N with panels = ceil(N / panel columns); bias float32
+// [N] contiguous or none; all on the CPU.
+void check_packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                         const std::optional<at::Tensor>& bias, int64_t out_features,
+                         int64_t panel_cols);
 
 // Element-wise ops of the decoder layer (rms_norm, fused_add_rms_norm, silu_and_mul,
 // rotary_embedding). Float, half or bfloat16, every tensor of one op in one dtype (the

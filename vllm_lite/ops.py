@@ -277,25 +277,27 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return _ops.int8_linear(x, qweight, scales, bias)
 
 
-def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` bfloat16 [N, K] (K even) in bf16_linear's packed layout: panels of
-    output columns, pairs of k adjacent (csrc/cpu/bf16_linear_params.h). CPU only."""
-    return _ops.pack_bf16_weight(weight)
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` float32 or bfloat16 [N, K] (bfloat16: K even) in packed_linear's layout:
+    panels of output columns (csrc/cpu/packed_linear_params.h). CPU only."""
+    return _ops.pack_linear_weight(weight)
 
 
-def bf16_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                out_features: int) -> torch.Tensor:
-    """bf16(x [..., K] @ W.T + bias) for W [out_features, K] packed by
-    :func:`pack_bf16_weight`; x bfloat16, bias float32 [out_features] or None; float32
-    accumulation, one rounding. CPU only (models.llama.Linear, bfloat16 models on CPUs
-    with AVX512_BF16)."""
-    return _ops.bf16_linear(x, packed_weight, bias, out_features)
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """x [..., K] @ W.T + bias in x's dtype for W [out_features, K] packed by
+    :func:`pack_linear_weight` (same dtype as x); bias float32 [out_features] or None;
+    float32 accumulation, one rounding. CPU only (models.llama.Linear)."""
+    return _ops.packed_linear(x, packed_weight, bias, out_features)
 
 
-def bf16_linear_kernel_selected() -> bool:
-    """Whether bf16_linear runs its own kernel here (the selected CPU build is
-    "avx512bf16"); elsewhere it computes through at::linear, correct but no faster."""
-    return cpu_isa() == "avx512bf16"
+def packed_linear_kernel_selected(dtype: torch.dtype) -> bool:
+    """Whether packed_linear runs its own kernel for ``dtype`` in the selected CPU build
+    (float32: "avx512" / "avx512bf16"; bfloat16: "avx512bf16"); elsewhere it computes
+    through at::linear, correct but no faster."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return bool(vllm_lite._C.packed_linear_kernel(str(dtype).removeprefix("torch.")))
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -382,15 +384,18 @@ def _register_fakes() -> None:
                           bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
-    @torch.library.register_fake("vllm_lite::pack_bf16_weight")
-    def _pack_bf16_weight_fake(weight: torch.Tensor) -> torch.Tensor:
+    @torch.library.register_fake("vllm_lite::pack_linear_weight")
+    def _pack_linear_weight_fake(weight: torch.Tensor) -> torch.Tensor:
         n, k = weight.shape
-        cols = vllm_lite._C.BF16_PANEL_COLS  # kBf16PanelCols (csrc/cpu/bf16_linear_params.h)
-        return weight.new_empty((-(-n // cols), k // 2, cols, 2))
+        cols = vllm_lite._C.PACKED_PANEL_COLS  # kPackedPanelCols (csrc/cpu/packed_linear_params.h)
+        panels = -(-n // cols)
+        if weight.dtype == torch.bfloat16:
+            return weight.new_empty((panels, k // 2, cols, 2))
+        return weight.new_empty((panels, k, cols))
 
-    @torch.library.register_fake("vllm_lite::bf16_linear")
-    def _bf16_linear_fake(x: torch.Tensor, packed_weight: torch.Tensor,
-                          bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    @torch.library.register_fake("vllm_lite::packed_linear")
+    def _packed_linear_fake(x: torch.Tensor, packed_weight: torch.Tensor,
+                            bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], out_features))
 
     @torch.library.register_fake("vllm_lite::int4_linear")

@@ -1,5 +1,5 @@
 """models.llama.Linear's CPU weight forms (oneDNN-prepacked float32 and bfloat16, the
-bf16_linear-packed bfloat16 where the AVX512-BF16 kernel is selected, the unpacked float32 head) against a float64 matmul / plain F.linear on the original weight,
+packed_linear-packed float32 / bfloat16 where vllm_lite's kernel is selected, the unpacked float32 head) against a float64 matmul / plain F.linear on the original weight,
 on fresh random inputs."""
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ def _linear(dtype: torch.dtype, bias: bool, seed: int) -> tuple[Linear, torch.Te
 def test_float32_onednn_weight(bias: bool, copy_float32: bool) -> None:
     lin, ref_w = _linear(torch.float32, bias, seed=1)
     lin.prepare_for_cpu(copy_float32=copy_float32)
-    if not torch.backends.mkldnn.is_available():
+    if copy_float32 and ops.packed_linear_kernel_selected(torch.float32):
+        # vllm_lite's own kernel (tests/kernels/test_packed_linear.py), no oneDNN copy
+        assert lin._own_packed is not None and lin._packed is None
+    elif not torch.backends.mkldnn.is_available():
         assert lin._packed is None
         pytest.skip("torch without oneDNN: Linear keeps F.linear")
-    assert lin._packed is not None
+    else:
+        assert lin._packed is not None and lin._own_packed is None
     # The parameter itself is untouched (state_dict, TP loading and tied embeddings read it);
     # without a copy the oneDNN path reads the parameter's own storage.
     assert torch.equal(lin.weight, ref_w) and lin.weight.is_contiguous()
@@ -52,10 +56,10 @@ def test_float32_onednn_weight(bias: bool, copy_float32: bool) -> None:
 def test_bfloat16_prepacked_weight(bias: bool) -> None:
     lin, ref_w = _linear(torch.bfloat16, bias, seed=2)
     lin.prepare_for_cpu()
-    if ops.bf16_linear_kernel_selected():  # vllm_lite's own kernel, no oneDNN copy
-        assert lin._bf16_packed is not None and lin._packed is None
+    if ops.packed_linear_kernel_selected(torch.bfloat16):  # vllm_lite's own kernel, no oneDNN copy
+        assert lin._own_packed is not None and lin._packed is None
     else:
-        assert lin._bf16_packed is None
+        assert lin._own_packed is None
         if not torch.backends.mkldnn.is_available():
             pytest.skip("torch without oneDNN: Linear keeps F.linear")
         try:  # oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT

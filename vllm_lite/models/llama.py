@@ -51,27 +51,27 @@ class Linear(nn.Linear):
     """``nn.Linear`` that can switch its weight to the CPU GEMM's preferred form for
     inference (:meth:`prepare_for_cpu`); parameters and ``state_dict`` stay nn.Linear's.
 
-    On the CPU, bfloat16 GEMMs run vllm_lite's own kernel (``ops.bf16_linear``,
-    csrc/cpu/bf16_linear*.cpp) on CPUs with AVX512_BF16: on the project's AMD EPYC VM it
-    took 0.55-0.65x oneDNN's time for a decode step's projections (1-64 rows, weights
-    streamed from memory) and about the same at prefill sizes (README "Linear-layer
-    benchmark"); its outputs are F.linear's up to float32 accumulation order (one bf16
-    rounding apart at most). Elsewhere float32 and bfloat16 GEMMs go to oneDNN
-    (``mkldnn._linear_pointwise``) with the weight prepacked in its blocked layout
-    (AVX-512 / AVX2 / AMX, picked by the CPU's features). For float32 that replaces
-    torch's default, MKL's sgemm, which on that VM took 1.2-2.5x as long at decode's
-    8-128 rows and 3x as long for the 49k-column LM head. Either packed copy doubles these
+    On the CPU, float32 and bfloat16 GEMMs run vllm_lite's own kernels
+    (``ops.packed_linear``, csrc/cpu/packed_linear*.cpp) where the selected CPU build has
+    them (float32: AVX-512; bfloat16: AVX512_BF16). On the project's AMD EPYC VM they took
+    0.55-0.65x (bf16) and 0.8-0.85x (float32) oneDNN's time for a decode step's projections
+    (1-64 rows, weights streamed from memory) and about the same or less at prefill sizes
+    (README "Linear-layer benchmark"); outputs are F.linear's up to float32 accumulation
+    order. Elsewhere they go to oneDNN (``mkldnn._linear_pointwise``) with the weight
+    prepacked in its blocked layout (AVX2 / AMX, picked by the CPU's features), which for
+    float32 replaces torch's default, MKL's sgemm (1.2-2.5x oneDNN's time at decode's
+    8-128 rows on that VM, 3x for the 49k-column LM head). Either packed copy doubles these
     weights' memory, so a float32 weight shared with the embedding (``copy_float32=False``:
-    the LM head, often tied) is passed to oneDNN as it is instead (no copy; 1.2x the packed
-    time, still 2.3x faster than MKL at 32 rows). A bfloat16 head is packed all the same:
-    oneDNN's unpacked bf16 path took 1.8x the packed time, slower than F.linear.
+    the LM head, often tied) is passed to oneDNN as it is instead (no copy; 1.2x oneDNN's
+    packed time, still 2.3x faster than MKL at 32 rows). A bfloat16 head is packed all the
+    same: oneDNN's unpacked bf16 path took 1.8x the packed time, slower than F.linear.
 
     Other dtypes, devices, autograd, and a torch without oneDNN keep plain ``F.linear``.
     """
 
-    _packed: torch.Tensor | None = None  # oneDNN's packed weight
-    _bf16_packed: torch.Tensor | None = None  # ops.pack_bf16_weight's
-    _bias_f32: torch.Tensor | None = None  # bf16_linear's bias
+    _packed: torch.Tensor | None = None  # oneDNN's packed weight (or the plain one)
+    _own_packed: torch.Tensor | None = None  # ops.pack_linear_weight's
+    _bias_f32: torch.Tensor | None = None  # packed_linear's bias
     # oneDNN picks the packed layout for this many rows; 16 served 1..2048 rows well.
     PACK_ROWS_HINT = 16
 
@@ -79,17 +79,19 @@ class Linear(nn.Linear):
         """``copy_float32=False``: no packed copy of a float32 weight (one that may be
         shared with another module)."""
         w = self.weight
-        self._packed = self._bf16_packed = self._bias_f32 = None
-        if w.device.type != "cpu" or w.dim() != 2:
+        self._packed = self._own_packed = self._bias_f32 = None
+        if (w.device.type != "cpu" or w.dim() != 2
+                or w.dtype not in (torch.float32, torch.bfloat16)):
             return
         with torch.no_grad():
-            if (w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0
-                    and ops.bf16_linear_kernel_selected()):
-                self._bf16_packed = ops.pack_bf16_weight(w.detach())
+            if (ops.packed_linear_kernel_selected(w.dtype)
+                    and (w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0
+                         or w.dtype == torch.float32 and copy_float32)):
+                self._own_packed = ops.pack_linear_weight(w.detach())
                 if self.bias is not None:
                     self._bias_f32 = self.bias.detach().float()
                 return
-            if w.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+            if not torch.backends.mkldnn.is_available():
                 return
             if not copy_float32 and w.dtype == torch.float32:
                 self._packed = w.detach()
@@ -100,12 +102,11 @@ class Linear(nn.Linear):
                 logger.debug("no prepacked %s weight (%s); using F.linear", w.dtype, e)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and not torch.is_grad_enabled():
-            if self._bf16_packed is not None and x.dtype == torch.bfloat16:
-                return ops.bf16_linear(x, self._bf16_packed, self._bias_f32, self.out_features)
-            packed = self._packed
-            if packed is not None and x.dtype == self.weight.dtype:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        if x.device.type == "cpu" and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
+            if self._own_packed is not None:
+                return ops.packed_linear(x, self._own_packed, self._bias_f32, self.out_features)
+            if self._packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

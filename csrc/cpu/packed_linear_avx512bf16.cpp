@@ -1,9 +1,10 @@
-// The AVX512-BF16 kernel of bf16_linear: y = bf16(x W^T + bias) with float32 accumulation,
-// on the packed weight of bf16_linear_params.h.
+// The bfloat16 kernel of packed_linear (AVX512-BF16): y = bf16(x W^T + bias) with float32
+// accumulation, on the bf16 packed weight of packed_linear_params.h. The float32 kernel
+// (packed_linear_avx512.cpp) is the same loop nest with FMAs on single k.
 //
-// Grid: the caller splits the panels (kBf16PanelCols output columns each) over threads;
+// Grid: the caller splits the panels (kPackedPanelCols output columns each) over threads;
 // a call walks its panels in order and, per panel, the rows of x in tiles of
-// kBf16TileRows. A tile keeps rows x kBf16PanelVecs float32 accumulators in registers and
+// kPackedTileRows. A tile keeps rows x kPackedPanelVecs float32 accumulators in registers and
 // runs K / 2 steps of: load the panel's 3 weight vectors (16 columns x a pair of k each),
 // then per row broadcast the pair (x[m, 2j], x[m, 2j + 1]) and vdpbf16ps it into the
 // row's 3 accumulators: 3 weight loads and rows broadcasts per 3 x rows products, no
@@ -17,7 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cpu/bf16_linear_params.h"
+#include "cpu/packed_linear_params.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>  // its intrinsics carry their own target attributes
@@ -32,11 +33,11 @@
 namespace vllm_lite::cpu {
 namespace {
 
-constexpr int64_t NV = kBf16PanelVecs;
-constexpr int64_t kPairStride = kBf16PanelCols * 2;  // bf16 per k pair of a panel
+constexpr int64_t NV = kPackedPanelVecs;
+constexpr int64_t kPairStride = kPackedPanelCols * 2;  // bf16 per k pair of a panel
 
 // Rows [0, R) of x (row stride xs) times one panel w; y's rows have stride N and this
-// panel's columns start at y; `cols` of them are stored (< kBf16PanelCols in the last
+// panel's columns start at y; `cols` of them are stored (< kPackedPanelCols in the last
 // panel). next: the panel to prefetch into L2 meanwhile (nullptr: none).
 template <int64_t R>
 inline void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
@@ -45,10 +46,10 @@ inline void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
   __m512 acc[R][NV];
   for (int64_t b = 0; b < NV; ++b) {
     const __mmask16 m = static_cast<__mmask16>(
-        cols >= (b + 1) * kBf16VecCols ? 0xFFFF
-        : cols > b * kBf16VecCols      ? (1u << (cols - b * kBf16VecCols)) - 1u
+        cols >= (b + 1) * kPackedVecCols ? 0xFFFF
+        : cols > b * kPackedVecCols      ? (1u << (cols - b * kPackedVecCols)) - 1u
                                        : 0u);
-    const __m512 init = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + b * kBf16VecCols)
+    const __m512 init = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + b * kPackedVecCols)
                                         : _mm512_setzero_ps();
     for (int64_t r = 0; r < R; ++r) acc[r][b] = init;
   }
@@ -70,10 +71,10 @@ inline void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
     }
   }
   for (int64_t b = 0; b < NV; ++b) {
-    const int64_t c0 = b * kBf16VecCols;
+    const int64_t c0 = b * kPackedVecCols;
     if (cols <= c0) break;
     const __mmask16 m = static_cast<__mmask16>(
-        cols >= c0 + kBf16VecCols ? 0xFFFF : (1u << (cols - c0)) - 1u);
+        cols >= c0 + kPackedVecCols ? 0xFFFF : (1u << (cols - c0)) - 1u);
     for (int64_t r = 0; r < R; ++r) {
       _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
     }
@@ -90,30 +91,32 @@ inline void tail_tile(const uint16_t* x, int64_t xs, int64_t rows, const uint16_
   }
 }
 
-void bf16_linear_panels(const Bf16LinearArgs& a, int64_t p0, int64_t p1) {
+void bf16_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
   const int64_t K = a.K, panel = (K / 2) * kPairStride;
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  uint16_t* y = static_cast<uint16_t*>(a.y);
   for (int64_t p = p0; p < p1; ++p) {
-    const uint16_t* w = a.w + p * panel;
+    const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * panel;
     const uint16_t* next = p + 1 < p1 ? w + panel : nullptr;
-    const int64_t n0 = p * kBf16PanelCols;
-    const int64_t cols = std::min<int64_t>(kBf16PanelCols, a.N - n0);
+    const int64_t n0 = p * kPackedPanelCols;
+    const int64_t cols = std::min<int64_t>(kPackedPanelCols, a.N - n0);
     const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
     int64_t m = 0;
-    for (; m + kBf16TileRows <= a.M; m += kBf16TileRows) {
-      tile<kBf16TileRows>(a.x + m * a.x_row_stride, a.x_row_stride, w, K, bias,
-                          a.y + m * a.N + n0, a.N, cols, m == 0 ? next : nullptr);
+    for (; m + kPackedTileRows <= a.M; m += kPackedTileRows) {
+      tile<kPackedTileRows>(x + m * a.x_row_stride, a.x_row_stride, w, K, bias,
+                            y + m * a.N + n0, a.N, cols, m == 0 ? next : nullptr);
     }
     if (m < a.M) {
-      tail_tile<kBf16TileRows - 1>(a.x + m * a.x_row_stride, a.x_row_stride, a.M - m, w, K,
-                                   bias, a.y + m * a.N + n0, a.N, cols,
-                                   m == 0 ? next : nullptr);
+      tail_tile<kPackedTileRows - 1>(x + m * a.x_row_stride, a.x_row_stride, a.M - m, w, K,
+                                     bias, y + m * a.N + n0, a.N, cols,
+                                     m == 0 ? next : nullptr);
     }
   }
 }
 
 }  // namespace
 
-Bf16LinearFn bf16_linear_avx512bf16() { return &bf16_linear_panels; }
+PackedLinearFn packed_linear_bf16_avx512bf16() { return &bf16_linear_panels; }
 
 }  // namespace vllm_lite::cpu
 
@@ -121,5 +124,5 @@ Bf16LinearFn bf16_linear_avx512bf16() { return &bf16_linear_panels; }
 #pragma clang attribute pop
 #endif
 #else
-vllm_lite::cpu::Bf16LinearFn vllm_lite::cpu::bf16_linear_avx512bf16() { return nullptr; }
+vllm_lite::cpu::PackedLinearFn vllm_lite::cpu::packed_linear_bf16_avx512bf16() { return nullptr; }
 #endif

@@ -1,0 +1,70 @@
+// pack_linear_weight / packed_linear on the CPU: the float32 and bfloat16 GEMMs of
+// models.llama.Linear on CPUs with AVX-512 (packed_linear_avx512.cpp, float32) and
+// AVX512_BF16 (packed_linear_avx512bf16.cpp, bfloat16). Panels of output columns run on
+// torch's intra-op threads, each a contiguous range so a thread can prefetch its next
+// panel. Where the selected CPU build (VLLM_LITE_CPU_ISA / set_cpu_isa) has no kernel for
+// the dtype, the same math runs through at::linear on the unpacked weight, so the op is
+// correct wherever it is called.
+#include <ATen/Parallel.h>
+
+#include "cpu/cpu_isa.h"
+#include "cpu/packed_linear_params.h"
+#include "ops.h"
+#include "validate.h"
+
+namespace vllm_lite::cpu {
+namespace {
+
+PackedLinearFn selected_kernel(at::ScalarType dtype) {
+  const std::string isa = cpu_isa();
+  if (dtype == at::kBFloat16) return isa == "avx512bf16" ? packed_linear_bf16_avx512bf16() : nullptr;
+  return isa == "avx512bf16" || isa == "avx512" ? packed_linear_f32_avx512() : nullptr;
+}
+
+}  // namespace
+
+bool packed_linear_kernel_selected(at::ScalarType dtype) { return selected_kernel(dtype) != nullptr; }
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  check_pack_linear_weight(weight);
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t panels = (N + kPackedPanelCols - 1) / kPackedPanelCols;
+  at::Tensor padded = weight;
+  if (panels * kPackedPanelCols != N) {
+    padded = at::zeros({panels * kPackedPanelCols, K}, weight.options());
+    padded.narrow(0, 0, N).copy_(weight);
+  }
+  if (weight.scalar_type() == at::kBFloat16) {
+    // [panels, cols, K / 2, 2] -> [panels, K / 2, cols, 2]
+    return padded.reshape({panels, kPackedPanelCols, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
+  // [panels, cols, K] -> [panels, K, cols]
+  return padded.reshape({panels, kPackedPanelCols, K}).permute({0, 2, 1}).contiguous();
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                         const std::optional<at::Tensor>& bias, int64_t out_features) {
+  check_packed_linear(x, packed_weight, bias, out_features, kPackedPanelCols);
+  const int64_t K = x.size(-1), N = out_features, panels = packed_weight.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  const PackedLinearFn fn = selected_kernel(x.scalar_type());
+  if (fn == nullptr) {
+    const at::Tensor rows = packed_weight.dim() == 4 ? packed_weight.permute({0, 2, 1, 3})
+                                                     : packed_weight.permute({0, 2, 1});
+    const at::Tensor w = rows.reshape({panels * kPackedPanelCols, K}).narrow(0, 0, N).to(at::kFloat);
+    return at::linear(x.to(at::kFloat), w, bias).to(x.scalar_type());
+  }
+  const at::Tensor x2 = x.reshape({-1, K});
+  const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
+  const int64_t M = xc.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y.reshape(out_shape);
+  const PackedLinearArgs a{xc.data_ptr(), packed_weight.data_ptr(),
+                           bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr(),
+                           M, K, N, xc.stride(0)};
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { fn(a, p0, p1); });
+  return y.reshape(out_shape);
+}
+
+}  // namespace vllm_lite::cpu
