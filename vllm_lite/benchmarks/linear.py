@@ -1,27 +1,34 @@
-"""Linear-layer benchmark: vllm_lite's int8 weight-only GEMM against the float32 (or bf16) GEMM and torch's int8 weight-only op.
+"""Linear-layer benchmark: the engine's CPU GEMM (vllm_lite's packed_linear where the CPU has its kernel) against oneDNN's, torch's own, and the int8 weight-only GEMMs.
 
 For each projection shape (K x N; default: the default model's qkv, o, gate_up and down)
 and each row count (tokens in the step), one run times, on the CPU:
 
-- ``fp32``: the engine's float32 projection (oneDNN on the weight that
-  ``Linear.prepare_for_cpu`` prepacks), the reference of the ratios (``--dtype bfloat16``:
-  every column's activations are bf16, and this is the engine's bf16 projection);
-- ``torch fp32``: ``F.linear`` on the plain weight (torch's own CPU path, MKL's sgemm in
-  the official builds): what the engine's float32 projection replaced;
+- the engine's projection (``Linear`` after ``prepare_for_cpu``: ``ops.packed_linear``
+  where the selected CPU build has a kernel for the dtype, float32 on AVX-512 and
+  bfloat16 on AVX512_BF16, else oneDNN on its prepacked weight): the reference of the
+  ratios;
+- ``oneDNN``: ``mkldnn._linear_pointwise`` on a weight prepacked by
+  ``mkldnn._reorder_linear_weight`` (what the engine used before packed_linear; the peer);
+- ``torch``: ``F.linear`` on the plain weight (MKL's sgemm for float32 in the official
+  builds, oneDNN unpacked for bf16);
 - ``vllm_lite int8``: ``torch.ops.vllm_lite.int8_linear`` (quantization="int8");
-- ``torch int8``: ``aten._weight_int8pack_mm`` on the same int8 weight (what the layer
-  would use without vllm_lite's kernel).
+- ``torch int8``: ``aten._weight_int8pack_mm`` on the same int8 weight.
 
-Each cell is the median of timed calls after a warm-up; the weights are small enough to
-stay in the caches, as in a decode step of a small model. The error column checks the int8
-kernel against a float64 matmul on the dequantized weight (relative to the largest output).
-Writes ``linear.md`` to --out and prints it.
+Each cell is the median of timed calls after a warm-up. By default the weights stay in the
+caches; ``--cold`` cycles every call through enough copies of each weight form (4x the
+last-level cache) that each call streams its weight from memory, as the projections of a
+decode step do (the model's weights are far larger than the cache). The error columns
+check the engine's GEMM and the int8 kernel against a float64 matmul (relative to the
+largest output). Writes ``linear.md`` to --out and prints it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-s", type=float, default=None,
                    help="seconds of timed calls per cell (default 0.3; --quick 0.1)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="activations (and the reference GEMM's weight) of every column: "
-                   "bfloat16 runs int8_linear's bf16 kernel (vdpbf16ps where the CPU has "
-                   "AVX512-BF16) against oneDNN's bf16 GEMM (default: %(default)s)")
+                   help="activations and weights of every column (the int8 columns: "
+                   "activations); bfloat16 runs int8_linear's bf16 kernel (vdpbf16ps where "
+                   "the CPU has AVX512-BF16) (default: %(default)s)")
+    p.add_argument("--cold", action="store_true",
+                   help="each call reads its weight from memory (copies cycled, 4x the "
+                   "last-level cache), as in a decode step")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder "
@@ -66,12 +76,19 @@ def _parse_shape(s: str) -> tuple[int, int]:
     return k, n
 
 
+def _cycle(items: list[Any]) -> Callable[[], Any]:
+    """A function returning the items in turn (one copy of a weight per call)."""
+    it = itertools.cycle(items)
+    return lambda: next(it)
+
+
 def run(args: argparse.Namespace) -> str:
     """The report (markdown) of one run."""
     import torch
     import torch.nn.functional as F
 
     from vllm_lite import ops
+    from vllm_lite.benchmarks.kernels import llc_bytes_cpu
     from vllm_lite.layers.quantization import quantize_int8
     from vllm_lite.models.llama import Linear
 
@@ -84,40 +101,70 @@ def run(args: argparse.Namespace) -> str:
     gen = torch.Generator().manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     d = "fp32" if dtype == torch.float32 else "bf16"
+    engine = ("packed_linear" if ops.packed_linear_kernel_selected(dtype) else "oneDNN")
+    llc = llc_bytes_cpu()
     lines = [
         f"# Linear layers on the CPU ({torch.get_num_threads()} threads, CPU ISA "
-        f"{ops.cpu_isa()}, torch {torch.__version__}, {args.dtype} activations)",
+        f"{ops.cpu_isa()}, torch {torch.__version__}, {args.dtype}, weights "
+        f"{'from memory (--cold)' if args.cold else 'in cache'})",
         "",
-        f"| K x N | rows | {d} (us) | torch {d} (us) | vllm_lite int8 (us) | torch int8 (us) | "
-        f"torch {d} speedup | vllm_lite int8 speedup | torch int8 speedup | int8 max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"The engine's {d} GEMM here: {engine}.",
+        "",
+        f"| K x N | rows | engine {d} (us) | oneDNN {d} (us) | torch {d} (us) | "
+        f"vllm_lite int8 (us) | torch int8 (us) | oneDNN speedup | torch speedup | "
+        f"vllm_lite int8 speedup | torch int8 speedup | engine max rel err | "
+        f"int8 max rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     with torch.inference_mode():
         for k, n in shapes:
-            lin = Linear(k, n, bias=False, dtype=dtype)
-            lin.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
-            lin.prepare_for_cpu()
-            plain = lin.weight.detach().clone()
-            q, scale = quantize_int8(lin.weight)
-            deq = q.double() * scale.double()[:, None]
-            scale_t = scale.to(dtype)  # torch's op wants the scales in x's dtype
+            elem = torch.empty((), dtype=dtype).element_size()
+            copies = math.ceil(4 * llc / (n * k * elem)) if args.cold else 1
+            w = torch.randn(n, k, generator=gen) * 0.05
+            lins, dnn, plain, q8 = [], [], [], []
+            for _ in range(copies):
+                lin = Linear(k, n, bias=False, dtype=dtype)
+                lin.weight.copy_(w)
+                lin.prepare_for_cpu()
+                lins.append(lin)
+                plain.append(lin.weight.detach().clone())
+                dnn.append(torch.ops.mkldnn._reorder_linear_weight(plain[-1], 16))
+                q8.append(quantize_int8(lin.weight))
+            scale_t = q8[0][1].to(dtype)  # torch's op wants the scales in x's dtype
+            deq = q8[0][0].double() * q8[0][1].double()[:, None]
+            w64 = lins[0].weight.double()
+            nxt = {name: _cycle(items) for name, items in
+                   (("lin", lins), ("dnn", dnn), ("plain", plain), ("q8", q8))}
             for m in rows:
                 x = torch.randn(m, k, generator=gen).to(dtype)
-                fp32 = time_us(lambda: lin(x), target)
-                torch_fp32 = time_us(lambda: F.linear(x, plain), target)
-                ours = time_us(lambda: ops.int8_linear(x, q, scale), target)
-                theirs = time_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q, scale_t),
-                                  target)
-                ref = x.double() @ deq.t()
-                err = float((ops.int8_linear(x, q, scale).double() - ref).abs().max()
+                ours = time_us(lambda: nxt["lin"]()(x), target)
+                onednn = time_us(lambda: torch.ops.mkldnn._linear_pointwise(
+                    x, nxt["dnn"](), None, "none", [], ""), target)
+                torch_mm = time_us(lambda: F.linear(x, nxt["plain"]()), target)
+                int8 = time_us(lambda: ops.int8_linear(x, *nxt["q8"]()), target)
+                # torch's bf16 int8 op crashes (SIGSEGV, torch 2.14) for K not a multiple
+                # of 16: that column is n/a there.
+                theirs = (None if dtype == torch.bfloat16 and k % 16 else
+                          time_us(lambda: torch.ops.aten._weight_int8pack_mm(
+                              x, nxt["q8"]()[0], scale_t), target))
+                ref = x.double() @ w64.t()
+                err = float((lins[0](x).double() - ref).abs().max()
                             / ref.abs().max().clamp_min(1e-30))
-                lines.append(f"| {k} x {n} | {m} | {fp32:.1f} | {torch_fp32:.1f} | {ours:.1f} | "
-                             f"{theirs:.1f} | {fp32 / torch_fp32:.2f} | {fp32 / ours:.2f} | "
-                             f"{fp32 / theirs:.2f} | {err:.1e} |")
-                log.info("%dx%d rows %d: fp32 %.1f us, int8 %.1f us", k, n, m, fp32, ours)
-    lines += ["", f"Speedup: {d} time / that column's time (above 1: faster than the engine's "
-              f"{args.dtype} GEMM). Error: relative to the largest output, against float64 "
-              "on the same (rounded) x; bf16 outputs carry their own rounding (2^-9)."]
+                ref8 = x.double() @ deq.t()
+                err8 = float((ops.int8_linear(x, *q8[0]).double() - ref8).abs().max()
+                             / ref8.abs().max().clamp_min(1e-30))
+                theirs_cells = ("n/a", "n/a") if theirs is None else (f"{theirs:.1f}",
+                                                                      f"{ours / theirs:.2f}")
+                lines.append(f"| {k} x {n} | {m} | {ours:.1f} | {onednn:.1f} | {torch_mm:.1f} | "
+                             f"{int8:.1f} | {theirs_cells[0]} | {ours / onednn:.2f} | "
+                             f"{ours / torch_mm:.2f} | {ours / int8:.2f} | {theirs_cells[1]} | "
+                             f"{err:.1e} | {err8:.1e} |")
+                log.info("%dx%d rows %d: engine %.1f us, oneDNN %.1f us, int8 %.1f us", k, n, m,
+                         ours, onednn, int8)
+    lines += ["", f"Speedup: the engine's {d} time / that column's time (below 1: that "
+              f"column is slower than the engine's {args.dtype} GEMM). Errors: relative to "
+              "the largest output, against float64 on the same (rounded) x and weight; bf16 "
+              "outputs carry their own rounding (2^-9)."]
     return "\n".join(lines) + "\n"
 
 
