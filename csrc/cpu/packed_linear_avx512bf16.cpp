@@ -95,21 +95,25 @@ void bf16_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
   const int64_t K = a.K, panel = (K / 2) * kPairStride;
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   uint16_t* y = static_cast<uint16_t*>(a.y);
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * panel;
-    const uint16_t* next = p + 1 < p1 ? w + panel : nullptr;
-    const int64_t n0 = p * kPackedPanelCols;
-    const int64_t cols = std::min<int64_t>(kPackedPanelCols, a.N - n0);
-    const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
-    int64_t m = 0;
-    for (; m + kPackedTileRows <= a.M; m += kPackedTileRows) {
-      tile<kPackedTileRows>(x + m * a.x_row_stride, a.x_row_stride, w, K, bias,
-                            y + m * a.N + n0, a.N, cols, m == 0 ? next : nullptr);
-    }
-    if (m < a.M) {
-      tail_tile<kPackedTileRows - 1>(x + m * a.x_row_stride, a.x_row_stride, a.M - m, w, K,
-                                     bias, y + m * a.N + n0, a.N, cols,
-                                     m == 0 ? next : nullptr);
+  const int64_t block = packed_row_block(K, sizeof(uint16_t));
+  for (int64_t m0 = 0; m0 < a.M; m0 += block) {
+    const int64_t m1 = std::min<int64_t>(a.M, m0 + block);
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * panel;
+      const uint16_t* next = p + 1 < p1 ? w + panel : nullptr;
+      const int64_t n0 = p * kPackedPanelCols;
+      const int64_t cols = std::min<int64_t>(kPackedPanelCols, a.N - n0);
+      const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
+      int64_t m = m0;
+      for (; m + kPackedTileRows <= m1; m += kPackedTileRows) {
+        tile<kPackedTileRows>(x + m * a.x_row_stride, a.x_row_stride, w, K, bias,
+                              y + m * a.N + n0, a.N, cols, m == m0 ? next : nullptr);
+      }
+      if (m < m1) {
+        tail_tile<kPackedTileRows - 1>(x + m * a.x_row_stride, a.x_row_stride, m1 - m, w, K,
+                                       bias, y + m * a.N + n0, a.N, cols,
+                                       m == m0 ? next : nullptr);
+      }
     }
   }
 }

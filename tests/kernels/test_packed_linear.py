@@ -54,7 +54,8 @@ def isa(request: pytest.FixtureRequest):
 # N mid-panel (mid-vector or on a vector edge: 7, 16, 40, 100, 130, 1000) and many panels.
 SHAPES = [(1, 2, 1), (1, 64, 48), (2, 64, 7), (3, 96, 16), (4, 576, 40), (5, 100, 100),
           (6, 32, 130), (7, 576, 960), (8, 64, 49), (9, 1536, 576), (15, 128, 1000),
-          (17, 576, 96), (31, 576, 3072), (64, 200, 50), (300, 96, 144)]
+          (17, 576, 96), (31, 576, 3072), (64, 200, 50), (300, 96, 144),
+          (700, 1536, 50)]  # several row blocks (packed_row_block), the last one short
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
