@@ -1,9 +1,8 @@
 // The float32 kernel of packed_linear (AVX-512F): y = x W^T + bias on the float32 packed
 // weight of packed_linear_params.h, the loop nest of the bfloat16 kernel
 // (packed_linear_avx512bf16.cpp, whose header comment describes the grid and the
-// prefetch) with one k per step: load the panel's 3 weight vectors (16 columns each), then
-// per row broadcast x[m, k] and FMA it into the row's 3 accumulators. Rows of
-// kPackedTileRows, then one tile of the rest. Limits: rows of x contiguous within
+// prefetch; run_panels) with one k per step: load the panel's 3 weight vectors (16 columns
+// each), then per row broadcast x[m, k] and FMA it into the row's 3 accumulators. Limits: rows of x contiguous within
 // themselves; any M, K and N (the last panel's columns past N are zero and not stored).
 // Chosen at run time on CPUs with AVX-512F/BW/VL/DQ (the "avx512" and "avx512bf16" builds).
 #include <algorithm>
@@ -32,73 +31,43 @@ inline __mmask16 cols_mask(int64_t cols, int64_t c0) {
 }
 
 // Rows [0, R) of x times one panel w (see the bf16 kernel's tile).
-template <int64_t R>
-inline void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* bias,
-                 float* y, int64_t N, int64_t cols, const float* next) {
-  __m512 acc[R][NV];
-  for (int64_t b = 0; b < NV; ++b) {
-    const __m512 init = bias != nullptr
-                            ? _mm512_maskz_loadu_ps(cols_mask(cols, b * kPackedVecCols),
-                                                    bias + b * kPackedVecCols)
-                            : _mm512_setzero_ps();
-    for (int64_t r = 0; r < R; ++r) acc[r][b] = init;
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * kPackedPanelCols;
-    if (next != nullptr) {
-      for (int64_t b = 0; b < NV; ++b) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * kPackedPanelCols + b * kPackedVecCols),
-                     _MM_HINT_T1);
+struct F32Tile {
+  template <int64_t R>
+  static void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* bias,
+                   float* y, int64_t N, int64_t cols, const float* next) {
+    __m512 acc[R][NV];
+    for (int64_t b = 0; b < NV; ++b) {
+      const __m512 init = bias != nullptr
+                              ? _mm512_maskz_loadu_ps(cols_mask(cols, b * kPackedVecCols),
+                                                      bias + b * kPackedVecCols)
+                              : _mm512_setzero_ps();
+      for (int64_t r = 0; r < R; ++r) acc[r][b] = init;
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const float* wk = w + k * kPackedPanelCols;
+      if (next != nullptr) {
+        for (int64_t b = 0; b < NV; ++b) {
+          _mm_prefetch(reinterpret_cast<const char*>(next + k * kPackedPanelCols + b * kPackedVecCols),
+                       _MM_HINT_T1);
+        }
+      }
+      __m512 wv[NV];
+      for (int64_t b = 0; b < NV; ++b) wv[b] = _mm512_loadu_ps(wk + b * kPackedVecCols);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * xs + k]);
+        for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
       }
     }
-    __m512 wv[NV];
-    for (int64_t b = 0; b < NV; ++b) wv[b] = _mm512_loadu_ps(wk + b * kPackedVecCols);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * xs + k]);
-      for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
+    for (int64_t b = 0; b < NV; ++b) {
+      const int64_t c0 = b * kPackedVecCols;
+      if (cols <= c0) break;
+      for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + c0, cols_mask(cols, c0), acc[r][b]);
     }
   }
-  for (int64_t b = 0; b < NV; ++b) {
-    const int64_t c0 = b * kPackedVecCols;
-    if (cols <= c0) break;
-    for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + c0, cols_mask(cols, c0), acc[r][b]);
-  }
-}
-
-template <int64_t R>
-inline void tail_tile(const float* x, int64_t xs, int64_t rows, const float* w, int64_t K,
-                      const float* bias, float* y, int64_t N, int64_t cols, const float* next) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile<R>(x, xs, w, K, bias, y, N, cols, next);
-    tail_tile<R - 1>(x, xs, rows, w, K, bias, y, N, cols, next);
-  }
-}
+};
 
 void f32_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
-  const int64_t K = a.K, panel = K * kPackedPanelCols;
-  const float* x = static_cast<const float*>(a.x);
-  float* y = static_cast<float*>(a.y);
-  const int64_t block = packed_row_block(K, sizeof(float));
-  for (int64_t m0 = 0; m0 < a.M; m0 += block) {
-    const int64_t m1 = std::min<int64_t>(a.M, m0 + block);
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* w = static_cast<const float*>(a.w) + p * panel;
-      const float* next = p + 1 < p1 ? w + panel : nullptr;
-      const int64_t n0 = p * kPackedPanelCols;
-      const int64_t cols = std::min<int64_t>(kPackedPanelCols, a.N - n0);
-      const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
-      int64_t m = m0;
-      for (; m + kPackedTileRows <= m1; m += kPackedTileRows) {
-        tile<kPackedTileRows>(x + m * a.x_row_stride, a.x_row_stride, w, K, bias,
-                              y + m * a.N + n0, a.N, cols, m == m0 ? next : nullptr);
-      }
-      if (m < m1) {
-        tail_tile<kPackedTileRows - 1>(x + m * a.x_row_stride, a.x_row_stride, m1 - m, w, K,
-                                       bias, y + m * a.N + n0, a.N, cols,
-                                       m == m0 ? next : nullptr);
-      }
-    }
-  }
+  run_panels<F32Tile, float>(a, p0, p1, a.K * kPackedPanelCols);
 }
 
 }  // namespace

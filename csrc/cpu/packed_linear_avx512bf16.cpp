@@ -3,8 +3,9 @@
 // (packed_linear_avx512.cpp) is the same loop nest with FMAs on single k.
 //
 // Grid: the caller splits the panels (kPackedPanelCols output columns each) over threads;
-// a call walks its panels in order and, per panel, the rows of x in tiles of
-// kPackedTileRows. A tile keeps rows x kPackedPanelVecs float32 accumulators in registers and
+// a call walks its panels in order once per block of rows and, per panel, the block's rows
+// in tiles of kPackedTileRows (run_panels, packed_linear_params.h, shared with the float32
+// kernel). A tile keeps rows x kPackedPanelVecs float32 accumulators in registers and
 // runs K / 2 steps of: load the panel's 3 weight vectors (16 columns x a pair of k each),
 // then per row broadcast the pair (x[m, 2j], x[m, 2j + 1]) and vdpbf16ps it into the
 // row's 3 accumulators: 3 weight loads and rows broadcasts per 3 x rows products, no
@@ -39,83 +40,52 @@ constexpr int64_t kPairStride = kPackedPanelCols * 2;  // bf16 per k pair of a p
 // Rows [0, R) of x (row stride xs) times one panel w; y's rows have stride N and this
 // panel's columns start at y; `cols` of them are stored (< kPackedPanelCols in the last
 // panel). next: the panel to prefetch into L2 meanwhile (nullptr: none).
-template <int64_t R>
-inline void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
-                 const float* bias, uint16_t* y, int64_t N, int64_t cols,
-                 const uint16_t* next) {
-  __m512 acc[R][NV];
-  for (int64_t b = 0; b < NV; ++b) {
-    const __mmask16 m = static_cast<__mmask16>(
-        cols >= (b + 1) * kPackedVecCols ? 0xFFFF
-        : cols > b * kPackedVecCols      ? (1u << (cols - b * kPackedVecCols)) - 1u
-                                       : 0u);
-    const __m512 init = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + b * kPackedVecCols)
-                                        : _mm512_setzero_ps();
-    for (int64_t r = 0; r < R; ++r) acc[r][b] = init;
-  }
-  const int64_t pairs = K / 2;
-  for (int64_t j = 0; j < pairs; ++j) {
-    const uint16_t* wj = w + j * kPairStride;
-    if (next != nullptr) {
-      for (int64_t b = 0; b < NV; ++b) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + j * kPairStride + b * 32), _MM_HINT_T1);
+struct Bf16Tile {
+  template <int64_t R>
+  static void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
+                   const float* bias, uint16_t* y, int64_t N, int64_t cols,
+                   const uint16_t* next) {
+    __m512 acc[R][NV];
+    for (int64_t b = 0; b < NV; ++b) {
+      const __mmask16 m = static_cast<__mmask16>(
+          cols >= (b + 1) * kPackedVecCols ? 0xFFFF
+          : cols > b * kPackedVecCols      ? (1u << (cols - b * kPackedVecCols)) - 1u
+                                         : 0u);
+      const __m512 init = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + b * kPackedVecCols)
+                                          : _mm512_setzero_ps();
+      for (int64_t r = 0; r < R; ++r) acc[r][b] = init;
+    }
+    const int64_t pairs = K / 2;
+    for (int64_t j = 0; j < pairs; ++j) {
+      const uint16_t* wj = w + j * kPairStride;
+      if (next != nullptr) {
+        for (int64_t b = 0; b < NV; ++b) {
+          _mm_prefetch(reinterpret_cast<const char*>(next + j * kPairStride + b * 32), _MM_HINT_T1);
+        }
+      }
+      __m512bh wv[NV];
+      for (int64_t b = 0; b < NV; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wj + b * 32);
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t pair;
+        __builtin_memcpy(&pair, x + r * xs + 2 * j, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
       }
     }
-    __m512bh wv[NV];
-    for (int64_t b = 0; b < NV; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wj + b * 32);
-    for (int64_t r = 0; r < R; ++r) {
-      int32_t pair;
-      __builtin_memcpy(&pair, x + r * xs + 2 * j, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+    for (int64_t b = 0; b < NV; ++b) {
+      const int64_t c0 = b * kPackedVecCols;
+      if (cols <= c0) break;
+      const __mmask16 m = static_cast<__mmask16>(
+          cols >= c0 + kPackedVecCols ? 0xFFFF : (1u << (cols - c0)) - 1u);
+      for (int64_t r = 0; r < R; ++r) {
+        _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
+      }
     }
   }
-  for (int64_t b = 0; b < NV; ++b) {
-    const int64_t c0 = b * kPackedVecCols;
-    if (cols <= c0) break;
-    const __mmask16 m = static_cast<__mmask16>(
-        cols >= c0 + kPackedVecCols ? 0xFFFF : (1u << (cols - c0)) - 1u);
-    for (int64_t r = 0; r < R; ++r) {
-      _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
-    }
-  }
-}
-
-template <int64_t R>
-inline void tail_tile(const uint16_t* x, int64_t xs, int64_t rows, const uint16_t* w,
-                      int64_t K, const float* bias, uint16_t* y, int64_t N, int64_t cols,
-                      const uint16_t* next) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile<R>(x, xs, w, K, bias, y, N, cols, next);
-    tail_tile<R - 1>(x, xs, rows, w, K, bias, y, N, cols, next);
-  }
-}
+};
 
 void bf16_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
-  const int64_t K = a.K, panel = (K / 2) * kPairStride;
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  uint16_t* y = static_cast<uint16_t*>(a.y);
-  const int64_t block = packed_row_block(K, sizeof(uint16_t));
-  for (int64_t m0 = 0; m0 < a.M; m0 += block) {
-    const int64_t m1 = std::min<int64_t>(a.M, m0 + block);
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * panel;
-      const uint16_t* next = p + 1 < p1 ? w + panel : nullptr;
-      const int64_t n0 = p * kPackedPanelCols;
-      const int64_t cols = std::min<int64_t>(kPackedPanelCols, a.N - n0);
-      const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
-      int64_t m = m0;
-      for (; m + kPackedTileRows <= m1; m += kPackedTileRows) {
-        tile<kPackedTileRows>(x + m * a.x_row_stride, a.x_row_stride, w, K, bias,
-                              y + m * a.N + n0, a.N, cols, m == m0 ? next : nullptr);
-      }
-      if (m < m1) {
-        tail_tile<kPackedTileRows - 1>(x + m * a.x_row_stride, a.x_row_stride, m1 - m, w, K,
-                                       bias, y + m * a.N + n0, a.N, cols,
-                                       m == m0 ? next : nullptr);
-      }
-    }
-  }
+  run_panels<Bf16Tile, uint16_t>(a, p0, p1, (a.K / 2) * kPairStride);
 }
 
 }  // namespace

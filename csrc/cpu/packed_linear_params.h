@@ -11,6 +11,7 @@
 //     [k, 16 columns] is what an FMA multiplies by a broadcast x[m, k].
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace vllm_lite::cpu {
@@ -38,6 +39,7 @@ constexpr int64_t packed_row_block(int64_t K, int64_t elem) {
   return rows > kPackedTileRows ? rows : kPackedTileRows;
 }
 
+
 struct PackedLinearArgs {
   const void* x;       // [M, K] in the weight's dtype, row stride x_row_stride
   const void* w;       // packed as above
@@ -45,6 +47,43 @@ struct PackedLinearArgs {
   void* y;             // [M, N] in x's dtype, contiguous
   int64_t M, K, N, x_row_stride;
 };
+
+// The loop nest of both kernels, built under each kernel file's target: per block of rows
+// (packed_row_block), per panel of [p0, p1), the block's tiles of kPackedTileRows rows and
+// one tile of the rest, Kernel::tile<R> computing R rows of one panel (T = the element
+// type, panel = elements per packed panel). The first tile of a panel in a block is given
+// the next panel of the range to prefetch.
+template <typename Kernel, int64_t R, typename T>
+inline void tile_of(int64_t rows, const T* x, int64_t xs, const T* w, int64_t K,
+                    const float* bias, T* y, int64_t N, int64_t cols, const T* next) {
+  if constexpr (R > 0) {
+    if (rows == R) return Kernel::template tile<R>(x, xs, w, K, bias, y, N, cols, next);
+    tile_of<Kernel, R - 1>(rows, x, xs, w, K, bias, y, N, cols, next);
+  }
+}
+
+template <typename Kernel, typename T>
+inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, int64_t panel) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  T* y = static_cast<T*>(a.y);
+  const int64_t block = packed_row_block(a.K, sizeof(T));
+  for (int64_t m0 = 0; m0 < a.M; m0 += block) {
+    const int64_t m1 = std::min(a.M, m0 + block);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPackedPanelCols;
+      const int64_t cols = std::min(kPackedPanelCols, a.N - n0);
+      const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
+      const T* next = p + 1 < p1 ? w + (p + 1) * panel : nullptr;
+      for (int64_t m = m0; m < m1; m += kPackedTileRows) {
+        tile_of<Kernel, kPackedTileRows>(std::min(kPackedTileRows, m1 - m),
+                                         x + m * a.x_row_stride, a.x_row_stride, w + p * panel,
+                                         a.K, bias, y + m * a.N + n0, a.N, cols,
+                                         m == m0 ? next : nullptr);
+      }
+    }
+  }
+}
 
 // Computes the panels [p0, p1) for every row of x.
 using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t p0, int64_t p1);

@@ -125,6 +125,19 @@ def _set_isa(isa: str) -> None:
         setter(isa)
 
 
+@pytest.fixture(params=cpu_isas())
+def isa(request: pytest.FixtureRequest):
+    """Each CPU build this machine runs, selected in turn (set_cpu_isa) and restored after:
+    the CPU-only linear kernels (int8_linear, int4_linear, packed_linear) follow the same
+    switch as attention."""
+    before = current_cpu_isa() or default_cpu_isa()
+    _set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        _set_isa(before)
+
+
 @pytest.fixture
 def backend(request: pytest.FixtureRequest):
     b: Backend = request.param

@@ -41,14 +41,6 @@ def _reference(x, packed, scales, zeros, group, b, weight_bf16: bool = False):
     return ref + b.double() if b is not None else ref
 
 
-@pytest.fixture(params=ops.cpu_isas())
-def isa(request: pytest.FixtureRequest):
-    before = ops.cpu_isa()
-    ops.set_cpu_isa(request.param)
-    yield request.param
-    ops.set_cpu_isa(before)
-
-
 # (rows, K, N, group): the default model's projections (K 576 / 1536; N 960 = qkv,
 # 576 = o, 3072 = gate_up, 576 = down), 1..32 rows on the block kernel, 33 and 64 on the
 # dequantize path, N not a multiple of 4 or 32.

@@ -30,15 +30,6 @@ def _reference(x, q, scales, b):
     return ref + b.double() if b is not None else ref
 
 
-@pytest.fixture(params=ops.cpu_isas())
-def isa(request: pytest.FixtureRequest):
-    """Each CPU build in turn (the int8 kernel follows the attention kernel's switch)."""
-    before = ops.cpu_isa()
-    ops.set_cpu_isa(request.param)
-    yield request.param
-    ops.set_cpu_isa(before)
-
-
 # (rows, K, N): 1..32 rows run the block kernel (odd rows take its one-row tail), 33 and
 # 100 the dequantize path; N not a multiple of 4 (a short pass) or of 32 (a short task).
 SHAPES = [(1, 64, 32), (2, 64, 37), (3, 13, 5), (7, 576, 96), (16, 8, 1), (31, 72, 130),

@@ -41,15 +41,6 @@ def _check(y: torch.Tensor, ref: torch.Tensor) -> None:
                                    atol=RTOL * float(ref.abs().max()) + 1e-7)
 
 
-@pytest.fixture(params=ops.cpu_isas())
-def isa(request: pytest.FixtureRequest):
-    """Each CPU build in turn (packed_linear follows the attention kernel's switch)."""
-    before = ops.cpu_isa()
-    ops.set_cpu_isa(request.param)
-    yield request.param
-    ops.set_cpu_isa(before)
-
-
 # (rows, K, N): rows 1..9 and 15, 17, 31 leave each tail of the 8-row tile; N = 48 panels,
 # N mid-panel (mid-vector or on a vector edge: 7, 16, 40, 100, 130, 1000) and many panels.
 SHAPES = [(1, 2, 1), (1, 64, 48), (2, 64, 7), (3, 96, 16), (4, 576, 40), (5, 100, 100),
