@@ -515,7 +515,8 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
     for (int64_t d = D; d < Dp; ++d) q[g * Dp + d] = 0.0f;
   }
   for (int64_t d = D; d < Dp; ++d) kbuf[d] = 0.0f;
-  repeat_query<X>(q, Dp, G, D, qrep);
+  // key_vectors needs VW tokens in one block run: none with blocks smaller than that.
+  if (k.bs >= VW) repeat_query<X>(q, Dp, G, D, qrep);
 
   // 1. K pass: VW tokens at a time where the run has them (key_vectors); the rest per
   // token: its key in float32, then every head's dot product.

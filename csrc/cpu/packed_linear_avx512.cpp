@@ -25,9 +25,7 @@ namespace {
 constexpr int64_t NV = kPackedPanelVecs;
 
 inline __mmask16 cols_mask(int64_t cols, int64_t c0) {
-  return static_cast<__mmask16>(cols >= c0 + kPackedVecCols ? 0xFFFF
-                                : cols > c0                 ? (1u << (cols - c0)) - 1u
-                                                            : 0u);
+  return static_cast<__mmask16>(packed_cols_mask(cols, c0));
 }
 
 // Rows [0, R) of x times one panel w (see the bf16 kernel's tile).

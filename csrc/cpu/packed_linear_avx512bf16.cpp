@@ -36,6 +36,11 @@ namespace {
 
 constexpr int64_t NV = kPackedPanelVecs;
 constexpr int64_t kPairStride = kPackedPanelCols * 2;  // bf16 per k pair of a panel
+constexpr int64_t kVecPairs = kPackedVecCols * 2;      // bf16 per 64-byte row (16 columns)
+
+inline __mmask16 cols_mask(int64_t cols, int64_t c0) {
+  return static_cast<__mmask16>(packed_cols_mask(cols, c0));
+}
 
 // Rows [0, R) of x (row stride xs) times one panel w; y's rows have stride N and this
 // panel's columns start at y; `cols` of them are stored (< kPackedPanelCols in the last
@@ -47,12 +52,10 @@ struct Bf16Tile {
                    const uint16_t* next) {
     __m512 acc[R][NV];
     for (int64_t b = 0; b < NV; ++b) {
-      const __mmask16 m = static_cast<__mmask16>(
-          cols >= (b + 1) * kPackedVecCols ? 0xFFFF
-          : cols > b * kPackedVecCols      ? (1u << (cols - b * kPackedVecCols)) - 1u
-                                         : 0u);
-      const __m512 init = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + b * kPackedVecCols)
-                                          : _mm512_setzero_ps();
+      const __m512 init = bias != nullptr
+                              ? _mm512_maskz_loadu_ps(cols_mask(cols, b * kPackedVecCols),
+                                                      bias + b * kPackedVecCols)
+                              : _mm512_setzero_ps();
       for (int64_t r = 0; r < R; ++r) acc[r][b] = init;
     }
     const int64_t pairs = K / 2;
@@ -60,11 +63,11 @@ struct Bf16Tile {
       const uint16_t* wj = w + j * kPairStride;
       if (next != nullptr) {
         for (int64_t b = 0; b < NV; ++b) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + j * kPairStride + b * 32), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(next + j * kPairStride + b * kVecPairs), _MM_HINT_T1);
         }
       }
       __m512bh wv[NV];
-      for (int64_t b = 0; b < NV; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wj + b * 32);
+      for (int64_t b = 0; b < NV; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wj + b * kVecPairs);
       for (int64_t r = 0; r < R; ++r) {
         int32_t pair;
         __builtin_memcpy(&pair, x + r * xs + 2 * j, sizeof(pair));
@@ -75,8 +78,7 @@ struct Bf16Tile {
     for (int64_t b = 0; b < NV; ++b) {
       const int64_t c0 = b * kPackedVecCols;
       if (cols <= c0) break;
-      const __mmask16 m = static_cast<__mmask16>(
-          cols >= c0 + kPackedVecCols ? 0xFFFF : (1u << (cols - c0)) - 1u);
+      const __mmask16 m = cols_mask(cols, c0);
       for (int64_t r = 0; r < R; ++r) {
         _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
       }

@@ -32,6 +32,14 @@ static_assert(kPackedTileRows * kPackedPanelVecs + kPackedPanelVecs + 1 <= 32);
 // (Zen 4 VM, 2 threads; small, but the same direction in every run).
 constexpr int64_t kPackedRowBlockBytes = 256 * 1024;
 
+// The lanes of vector c0 / kPackedVecCols (its first column c0) that hold one of a panel's
+// `cols` stored columns: a 16-bit lane mask for the kernels' masked bias loads and stores.
+constexpr uint32_t packed_cols_mask(int64_t cols, int64_t c0) {
+  return cols >= c0 + kPackedVecCols ? 0xFFFFu
+         : cols > c0                 ? (1u << (cols - c0)) - 1u
+                                     : 0u;
+}
+
 // Rows per block for K elements of elem bytes: a multiple of kPackedTileRows, at least one
 // tile.
 constexpr int64_t packed_row_block(int64_t K, int64_t elem) {

@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> str:
                 lin.prepare_for_cpu()
                 lins.append(lin)
                 plain.append(lin.weight.detach().clone())
-                dnn.append(torch.ops.mkldnn._reorder_linear_weight(plain[-1], 16))
+                dnn.append(torch.ops.mkldnn._reorder_linear_weight(plain[-1],
+                                                                  Linear.PACK_ROWS_HINT))
                 q8.append(quantize_int8(lin.weight))
             scale_t = q8[0][1].to(dtype)  # torch's op wants the scales in x's dtype
             deq = q8[0][0].double() * q8[0][1].double()[:, None]
