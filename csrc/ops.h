@@ -102,6 +102,13 @@ at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
 bool packed_linear_kernel_selected(at::ScalarType dtype);
+// Not an op: int8_linear's and int4_linear's GEMM on the packed kernels (packed_linear.cpp),
+// x2 [M, K] float32 or bfloat16 with rows contiguous within themselves, y = scale * (x2 W^T)
+// + bias with W dequantized from qw (scale: [N] or nullptr); an undefined tensor where the
+// selected CPU build has no packed kernel for x2's dtype.
+struct PackedQuantWeight;
+at::Tensor packed_quant_linear(const at::Tensor& x2, const PackedQuantWeight& qw, int64_t N,
+                               const float* scale, const std::optional<at::Tensor>& bias);
 
 // Binds torch's OpenMP threads one per CPU of cpu_ids ("0-3,8"); cpu/threads.cpp.
 std::string init_cpu_threads_env(const std::string& cpu_ids);

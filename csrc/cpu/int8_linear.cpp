@@ -1,13 +1,25 @@
 // int8_linear / int4_linear on the CPU: weight-only linear layers, the GEMMs of
-// quantization="int8" (per-output-channel scales) and "int4" / "gguf" (groups of 32-128
-// weights with a scale and a zero). Decode-sized inputs (<= kInt8KernelMaxRows rows) run
-// the block kernels of int8_linear_kernel.h, the AVX2 build where the CPU ISA switch
-// (cpu_isa.h) picks a non-generic build, else the generic one; tasks of
-// kInt8ChannelsPerTask output channels run on torch's intra-op threads. Larger inputs
-// (prefills) dequantize the weight once and use at::linear. bfloat16 x runs the AVX512-BF16
-// kernels (int8_linear_avx512bf16.cpp) for any number of rows when that build is selected,
-// else the float32 path on a float32 copy. Only CPU kernels exist: on CUDA
-// the Python layer uses torch's _weight_int8pack_mm (int8) or dequantizes at load (int4).
+// quantization="int8" (per-output-channel scales, or GGUF Q8_0's groups of 32) and "int4" /
+// "gguf" / "gptq" / "awq" (groups of 32-128 weights with a scale and a zero). Two kinds of
+// kernel, picked by the number of rows of x:
+// - few rows (decode steps: up to kInt8Bf16RowKernelMaxRows in bfloat16,
+//   kInt8F32RowKernelMaxRows in float32): the row kernels, which widen kInt8RowsPerPass
+//   weight rows at a time into an L1 buffer and dot them with every row of x, on tasks of
+//   kInt8ChannelsPerTask output channels over torch's intra-op threads: bfloat16 x on the
+//   AVX512-BF16 kernel (int8_linear_avx512bf16.cpp) when that build is selected, float32
+//   x on int8_linear_kernel.h's AVX2 build where the CPU ISA switch (cpu_isa.h) picks a
+//   non-generic build, else its generic one;
+// - more rows: packed_linear's register tiles (float32: AVX-512; bfloat16: AVX512-BF16)
+//   where the selected build has them, each panel of 48 output columns dequantized once
+//   per block of rows into a per-thread buffer in the packed layout (packed_dequant.h,
+//   packed_quant_linear in packed_linear.cpp). The dequantization transposes q's rows, a
+//   fixed cost per call that only pays once enough rows share it (the row limits above,
+//   measured on the project's Zen 4 VM: README "CPU kernels"). Builds without those
+//   kernels: float32 x beyond the row limit dequantizes the weight once and runs
+//   at::linear; bfloat16 x without a bf16 kernel runs the float32 path on a float32 copy,
+//   rounded once.
+// Only CPU kernels exist: on CUDA the Python layer uses torch's _weight_int8pack_mm (int8)
+// or dequantizes at load (int4).
 #include <memory>
 #include <vector>
 
@@ -15,6 +27,7 @@
 
 #include "cpu/cpu_isa.h"
 #include "cpu/int8_linear_params.h"
+#include "cpu/packed_linear_params.h"
 #include "ops.h"
 #include "validate.h"
 
@@ -42,6 +55,12 @@ void run_channel_tasks(int64_t N, int64_t row, Block&& block) {
   });
 }
 
+// Rows of x up to which the row kernels run rather than the packed tiles (when the
+// selected build has those for x's dtype).
+int64_t row_kernel_max_rows(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? kInt8Bf16RowKernelMaxRows : kInt8F32RowKernelMaxRows;
+}
+
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -55,6 +74,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   // Rows need only be contiguous within themselves (the kernels take a row stride).
   const at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
+  if (M > row_kernel_max_rows(x.scalar_type())) {
+    const PackedQuantWeight qw{qweight.data_ptr<int8_t>(),
+                               group_size > 0 ? scales.data_ptr<float>() : nullptr, nullptr, K,
+                               group_size, false};
+    const at::Tensor y = packed_quant_linear(
+        x2, qw, N, group_size == 0 ? scales.data_ptr<float>() : nullptr, bias);
+    if (y.defined()) return y.reshape(out_shape);
+  }
   if (x.scalar_type() == at::kBFloat16) {
     const Int8LinearBf16BlockFn bf16 =
         cpu_isa() == "avx512bf16" ? int8_linear_bf16_avx512bf16() : nullptr;
@@ -105,6 +132,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   out_shape.back() = N;
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
+  if (M > row_kernel_max_rows(x.scalar_type())) {
+    const PackedQuantWeight qw{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                               zeros.data_ptr<float>(), K, group_size, true};
+    const at::Tensor y = packed_quant_linear(x2, qw, N, nullptr, bias);
+    if (y.defined()) return y.reshape(out_shape);
+  }
   if (x.scalar_type() == at::kBFloat16) {
     const Int4LinearBf16BlockFn bf16 =
         cpu_isa() == "avx512bf16" ? int4_linear_bf16_avx512bf16() : nullptr;

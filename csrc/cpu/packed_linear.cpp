@@ -4,7 +4,8 @@
 // torch's intra-op threads, each a contiguous range so a thread can prefetch its next
 // panel. Where the selected CPU build (VLLM_LITE_CPU_ISA / set_cpu_isa) has no kernel for
 // the dtype, the same math runs through at::linear on the unpacked weight, so the op is
-// correct wherever it is called.
+// correct wherever it is called. packed_quant_linear runs int8_linear's and int4_linear's
+// weights on the same kernels, a panel dequantized at a time (packed_dequant.h).
 #include <ATen/Parallel.h>
 
 #include "cpu/cpu_isa.h"
@@ -15,15 +16,41 @@
 namespace vllm_lite::cpu {
 namespace {
 
-PackedLinearFn selected_kernel(at::ScalarType dtype) {
+// The selected build's kernel for dtype (cpu_isa.h): bfloat16 on "avx512bf16", float32 on
+// "avx512" and "avx512bf16"; nullptr elsewhere.
+template <typename Fn>
+Fn select_for(at::ScalarType dtype, Fn bf16, Fn f32) {
   const std::string isa = cpu_isa();
-  if (dtype == at::kBFloat16) return isa == "avx512bf16" ? packed_linear_bf16_avx512bf16() : nullptr;
-  return isa == "avx512bf16" || isa == "avx512" ? packed_linear_f32_avx512() : nullptr;
+  if (dtype == at::kBFloat16) return isa == "avx512bf16" ? bf16 : nullptr;
+  return isa == "avx512bf16" || isa == "avx512" ? f32 : nullptr;
+}
+
+PackedLinearFn selected_kernel(at::ScalarType dtype) {
+  return select_for(dtype, packed_linear_bf16_avx512bf16(), packed_linear_f32_avx512());
 }
 
 }  // namespace
 
 bool packed_linear_kernel_selected(at::ScalarType dtype) { return selected_kernel(dtype) != nullptr; }
+
+at::Tensor packed_quant_linear(const at::Tensor& x2, const PackedQuantWeight& qw, int64_t N,
+                               const float* scale, const std::optional<at::Tensor>& bias) {
+  const PackedQuantLinearFn fn = select_for(x2.scalar_type(), packed_quant_linear_bf16_avx512bf16(),
+                                            packed_quant_linear_f32_avx512());
+  if (fn == nullptr) return {};
+  at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
+  // The bf16 layout pairs k: an odd K gets one zero column of x (its weights dequantize to
+  // zero), rather than reading past each row.
+  if (x2.scalar_type() == at::kBFloat16 && qw.K % 2 == 1) xc = at::constant_pad_nd(xc, {0, 1});
+  const int64_t M = xc.size(0);
+  at::Tensor y = at::empty({M, N}, x2.options());
+  if (M == 0 || N == 0) return y;
+  const PackedLinearArgs a{xc.data_ptr(), nullptr, bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                           y.data_ptr(), M, xc.size(1), N, xc.stride(0), scale};
+  const int64_t panels = (N + kPackedPanelCols - 1) / kPackedPanelCols;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { fn(a, qw, p0, p1); });
+  return y;
+}
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   check_pack_linear_weight(weight);

@@ -19,6 +19,8 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")
 #endif
 
+#include "cpu/packed_dequant.h"
+
 namespace vllm_lite::cpu {
 namespace {
 
@@ -31,11 +33,11 @@ inline __mmask16 cols_mask(int64_t cols, int64_t c0) {
 // Rows [0, R) of x times one panel w (see the bf16 kernel's tile).
 struct F32Tile {
   template <int64_t R>
-  static void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* bias,
-                   float* y, int64_t N, int64_t cols, const float* next) {
+  static void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* scale,
+                   const float* bias, float* y, int64_t N, int64_t cols, const float* next) {
     __m512 acc[R][NV];
     for (int64_t b = 0; b < NV; ++b) {
-      const __m512 init = bias != nullptr
+      const __m512 init = bias != nullptr && scale == nullptr
                               ? _mm512_maskz_loadu_ps(cols_mask(cols, b * kPackedVecCols),
                                                       bias + b * kPackedVecCols)
                               : _mm512_setzero_ps();
@@ -59,18 +61,47 @@ struct F32Tile {
     for (int64_t b = 0; b < NV; ++b) {
       const int64_t c0 = b * kPackedVecCols;
       if (cols <= c0) break;
-      for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + c0, cols_mask(cols, c0), acc[r][b]);
+      const __mmask16 m = cols_mask(cols, c0);
+      if (scale != nullptr) {
+        const __m512 sv = _mm512_maskz_loadu_ps(m, scale + c0);
+        const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(acc[r][b], sv, bv);
+      }
+      for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + c0, m, acc[r][b]);
     }
   }
 };
 
 void f32_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
-  run_panels<F32Tile, float>(a, p0, p1, a.K * kPackedPanelCols);
+  run_packed_panels<F32Tile, float>(a, p0, p1, a.K * kPackedPanelCols);
+}
+
+// Panel p of a quantized weight, dequantized into buf in the float32 packed layout.
+void dequant_f32_panel(const PackedQuantWeight& qw, int64_t K, int64_t N, int64_t p, float* buf, bool prefetch_next) {
+  const int64_t n0 = p * kPackedPanelCols, cols = std::min(kPackedPanelCols, N - n0);
+  for (int64_t b = 0; b < NV; ++b) {
+    float* out = buf + b * kPackedVecCols;
+    dequant_columns(qw, n0 + b * kPackedVecCols, live_cols(cols, b), K, prefetch_next,
+                    [&](int64_t k, __m512 v0, __m512 v1) {
+                      if (k < K) _mm512_store_ps(out + k * kPackedPanelCols, v0);
+                      if (k + 1 < K) _mm512_store_ps(out + (k + 1) * kPackedPanelCols, v1);
+                    });
+  }
+}
+
+void f32_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p0,
+                             int64_t p1) {
+  float* buf = panel_buffer<float>(a.K * kPackedPanelCols);
+  run_panels<F32Tile, float>(a, p0, p1, [&](int64_t p) {
+    dequant_f32_panel(qw, a.K, a.N, p, buf, p + 1 < p1);
+    return PanelRef<float>{buf, nullptr};
+  });
 }
 
 }  // namespace
 
 PackedLinearFn packed_linear_f32_avx512() { return &f32_linear_panels; }
+PackedQuantLinearFn packed_quant_linear_f32_avx512() { return &f32_quant_linear_panels; }
 
 }  // namespace vllm_lite::cpu
 
@@ -79,4 +110,7 @@ PackedLinearFn packed_linear_f32_avx512() { return &f32_linear_panels; }
 #endif
 #else
 vllm_lite::cpu::PackedLinearFn vllm_lite::cpu::packed_linear_f32_avx512() { return nullptr; }
+vllm_lite::cpu::PackedQuantLinearFn vllm_lite::cpu::packed_quant_linear_f32_avx512() {
+  return nullptr;
+}
 #endif

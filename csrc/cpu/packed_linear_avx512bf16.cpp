@@ -31,6 +31,8 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,prefer-vector-width=512")
 #endif
 
+#include "cpu/packed_dequant.h"
+
 namespace vllm_lite::cpu {
 namespace {
 
@@ -48,11 +50,11 @@ inline __mmask16 cols_mask(int64_t cols, int64_t c0) {
 struct Bf16Tile {
   template <int64_t R>
   static void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
-                   const float* bias, uint16_t* y, int64_t N, int64_t cols,
-                   const uint16_t* next) {
+                   const float* scale, const float* bias, uint16_t* y, int64_t N,
+                   int64_t cols, const uint16_t* next) {
     __m512 acc[R][NV];
     for (int64_t b = 0; b < NV; ++b) {
-      const __m512 init = bias != nullptr
+      const __m512 init = bias != nullptr && scale == nullptr
                               ? _mm512_maskz_loadu_ps(cols_mask(cols, b * kPackedVecCols),
                                                       bias + b * kPackedVecCols)
                               : _mm512_setzero_ps();
@@ -79,6 +81,11 @@ struct Bf16Tile {
       const int64_t c0 = b * kPackedVecCols;
       if (cols <= c0) break;
       const __mmask16 m = cols_mask(cols, c0);
+      if (scale != nullptr) {
+        const __m512 sv = _mm512_maskz_loadu_ps(m, scale + c0);
+        const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(acc[r][b], sv, bv);
+      }
       for (int64_t r = 0; r < R; ++r) {
         _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
       }
@@ -87,12 +94,45 @@ struct Bf16Tile {
 };
 
 void bf16_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
-  run_panels<Bf16Tile, uint16_t>(a, p0, p1, (a.K / 2) * kPairStride);
+  run_packed_panels<Bf16Tile, uint16_t>(a, p0, p1, (a.K / 2) * kPairStride);
+}
+
+// Panel p of a quantized weight, dequantized into buf in the bf16 packed layout (K even,
+// the caller's: x padded by one zero column when q's K is odd, whose weights are zero):
+// each pair of k of 16 columns, two float32 vectors, rounded (vcvtne2ps2bf16, nearest
+// even) into one vector and interleaved into [16 columns, 2].
+void dequant_bf16_panel(const PackedQuantWeight& qw, int64_t K, int64_t N, int64_t p,
+                        uint16_t* buf, bool prefetch_next) {
+  const int64_t n0 = p * kPackedPanelCols, cols = std::min(kPackedPanelCols, N - n0);
+  // lane 2c <- column c's even k (lane c of the rounded pair), 2c + 1 <- its odd k (16 + c)
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t b = 0; b < NV; ++b) {
+    uint16_t* out = buf + b * kVecPairs;
+    dequant_columns(qw, n0 + b * kPackedVecCols, live_cols(cols, b), K, prefetch_next,
+                    [&](int64_t k, __m512 v0, __m512 v1) {
+                      if (k >= K) return;
+                      const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+                      _mm512_store_si512(out + k / 2 * kPairStride,
+                                         _mm512_permutexvar_epi16(interleave, pair));
+                    });
+  }
+}
+
+void bf16_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw,
+                              int64_t p0, int64_t p1) {
+  uint16_t* buf = panel_buffer<uint16_t>((a.K / 2) * kPairStride);
+  run_panels<Bf16Tile, uint16_t>(a, p0, p1, [&](int64_t p) {
+    dequant_bf16_panel(qw, a.K, a.N, p, buf, p + 1 < p1);
+    return PanelRef<uint16_t>{buf, nullptr};
+  });
 }
 
 }  // namespace
 
 PackedLinearFn packed_linear_bf16_avx512bf16() { return &bf16_linear_panels; }
+PackedQuantLinearFn packed_quant_linear_bf16_avx512bf16() { return &bf16_quant_linear_panels; }
 
 }  // namespace vllm_lite::cpu
 
@@ -101,4 +141,7 @@ PackedLinearFn packed_linear_bf16_avx512bf16() { return &bf16_linear_panels; }
 #endif
 #else
 vllm_lite::cpu::PackedLinearFn vllm_lite::cpu::packed_linear_bf16_avx512bf16() { return nullptr; }
+vllm_lite::cpu::PackedQuantLinearFn vllm_lite::cpu::packed_quant_linear_bf16_avx512bf16() {
+  return nullptr;
+}
 #endif

@@ -50,30 +50,55 @@ constexpr int64_t packed_row_block(int64_t K, int64_t elem) {
 
 struct PackedLinearArgs {
   const void* x;       // [M, K] in the weight's dtype, row stride x_row_stride
-  const void* w;       // packed as above
+  const void* w;       // packed as above (nullptr for a quantized weight: PackedQuantWeight)
   const float* bias;   // [N] or nullptr
   void* y;             // [M, N] in x's dtype, contiguous
   int64_t M, K, N, x_row_stride;
+  // [N] or nullptr: y = scale * (x W^T) + bias (int8_linear's per-channel scales, applied
+  // to the exact sums of x times the int8 weights).
+  const float* scale = nullptr;
+};
+
+// A weight-only quantized weight in int8_linear's / int4_linear's own layouts, which the
+// quantized entry points dequantize one panel at a time (packed_dequant.h) into a
+// per-thread buffer in the packed layout above, then run the same tiles on. A panel's rows
+// are consecutive rows of q (and of scales / zeros), so each panel is one contiguous run of
+// the quantized bytes.
+struct PackedQuantWeight {
+  const void* q;         // int8 [N, K] or uint8 [N, K / 2] (byte j: k = 2j low nibble, 2j + 1 high)
+  const float* scales;   // [N, K / group_size]; int8 with group_size 0: nullptr (args.scale)
+  const float* zeros;    // int4: [N, K / group_size]; int8: nullptr
+  int64_t K;             // q's K: PackedLinearArgs::K may be one more (a bf16 x padded to even K)
+  int64_t group_size;    // 0 (int8 per channel) or 32 / 64 / 128
+  bool int4;
 };
 
 // The loop nest of both kernels, built under each kernel file's target: per block of rows
 // (packed_row_block), per panel of [p0, p1), the block's tiles of kPackedTileRows rows and
 // one tile of the rest, Kernel::tile<R> computing R rows of one panel (T = the element
-// type, panel = elements per packed panel). The first tile of a panel in a block is given
-// the next panel of the range to prefetch.
+// type). The first tile of a panel in a block is given the panel to prefetch meanwhile.
 template <typename Kernel, int64_t R, typename T>
 inline void tile_of(int64_t rows, const T* x, int64_t xs, const T* w, int64_t K,
-                    const float* bias, T* y, int64_t N, int64_t cols, const T* next) {
+                    const float* scale, const float* bias, T* y, int64_t N, int64_t cols,
+                    const T* next) {
   if constexpr (R > 0) {
-    if (rows == R) return Kernel::template tile<R>(x, xs, w, K, bias, y, N, cols, next);
-    tile_of<Kernel, R - 1>(rows, x, xs, w, K, bias, y, N, cols, next);
+    if (rows == R) return Kernel::template tile<R>(x, xs, w, K, scale, bias, y, N, cols, next);
+    tile_of<Kernel, R - 1>(rows, x, xs, w, K, scale, bias, y, N, cols, next);
   }
 }
 
-template <typename Kernel, typename T>
-inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, int64_t panel) {
+// One panel's packed weight for the tiles, and the next panel's to prefetch (or nullptr).
+template <typename T>
+struct PanelRef {
+  const T* w;
+  const T* next;
+};
+
+// panel_of(p) -> PanelRef<T>: the packed weight (PanelRef{w + p * panel, ...}) or a panel
+// dequantized into a buffer (packed_dequant.h).
+template <typename Kernel, typename T, typename PanelOf>
+inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelOf&& panel_of) {
   const T* x = static_cast<const T*>(a.x);
-  const T* w = static_cast<const T*>(a.w);
   T* y = static_cast<T*>(a.y);
   const int64_t block = packed_row_block(a.K, sizeof(T));
   for (int64_t m0 = 0; m0 < a.M; m0 += block) {
@@ -82,22 +107,37 @@ inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, int64_
       const int64_t n0 = p * kPackedPanelCols;
       const int64_t cols = std::min(kPackedPanelCols, a.N - n0);
       const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
-      const T* next = p + 1 < p1 ? w + (p + 1) * panel : nullptr;
+      const float* scale = a.scale != nullptr ? a.scale + n0 : nullptr;
+      const PanelRef<T> w = panel_of(p);
       for (int64_t m = m0; m < m1; m += kPackedTileRows) {
         tile_of<Kernel, kPackedTileRows>(std::min(kPackedTileRows, m1 - m),
-                                         x + m * a.x_row_stride, a.x_row_stride, w + p * panel,
-                                         a.K, bias, y + m * a.N + n0, a.N, cols,
-                                         m == m0 ? next : nullptr);
+                                         x + m * a.x_row_stride, a.x_row_stride, w.w, a.K,
+                                         scale, bias, y + m * a.N + n0, a.N, cols,
+                                         m == m0 ? w.next : nullptr);
       }
     }
   }
 }
 
+// run_panels on a packed weight of `panel` elements per panel.
+template <typename Kernel, typename T>
+inline void run_packed_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, int64_t panel) {
+  const T* w = static_cast<const T*>(a.w);
+  run_panels<Kernel, T>(a, p0, p1, [&](int64_t p) {
+    return PanelRef<T>{w + p * panel, p + 1 < p1 ? w + (p + 1) * panel : nullptr};
+  });
+}
+
 // Computes the panels [p0, p1) for every row of x.
 using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t p0, int64_t p1);
+// The same on a quantized weight (args.w unused).
+using PackedQuantLinearFn = void (*)(const PackedLinearArgs&, const PackedQuantWeight&,
+                                     int64_t p0, int64_t p1);
 
-// Each build's kernel; nullptr where it was compiled out (another architecture).
+// Each build's kernels; nullptr where they were compiled out (another architecture).
 PackedLinearFn packed_linear_bf16_avx512bf16();
 PackedLinearFn packed_linear_f32_avx512();
+PackedQuantLinearFn packed_quant_linear_bf16_avx512bf16();
+PackedQuantLinearFn packed_quant_linear_f32_avx512();
 
 }  // namespace vllm_lite::cpu

@@ -1,7 +1,9 @@
-"""torch.ops.vllm_lite.int4_linear (CPU): every build the CPU runs (the block kernel up to
-32 rows, the dequantize + GEMM path above) against a float64 matmul on weights dequantized
-here from the packed nibbles; the default model's shapes, every group size, partial passes
-and tasks, strided rows; argument checks; torch.compile through the fake."""
+"""torch.ops.vllm_lite.int4_linear (CPU): every build the CPU runs (the row kernels, the
+packed tiles on a dequantized panel on AVX-512 builds, the dequantize + GEMM path on the
+others; the row limits are int8_linear's) against a float64 matmul on weights dequantized
+here from the packed nibbles; the default model's shapes, every group size, partial passes,
+tasks and panels, several row blocks, strided rows; argument checks; torch.compile through
+the fake."""
 
 from __future__ import annotations
 
@@ -43,9 +45,11 @@ def _reference(x, packed, scales, zeros, group, b, weight_bf16: bool = False):
 
 # (rows, K, N, group): the default model's projections (K 576 / 1536; N 960 = qkv,
 # 576 = o, 3072 = gate_up, 576 = down), 1..32 rows on the block kernel, 33 and 64 on the
-# dequantize path, N not a multiple of 4 or 32.
+# dequantize path (the packed tiles from 3 float32 / 33 bfloat16 rows on AVX-512 builds;
+# 200 rows of K 1536: two row blocks), N not a multiple of 4, 32 or 48.
 SHAPES = [(1, 576, 960, 32), (2, 576, 576, 64), (3, 1536, 576, 128), (7, 576, 3072, 32),
-          (32, 128, 37, 64), (1, 64, 5, 32), (33, 576, 192, 32), (64, 256, 130, 128)]
+          (32, 128, 37, 64), (1, 64, 5, 32), (33, 576, 192, 32), (64, 256, 130, 128),
+          (200, 1536, 100, 32), (9, 96, 49, 32)]
 
 
 @pytest.mark.parametrize("m,k,n,group", SHAPES)

@@ -1,7 +1,9 @@
-"""torch.ops.vllm_lite.int8_linear (CPU): every build the CPU runs (the block kernel up to
-32 rows, the dequantize + GEMM path above; bfloat16 activations on the AVX512-BF16 kernel or
-the float32 fallback) against a float64 matmul on the dequantized weights; shapes that leave
-partial passes, partial tasks and partial row tiles; argument checks; opcheck."""
+"""torch.ops.vllm_lite.int8_linear (CPU): every build the CPU runs against a float64 matmul
+on the dequantized weights: the row kernels (float32 up to 2 rows on AVX-512 builds, 32 on
+the others; bfloat16 up to 32 rows on the AVX512-BF16 kernel), the packed tiles on a
+dequantized panel above those (AVX-512 builds), the dequantize + GEMM path (other builds),
+the float32 fallback of bfloat16; shapes that leave partial passes, tasks, row tiles,
+panels and chunks of q's bytes, odd K, several row blocks; argument checks; opcheck."""
 
 from __future__ import annotations
 
@@ -30,10 +32,13 @@ def _reference(x, q, scales, b):
     return ref + b.double() if b is not None else ref
 
 
-# (rows, K, N): 1..32 rows run the block kernel (odd rows take its one-row tail), 33 and
-# 100 the dequantize path; N not a multiple of 4 (a short pass) or of 32 (a short task).
+# (rows, K, N): 1..32 rows run the block kernel (odd rows take its one-row tail) on builds
+# without AVX-512, 33+ the dequantize path there; on AVX-512 builds 3+ rows run the packed
+# tiles (K 30 and 1100: a last partial 32-byte chunk of each row; 600 rows of K 1100: three
+# row blocks); N not a multiple of 4 (a short pass), 32 (a short task) or 48 (a partial
+# panel).
 SHAPES = [(1, 64, 32), (2, 64, 37), (3, 13, 5), (7, 576, 96), (16, 8, 1), (31, 72, 130),
-          (32, 100, 64), (33, 64, 40), (100, 48, 70)]
+          (32, 100, 64), (33, 64, 40), (100, 48, 70), (17, 30, 97), (600, 1100, 49)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -62,10 +67,12 @@ def test_leading_dims_and_strided_rows(isa: str) -> None:
                                atol=RTOL * float(ref.abs().max()))
 
 
-# bfloat16 x: K not a multiple of 32 (the kernel's masked tail), rows 1..4 tiles; one row
-# (its own loop, 64 wide) with K ending in either 32-wide half or in a last odd step.
+# bfloat16 x: odd K (x padded by a zero column for the pairs), K not a multiple of 4 or 32
+# (a last partial chunk of q's bytes), every row-tile size, several panels of 48 columns and
+# a partial last one, and (200 rows of K 1536) two row blocks, each dequantizing the panels
+# again.
 BF16_SHAPES = SHAPES + [(5, 577, 9), (64, 1536, 40), (130, 96, 33), (1, 577, 9), (1, 100, 7),
-                        (1, 72, 5)]
+                        (1, 72, 5), (9, 574, 150), (200, 1536, 100)]
 
 
 @pytest.mark.parametrize("m,k,n", BF16_SHAPES)
@@ -113,7 +120,7 @@ def _group_reference(x, q, scales, b, weight_bf16: bool = False):
 
 # Group-wise scales [N, K / G] (GGUF Q8_0): 1..32 rows on the block kernel, 33+ dequantized.
 GROUP_SHAPES = [(1, 64, 37, 32), (3, 576, 96, 32), (7, 256, 70, 64), (32, 384, 40, 128),
-                (33, 128, 24, 32), (130, 96, 33, 32)]
+                (33, 128, 24, 32), (130, 96, 33, 32), (200, 1536, 100, 32)]
 
 
 @pytest.mark.parametrize("m,k,n,group", GROUP_SHAPES)
