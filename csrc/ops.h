@@ -93,7 +93,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const at::Tensor& zeros, int64_t group_size,
                        const std::optional<at::Tensor>& bias);
 // float32 / bfloat16 linear on a packed weight (cpu/packed_linear_params.h):
-// pack_linear_weight(W [N, K]) -> packed (bfloat16: K even); packed_linear(x [..., K] in
+// pack_linear_weight(W [N, K]) -> packed (bfloat16: K even; also int8_linear's int8 and
+// int4_linear's uint8 qweight, for those ops' packed path); packed_linear(x [..., K] in
 // W's dtype, packed, bias float32 [N] or none, N) -> x W^T + bias in x's dtype, accumulated
 // in float32. The AVX-512 (float32) / AVX512-BF16 (bfloat16) kernels where that CPU build
 // is selected (packed_linear_kernel_selected), else the same math through at::linear on
@@ -102,7 +103,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
 bool packed_linear_kernel_selected(at::ScalarType dtype);
-// Not an op: int8_linear's and int4_linear's GEMM on the packed kernels (packed_linear.cpp),
+// Not an op: int8_linear's and int4_linear's GEMM on a packed qweight (packed_linear.cpp),
 // x2 [M, K] float32 or bfloat16 with rows contiguous within themselves, y = scale * (x2 W^T)
 // + bias with W dequantized from qw (scale: [N] or nullptr); an undefined tensor where the
 // selected CPU build has no packed kernel for x2's dtype.

@@ -501,17 +501,39 @@ int64_t check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
   return src.size(0) == 0 ? 0 : src.numel() / src.size(0) * src.element_size();
 }
 
+namespace {
+
+// qweight [N, row] or packed in panels [ceil(N / panel_cols), row, panel_cols]
+// (pack_linear_weight's layout); the rows N come from `scales` when packed. Returns N.
+int64_t check_quant_weight(const char* op, const at::Tensor& qweight, const at::Tensor& scales,
+                           const char* row, int64_t panel_cols) {
+  check_contiguous(op, qweight, "qweight");
+  if (qweight.dim() != 3) {
+    TORCH_CHECK(qweight.dim() == 2, op, ": qweight must be [N, ", row, "] or packed [panels, ",
+                row, ", ", panel_cols, "], got shape ", qweight.sizes());
+    return qweight.size(0);
+  }
+  TORCH_CHECK(scales.dim() >= 1, op, ": scales must be [N, ...], got a scalar");
+  const int64_t n = scales.size(0);
+  TORCH_CHECK(qweight.size(2) == panel_cols && qweight.size(0) == (n + panel_cols - 1) / panel_cols,
+              op, ": a packed qweight must be pack_linear_weight's [ceil(N / ", panel_cols,
+              "), ", row, ", ", panel_cols, "] for scales' N = ", n, ", got shape ",
+              qweight.sizes());
+  return n;
+}
+
+}  // namespace
+
 int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
-                          const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
+                          const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                          int64_t panel_cols) {
   const char* op = "int8_linear";
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be Float or BFloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K], got a scalar");
   check_dtype(op, qweight, "qweight", at::kChar);
-  check_dim(op, qweight, "qweight", 2, "[N, K]");
-  check_contiguous(op, qweight, "qweight");
   check_same_device(op, qweight, "qweight", x, "x");
-  const int64_t n = qweight.size(0);
+  const int64_t n = check_quant_weight(op, qweight, scales, "K", panel_cols);
   TORCH_CHECK(x.size(-1) == qweight.size(1), op, ": x's last dimension (", x.size(-1),
               ") must equal qweight's K (", qweight.size(1), ")");
   check_dtype(op, scales, "scales", at::kFloat);
@@ -541,8 +563,10 @@ int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
 
 void check_pack_linear_weight(const at::Tensor& weight) {
   const char* op = "pack_linear_weight";
-  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16, op,
-              ": weight must be Float or BFloat16, got ", weight.scalar_type());
+  const at::ScalarType t = weight.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kChar || t == at::kByte, op,
+              ": weight must be Float or BFloat16 (packed_linear), Char (int8_linear's qweight) "
+              "or Byte (int4_linear's), got ", t);
   check_dim(op, weight, "weight", 2, "[N, K]");
   TORCH_CHECK(weight.device().is_cpu(), op, ": weight must be on the CPU, got ", weight.device());
   const bool pairs = weight.scalar_type() == at::kBFloat16;
@@ -591,7 +615,7 @@ void check_packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
 
 int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,
                           const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                          const std::optional<at::Tensor>& bias) {
+                          const std::optional<at::Tensor>& bias, int64_t panel_cols) {
   const char* op = "int4_linear";
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be Float or BFloat16, got ", x.scalar_type());
@@ -599,14 +623,14 @@ int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,
   TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, op,
               ": group_size must be 32, 64 or 128, got ", group_size);
   check_dtype(op, qweight, "qweight", at::kByte);
-  check_dim(op, qweight, "qweight", 2, "[N, K / 2]");
-  check_contiguous(op, qweight, "qweight");
   check_same_device(op, qweight, "qweight", x, "x");
-  const int64_t n = qweight.size(0), k = x.size(-1);
+  const int64_t n = check_quant_weight(op, qweight, scales, "K / 2", panel_cols);
+  const int64_t k = x.size(-1);
   TORCH_CHECK(k % group_size == 0, op, ": x's last dimension K (", k,
               ") must be a multiple of group_size (", group_size, ")");
-  TORCH_CHECK(qweight.size(1) * 2 == k, op, ": qweight must be [N, K / 2] = [", n, ", ", k / 2,
-              "] for x's K = ", k, ", got shape ", qweight.sizes());
+  TORCH_CHECK(qweight.size(1) * 2 == k, op, ": qweight must be [N, K / 2] (packed: [panels, K / 2, ",
+              panel_cols, "]) with K / 2 = ", k / 2, " for x's K = ", k, ", got shape ",
+              qweight.sizes());
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{scales, "scales"},
                                 {zeros, "zeros"}}) {
     check_dtype(op, t, name, at::kFloat);

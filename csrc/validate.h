@@ -108,21 +108,24 @@ int64_t check_copy_blocks(
 int64_t check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
                           const at::Tensor& block_mapping);
 
-// int8_linear: x float32 or bfloat16 [..., K] (y in x's dtype); qweight int8 [N, K]
-// contiguous; scales float32 [N] (per row) or [N, K / G], G 32, 64 or 128 (groups, GGUF
-// Q8_0), contiguous; bias float32 [N] contiguous or none; all on one device. Returns N.
+// int8_linear: x float32 or bfloat16 [..., K] (y in x's dtype); qweight int8 [N, K], or
+// packed by pack_linear_weight [ceil(N / panel_cols), K, panel_cols], contiguous; scales
+// float32 [N] (per row) or [N, K / G], G 32, 64 or 128 (groups, GGUF Q8_0), contiguous; bias
+// float32 [N] contiguous or none; all on one device. Returns N.
 int64_t check_int8_linear(const at::Tensor& x, const at::Tensor& qweight,
-                          const at::Tensor& scales, const std::optional<at::Tensor>& bias);
+                          const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                          int64_t panel_cols);
 
-// int4_linear: x float32 or bfloat16 [..., K] (y in x's dtype); qweight uint8 [N, K / 2] contiguous; scales, zeros
-// float32 [N, K / group_size] contiguous; group_size 32, 64 or 128 dividing K; bias float32
-// [N] or none; all on one device. Returns N.
+// int4_linear: x float32 or bfloat16 [..., K] (y in x's dtype); qweight uint8 [N, K / 2], or
+// packed [ceil(N / panel_cols), K / 2, panel_cols], contiguous; scales, zeros float32 [N, K /
+// group_size] contiguous; group_size 32, 64 or 128 dividing K; bias float32 [N] or none; all
+// on one device. Returns N.
 int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,
                           const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                          const std::optional<at::Tensor>& bias);
+                          const std::optional<at::Tensor>& bias, int64_t panel_cols);
 
 // pack_linear_weight: weight float32 or bfloat16 [N, K], N >= 1, K >= 1 (bfloat16: K even),
-// on the CPU.
+// or an int8_linear / int4_linear qweight (int8 [N, K] / uint8 [N, K / 2]), on the CPU.
 void check_pack_linear_weight(const at::Tensor& weight);
 // packed_linear: x float32 or bfloat16 [..., K]; packed_weight pack_linear_weight's of the
 // same dtype (bfloat16 [panels, K / 2, panel columns, 2], float32 [panels, K, panel

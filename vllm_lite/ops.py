@@ -272,14 +272,19 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """y [..., N] = x [..., K] @ (qweight [N, K] int8 * scales[:, None]).T + bias; x float32
     or bfloat16 (y in x's dtype, rounded once), scales and bias float32. ``scales`` may also
     be [N, K / G] (G 32, 64 or 128; GGUF Q8_0): w[n, k] = q[n, k] * scales[n, k // G] (the
-    bf16 kernel then uses each w rounded to bf16). CPU only (quantization="int8" / "gguf",
+    bf16 kernel then uses each w rounded to bf16). ``qweight`` may be packed by
+    :func:`pack_linear_weight` ([ceil(N / 48), K, 48]; N from ``scales``): the layers do
+    that at load where the selected CPU build has packed_linear's kernels, which then run
+    any number of rows. CPU only (quantization="int8" / "gguf",
     vllm_lite.layers.quantization)."""
     return _ops.int8_linear(x, qweight, scales, bias)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` float32 or bfloat16 [N, K] (bfloat16: K even) in packed_linear's layout:
-    panels of output columns (csrc/cpu/packed_linear_params.h). CPU only."""
+    panels of output columns (csrc/cpu/packed_linear_params.h); also int8_linear's int8
+    [N, K] and int4_linear's uint8 [N, K / 2] qweight, in the float32 form ([panels, K or
+    K / 2, 48] bytes) those ops take. CPU only."""
     return _ops.pack_linear_weight(weight)
 
 
@@ -307,8 +312,10 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     + zeros[n, k // group_size]; q unsigned 4-bit, two per byte of uint8 ``qweight`` [N,
     K / 2] (k = 2j in byte j's low nibble, 2j + 1 in its high one); scales, zeros float32
     [N, K / group_size], group_size 32, 64 or 128; x float32 or bfloat16 (y in x's dtype;
-    the bf16 kernel uses each weight rounded to bf16), bias float32. CPU only
-    (quantization="int4" / "gguf", vllm_lite.layers.quantization)."""
+    the bf16 kernel uses each weight rounded to bf16), bias float32. ``qweight`` may be
+    packed by :func:`pack_linear_weight` ([ceil(N / 48), K / 2, 48]), as for
+    :func:`int8_linear`. CPU only (quantization="int4" / "gguf",
+    vllm_lite.layers.quantization)."""
     return _ops.int4_linear(x, qweight, scales, zeros, group_size, bias)
 
 
@@ -382,7 +389,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("vllm_lite::int8_linear")
     def _int8_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+        return x.new_empty((*x.shape[:-1], scales.shape[0]))  # qweight may be packed
 
     @torch.library.register_fake("vllm_lite::pack_linear_weight")
     def _pack_linear_weight_fake(weight: torch.Tensor) -> torch.Tensor:
@@ -402,7 +409,7 @@ def _register_fakes() -> None:
     def _int4_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                           zeros: torch.Tensor, group_size: int,
                           bias: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+        return x.new_empty((*x.shape[:-1], scales.shape[0]))
 
 
 _register_fakes()

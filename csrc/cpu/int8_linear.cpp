@@ -1,23 +1,20 @@
 // int8_linear / int4_linear on the CPU: weight-only linear layers, the GEMMs of
 // quantization="int8" (per-output-channel scales, or GGUF Q8_0's groups of 32) and "int4" /
-// "gguf" / "gptq" / "awq" (groups of 32-128 weights with a scale and a zero). Two kinds of
-// kernel, picked by the number of rows of x:
-// - few rows (decode steps: up to kInt8Bf16RowKernelMaxRows in bfloat16,
-//   kInt8F32RowKernelMaxRows in float32): the row kernels, which widen kInt8RowsPerPass
-//   weight rows at a time into an L1 buffer and dot them with every row of x, on tasks of
-//   kInt8ChannelsPerTask output channels over torch's intra-op threads: bfloat16 x on the
-//   AVX512-BF16 kernel (int8_linear_avx512bf16.cpp) when that build is selected, float32
-//   x on int8_linear_kernel.h's AVX2 build where the CPU ISA switch (cpu_isa.h) picks a
-//   non-generic build, else its generic one;
-// - more rows: packed_linear's register tiles (float32: AVX-512; bfloat16: AVX512-BF16)
-//   where the selected build has them, each panel of 48 output columns dequantized once
-//   per block of rows into a per-thread buffer in the packed layout (packed_dequant.h,
-//   packed_quant_linear in packed_linear.cpp). The dequantization transposes q's rows, a
-//   fixed cost per call that only pays once enough rows share it (the row limits above,
-//   measured on the project's Zen 4 VM: README "CPU kernels"). Builds without those
-//   kernels: float32 x beyond the row limit dequantizes the weight once and runs
-//   at::linear; bfloat16 x without a bf16 kernel runs the float32 path on a float32 copy,
-//   rounded once.
+// "gguf" / "gptq" / "awq" (groups of 32-128 weights with a scale and a zero).
+// - A qweight packed by pack_linear_weight ([panels, K or K / 2, 48]; the layers pack it at
+//   load where the selected build has the kernels) runs packed_linear's register tiles
+//   (float32: AVX-512; bfloat16: AVX512-BF16, else float32 on a copy of x), each panel of 48
+//   output columns dequantized once per block of rows into a per-thread buffer in the
+//   packed float layout (packed_dequant.h, packed_quant_linear in packed_linear.cpp), any
+//   number of rows. Builds without those kernels unpack it per call and run the paths
+//   below.
+// - A qweight [N, K] / [N, K / 2]: decode-sized float32 inputs (<= kInt8KernelMaxRows rows)
+//   run the block kernels of int8_linear_kernel.h (the AVX2 build where the CPU ISA switch,
+//   cpu_isa.h, picks a non-generic build, else the generic one) on tasks of
+//   kInt8ChannelsPerTask output channels over torch's intra-op threads; larger float32
+//   inputs (prefills) dequantize the weight once and use at::linear. bfloat16 x runs the
+//   AVX512-BF16 kernels (int8_linear_avx512bf16.cpp) for any number of rows when that build
+//   is selected, else the float32 path on a float32 copy.
 // Only CPU kernels exist: on CUDA the Python layer uses torch's _weight_int8pack_mm (int8)
 // or dequantizes at load (int4).
 #include <memory>
@@ -55,17 +52,28 @@ void run_channel_tasks(int64_t N, int64_t row, Block&& block) {
   });
 }
 
-// Rows of x up to which the row kernels run rather than the packed tiles (when the
-// selected build has those for x's dtype).
-int64_t row_kernel_max_rows(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 ? kInt8Bf16RowKernelMaxRows : kInt8F32RowKernelMaxRows;
+// A packed qweight [panels, row, kPackedPanelCols] back in rows [N, row] (a copy).
+at::Tensor unpack_rows(const at::Tensor& qweight, int64_t N) {
+  return qweight.permute({0, 2, 1}).reshape({-1, qweight.size(1)}).narrow(0, 0, N).contiguous();
+}
+
+// The packed path for x2 [M, K]: x2's dtype where the selected build has that kernel, else
+// bfloat16 on the float32 kernel, rounded once; undefined where neither exists.
+at::Tensor run_packed(const at::Tensor& x2, const PackedQuantWeight& qw, int64_t N,
+                      const float* scale, const std::optional<at::Tensor>& bias) {
+  at::Tensor y = packed_quant_linear(x2, qw, N, scale, bias);
+  if (!y.defined() && x2.scalar_type() == at::kBFloat16) {
+    y = packed_quant_linear(x2.to(at::kFloat), qw, N, scale, bias);
+    if (y.defined()) y = y.to(at::kBFloat16);
+  }
+  return y;
 }
 
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
-  const int64_t N = check_int8_linear(x, qweight, scales, bias);
+  const int64_t N = check_int8_linear(x, qweight, scales, bias, kPackedPanelCols);
   TORCH_CHECK(x.device().is_cpu(), "int8_linear: x must be on the CPU, got ", x.device());
   const int64_t K = qweight.size(1);
   const int64_t group_size = scales.dim() == 2 ? K / scales.size(1) : 0;
@@ -74,13 +82,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   // Rows need only be contiguous within themselves (the kernels take a row stride).
   const at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
-  if (M > row_kernel_max_rows(x.scalar_type())) {
+  if (qweight.dim() == 3) {
     const PackedQuantWeight qw{qweight.data_ptr<int8_t>(),
                                group_size > 0 ? scales.data_ptr<float>() : nullptr, nullptr, K,
                                group_size, false};
-    const at::Tensor y = packed_quant_linear(
-        x2, qw, N, group_size == 0 ? scales.data_ptr<float>() : nullptr, bias);
+    const at::Tensor y =
+        run_packed(x2, qw, N, group_size == 0 ? scales.data_ptr<float>() : nullptr, bias);
     if (y.defined()) return y.reshape(out_shape);
+    return int8_linear(x, unpack_rows(qweight, N), scales, bias);
   }
   if (x.scalar_type() == at::kBFloat16) {
     const Int8LinearBf16BlockFn bf16 =
@@ -125,18 +134,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size,
                        const std::optional<at::Tensor>& bias) {
-  const int64_t N = check_int4_linear(x, qweight, scales, zeros, group_size, bias);
+  const int64_t N = check_int4_linear(x, qweight, scales, zeros, group_size, bias, kPackedPanelCols);
   TORCH_CHECK(x.device().is_cpu(), "int4_linear: x must be on the CPU, got ", x.device());
   const int64_t K = x.size(-1);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
-  if (M > row_kernel_max_rows(x.scalar_type())) {
+  if (qweight.dim() == 3) {
     const PackedQuantWeight qw{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                                zeros.data_ptr<float>(), K, group_size, true};
-    const at::Tensor y = packed_quant_linear(x2, qw, N, nullptr, bias);
+    const at::Tensor y = run_packed(x2, qw, N, nullptr, bias);
     if (y.defined()) return y.reshape(out_shape);
+    return int4_linear(x, unpack_rows(qweight, N), scales, zeros, group_size, bias);
   }
   if (x.scalar_type() == at::kBFloat16) {
     const Int4LinearBf16BlockFn bf16 =

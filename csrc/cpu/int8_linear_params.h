@@ -15,14 +15,6 @@ static_assert(kInt8ChannelsPerTask % kInt8RowsPerPass == 0);
 // Up to this many activation rows the block kernel runs; more rows (prefills) dequantize
 // the weight once and use the float32 GEMM, which blocks for its caches far better.
 constexpr int64_t kInt8KernelMaxRows = 32;
-// Where the selected build has packed_linear's tiles for x's dtype, more rows than these run
-// there (a panel dequantized per call, packed_dequant.h), fewer on the row kernels. The
-// crossovers on the project's Zen 4 VM (2 threads, the default model's projections, weights
-// streamed from memory): bfloat16 about 30 rows (at 1-8 rows the bf16 row kernel took
-// 0.4-0.8x the packed path's time, at 64+ rows 1.1-1.2x); float32 about 3 rows (the float32
-// row kernel is twice as slow from 8 rows on).
-constexpr int64_t kInt8Bf16RowKernelMaxRows = 32;
-constexpr int64_t kInt8F32RowKernelMaxRows = 2;
 
 struct Int8LinearArgs {
   const float* x;        // [M, K], row stride x_row_stride

@@ -5,7 +5,7 @@
 // panel. Where the selected CPU build (VLLM_LITE_CPU_ISA / set_cpu_isa) has no kernel for
 // the dtype, the same math runs through at::linear on the unpacked weight, so the op is
 // correct wherever it is called. packed_quant_linear runs int8_linear's and int4_linear's
-// weights on the same kernels, a panel dequantized at a time (packed_dequant.h).
+// packed weights on the same kernels, a panel dequantized at a time (packed_dequant.h).
 #include <ATen/Parallel.h>
 
 #include "cpu/cpu_isa.h"
@@ -65,7 +65,8 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
     // [panels, cols, K / 2, 2] -> [panels, K / 2, cols, 2]
     return padded.reshape({panels, kPackedPanelCols, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
   }
-  // [panels, cols, K] -> [panels, K, cols]
+  // [panels, cols, K] -> [panels, K, cols]: float32, and the int8 / int4 bytes of
+  // int8_linear's and int4_linear's qweight (K bytes or K / 2) the same way
   return padded.reshape({panels, kPackedPanelCols, K}).permute({0, 2, 1}).contiguous();
 }
 

@@ -76,22 +76,20 @@ void f32_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
   run_packed_panels<F32Tile, float>(a, p0, p1, a.K * kPackedPanelCols);
 }
 
-// Panel p of a quantized weight, dequantized into buf in the float32 packed layout.
-void dequant_f32_panel(const PackedQuantWeight& qw, int64_t K, int64_t N, int64_t p, float* buf, bool prefetch_next) {
-  const int64_t n0 = p * kPackedPanelCols, cols = std::min(kPackedPanelCols, N - n0);
-  for (int64_t b = 0; b < NV; ++b) {
-    float* out = buf + b * kPackedVecCols;
-    dequant_columns(qw, n0 + b * kPackedVecCols, live_cols(cols, b), K, prefetch_next,
-                    [&](int64_t k, __m512 v0, __m512 v1) {
-                      if (k < K) _mm512_store_ps(out + k * kPackedPanelCols, v0);
-                      if (k + 1 < K) _mm512_store_ps(out + (k + 1) * kPackedPanelCols, v1);
-                    });
-  }
+// Panel p of a quantized weight, dequantized into buf in the float32 packed layout (buf
+// holds K + 1 rows: an odd K's last pair stores a zero row past the panel).
+void dequant_f32_panel(const PackedQuantWeight& qw, int64_t K, int64_t N, int64_t p, float* buf,
+                       bool prefetch_next) {
+  dequant_panel(qw, p, N, K, prefetch_next, [&](int64_t b, int64_t k, __m512 v0, __m512 v1) {
+    float* out = buf + k * kPackedPanelCols + b * kPackedVecCols;
+    _mm512_store_ps(out, v0);
+    _mm512_store_ps(out + kPackedPanelCols, v1);
+  });
 }
 
 void f32_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p0,
                              int64_t p1) {
-  float* buf = panel_buffer<float>(a.K * kPackedPanelCols);
+  float* buf = panel_buffer<float>((a.K + 1) * kPackedPanelCols);
   run_panels<F32Tile, float>(a, p0, p1, [&](int64_t p) {
     dequant_f32_panel(qw, a.K, a.N, p, buf, p + 1 < p1);
     return PanelRef<float>{buf, nullptr};

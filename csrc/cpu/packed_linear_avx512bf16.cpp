@@ -48,18 +48,43 @@ inline __mmask16 cols_mask(int64_t cols, int64_t c0) {
 // panel's columns start at y; `cols` of them are stored (< kPackedPanelCols in the last
 // panel). next: the panel to prefetch into L2 meanwhile (nullptr: none).
 struct Bf16Tile {
+  // Accumulators of R rows: the bias, or zero where a scale is applied at the end.
+  template <int64_t R>
+  static void init(__m512 (&acc)[R][NV], const float* scale, const float* bias, int64_t cols) {
+    for (int64_t b = 0; b < NV; ++b) {
+      const __m512 v = bias != nullptr && scale == nullptr
+                           ? _mm512_maskz_loadu_ps(cols_mask(cols, b * kPackedVecCols),
+                                                   bias + b * kPackedVecCols)
+                           : _mm512_setzero_ps();
+      for (int64_t r = 0; r < R; ++r) acc[r][b] = v;
+    }
+  }
+
+  // y = bf16(acc) (times the scale, plus the bias, where scale is given), `cols` columns.
+  template <int64_t R>
+  static void store(__m512 (&acc)[R][NV], const float* scale, const float* bias, uint16_t* y,
+                    int64_t N, int64_t cols) {
+    for (int64_t b = 0; b < NV; ++b) {
+      const int64_t c0 = b * kPackedVecCols;
+      if (cols <= c0) break;
+      const __mmask16 m = cols_mask(cols, c0);
+      if (scale != nullptr) {
+        const __m512 sv = _mm512_maskz_loadu_ps(m, scale + c0);
+        const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(acc[r][b], sv, bv);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
+      }
+    }
+  }
+
   template <int64_t R>
   static void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
                    const float* scale, const float* bias, uint16_t* y, int64_t N,
                    int64_t cols, const uint16_t* next) {
     __m512 acc[R][NV];
-    for (int64_t b = 0; b < NV; ++b) {
-      const __m512 init = bias != nullptr && scale == nullptr
-                              ? _mm512_maskz_loadu_ps(cols_mask(cols, b * kPackedVecCols),
-                                                      bias + b * kPackedVecCols)
-                              : _mm512_setzero_ps();
-      for (int64_t r = 0; r < R; ++r) acc[r][b] = init;
-    }
+    init<R>(acc, scale, bias, cols);
     const int64_t pairs = K / 2;
     for (int64_t j = 0; j < pairs; ++j) {
       const uint16_t* wj = w + j * kPairStride;
@@ -77,19 +102,7 @@ struct Bf16Tile {
         for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
       }
     }
-    for (int64_t b = 0; b < NV; ++b) {
-      const int64_t c0 = b * kPackedVecCols;
-      if (cols <= c0) break;
-      const __mmask16 m = cols_mask(cols, c0);
-      if (scale != nullptr) {
-        const __m512 sv = _mm512_maskz_loadu_ps(m, scale + c0);
-        const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(acc[r][b], sv, bv);
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
-      }
-    }
+    store<R>(acc, scale, bias, y, N, cols);
   }
 };
 
@@ -97,31 +110,67 @@ void bf16_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
   run_packed_panels<Bf16Tile, uint16_t>(a, p0, p1, (a.K / 2) * kPairStride);
 }
 
+// lane 2c <- column c's even k (lane c of a vcvtne2ps2bf16 pair), 2c + 1 <- its odd k (16 + c)
+inline __m512i pair_interleave() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+// Two float32 vectors of 16 columns' weights at k and k + 1, rounded to bf16 (nearest
+// even) and interleaved into a packed row [16 columns, 2].
+inline __m512bh bf16_pairs(__m512 v0, __m512 v1, __m512i interleave) {
+  return (__m512bh)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+}
+
 // Panel p of a quantized weight, dequantized into buf in the bf16 packed layout (K even,
-// the caller's: x padded by one zero column when q's K is odd, whose weights are zero):
-// each pair of k of 16 columns, two float32 vectors, rounded (vcvtne2ps2bf16, nearest
-// even) into one vector and interleaved into [16 columns, 2].
+// the caller's: x padded by one zero column when q's K is odd, whose weights are zero).
 void dequant_bf16_panel(const PackedQuantWeight& qw, int64_t K, int64_t N, int64_t p,
                         uint16_t* buf, bool prefetch_next) {
-  const int64_t n0 = p * kPackedPanelCols, cols = std::min(kPackedPanelCols, N - n0);
-  // lane 2c <- column c's even k (lane c of the rounded pair), 2c + 1 <- its odd k (16 + c)
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t b = 0; b < NV; ++b) {
-    uint16_t* out = buf + b * kVecPairs;
-    dequant_columns(qw, n0 + b * kPackedVecCols, live_cols(cols, b), K, prefetch_next,
-                    [&](int64_t k, __m512 v0, __m512 v1) {
-                      if (k >= K) return;
-                      const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
-                      _mm512_store_si512(out + k / 2 * kPairStride,
-                                         _mm512_permutexvar_epi16(interleave, pair));
-                    });
-  }
+  const __m512i interleave = pair_interleave();
+  dequant_panel(qw, p, N, K, prefetch_next, [&](int64_t b, int64_t k, __m512 v0, __m512 v1) {
+    _mm512_store_si512(buf + k / 2 * kPairStride + b * kVecPairs,
+                       (__m512i)bf16_pairs(v0, v1, interleave));
+  });
+}
+
+// Rows [0, R) of x (R <= kQuantFusedRows) times panel p of a quantized weight, each packed
+// row dequantized in registers and used at once: with so few rows, the buffer's store and
+// reload were a fifth of the work.
+template <int64_t R>
+void quant_tile(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p,
+                bool prefetch_next) {
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  const int64_t n0 = p * kPackedPanelCols, cols = std::min(kPackedPanelCols, a.N - n0);
+  const float* scale = a.scale != nullptr ? a.scale + n0 : nullptr;
+  const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
+  const __m512i interleave = pair_interleave();
+  __m512 acc[R][NV];
+  Bf16Tile::init<R>(acc, scale, bias, cols);
+  dequant_panel(qw, p, a.N, a.K, prefetch_next, [&](int64_t b, int64_t k, __m512 v0, __m512 v1) {
+    const __m512bh w = bf16_pairs(v0, v1, interleave);
+    for (int64_t r = 0; r < R; ++r) {
+      int32_t pair;
+      __builtin_memcpy(&pair, x + r * a.x_row_stride + k, sizeof(pair));
+      acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)_mm512_set1_epi32(pair), w);
+    }
+  });
+  Bf16Tile::store<R>(acc, scale, bias, static_cast<uint16_t*>(a.y) + n0, a.N, cols);
 }
 
 void bf16_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw,
                               int64_t p0, int64_t p1) {
+  if (a.M <= kQuantFusedRows) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const bool next = p + 1 < p1;
+      switch (a.M) {
+        case 1: quant_tile<1>(a, qw, p, next); break;
+        case 2: quant_tile<2>(a, qw, p, next); break;
+        case 3: quant_tile<3>(a, qw, p, next); break;
+        default: quant_tile<4>(a, qw, p, next); break;
+      }
+    }
+    return;
+  }
   uint16_t* buf = panel_buffer<uint16_t>((a.K / 2) * kPairStride);
   run_panels<Bf16Tile, uint16_t>(a, p0, p1, [&](int64_t p) {
     dequant_bf16_panel(qw, a.K, a.N, p, buf, p + 1 < p1);

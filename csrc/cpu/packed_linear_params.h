@@ -59,13 +59,13 @@ struct PackedLinearArgs {
   const float* scale = nullptr;
 };
 
-// A weight-only quantized weight in int8_linear's / int4_linear's own layouts, which the
-// quantized entry points dequantize one panel at a time (packed_dequant.h) into a
-// per-thread buffer in the packed layout above, then run the same tiles on. A panel's rows
-// are consecutive rows of q (and of scales / zeros), so each panel is one contiguous run of
-// the quantized bytes.
+// A weight-only quantized weight packed by pack_linear_weight like a float32 weight (one
+// byte per k of a column for int8, per pair of k for int4: [panels, K or K / 2, 48] bytes),
+// which the quantized entry points dequantize one panel at a time (packed_dequant.h) into a
+// per-thread buffer in the float layout above, then run the same tiles on.
 struct PackedQuantWeight {
-  const void* q;         // int8 [N, K] or uint8 [N, K / 2] (byte j: k = 2j low nibble, 2j + 1 high)
+  const void* q;         // int8 [panels, K, cols] or uint8 [panels, K / 2, cols] (byte j of a
+                         // column: k = 2j in its low nibble, 2j + 1 in its high one)
   const float* scales;   // [N, K / group_size]; int8 with group_size 0: nullptr (args.scale)
   const float* zeros;    // int4: [N, K / group_size]; int8: nullptr
   int64_t K;             // q's K: PackedLinearArgs::K may be one more (a bf16 x padded to even K)
@@ -127,6 +127,11 @@ inline void run_packed_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1,
     return PanelRef<T>{w + p * panel, p + 1 < p1 ? w + (p + 1) * panel : nullptr};
   });
 }
+
+// Up to this many rows of x, the quantized entry points dequantize each packed row of a
+// panel in registers and use it at once (no buffer); more rows share a dequantized panel.
+constexpr int64_t kQuantFusedRows = 4;
+static_assert(kQuantFusedRows * kPackedPanelVecs + kPackedPanelVecs + 4 <= 32);
 
 // Computes the panels [p0, p1) for every row of x.
 using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t p0, int64_t p1);

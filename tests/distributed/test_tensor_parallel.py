@@ -171,8 +171,8 @@ def test_int8_shards_are_the_rows_of_the_unsplit_quantization(bias_ckpt) -> None
     folder, _ = bias_ckpt
     one = _llm(folder, 1, quantization="int8")
     two = _llm(folder, 2, quantization="int8")
-    q1 = one.llm_engine.model.model.layers[0].self_attn.qkv_proj.qweight
-    q2 = two.llm_engine.model.model.layers[0].self_attn.qkv_proj.qweight
+    q1 = one.llm_engine.model.model.layers[0].self_attn.qkv_proj.qweight_rows()
+    q2 = two.llm_engine.model.model.layers[0].self_attn.qkv_proj.qweight_rows()
     d = 16  # head_dim: hidden 64 / 4 heads; rank 0 holds q heads 0-1 and KV head 0
     expect = torch.cat([q1[:2 * d], q1[4 * d:5 * d], q1[6 * d:7 * d]])
     assert torch.equal(q2, expect)

@@ -29,6 +29,15 @@ def _case(m: int, k: int, n: int, group: int, seed: int, bias: bool):
     return x, packed, scales, zeros, b
 
 
+PACKED = pytest.mark.parametrize("in_panels", [False, True], ids=["rows", "panels"])
+
+
+def _weight(packed: torch.Tensor, in_panels: bool) -> torch.Tensor:
+    """The nibbles as they are, or in pack_linear_weight's panels (the layers' form on
+    AVX-512 builds; elsewhere the op unpacks them per call)."""
+    return ops.pack_linear_weight(packed) if in_panels else packed
+
+
 def _reference(x, packed, scales, zeros, group, b, weight_bf16: bool = False):
     """weight_bf16: each weight q * scale + zero rounded (once) to float32, then to bfloat16,
     as the AVX512-BF16 kernel widens it."""
@@ -49,47 +58,53 @@ def _reference(x, packed, scales, zeros, group, b, weight_bf16: bool = False):
 # 200 rows of K 1536: two row blocks), N not a multiple of 4, 32 or 48.
 SHAPES = [(1, 576, 960, 32), (2, 576, 576, 64), (3, 1536, 576, 128), (7, 576, 3072, 32),
           (32, 128, 37, 64), (1, 64, 5, 32), (33, 576, 192, 32), (64, 256, 130, 128),
-          (200, 1536, 100, 32), (9, 96, 49, 32)]
+          (200, 1536, 100, 32), (9, 96, 49, 32), (4, 64, 50, 32)]
 
 
+@PACKED
 @pytest.mark.parametrize("m,k,n,group", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_float64(isa: str, m: int, k: int, n: int, group: int, bias: bool) -> None:
+def test_matches_float64(isa: str, m: int, k: int, n: int, group: int, bias: bool,
+                         in_panels: bool) -> None:
     x, packed, scales, zeros, b = _case(m, k, n, group, seed=m * 1000 + n, bias=bias)
-    y = ops.int4_linear(x, packed, scales, zeros, group, b)
+    y = ops.int4_linear(x, _weight(packed, in_panels), scales, zeros, group, b)
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert not torch.isnan(y).any()
     ref = _reference(x, packed, scales, zeros, group, b)
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=RTOL * float(ref.abs().max()) + 1e-7)
 
 
+@PACKED
 @pytest.mark.parametrize("m,k,n,group", SHAPES + [(130, 96, 33, 32)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bfloat16_matches_float64(isa: str, m: int, k: int, n: int, group: int,
-                                  bias: bool) -> None:
+                                  bias: bool, in_panels: bool) -> None:
     """bf16 x: the AVX512-BF16 kernel rounds each widened weight to bf16 (the dequantized
     bf16 model's weight); the other builds run the float32 kernel on x converted."""
     x, packed, scales, zeros, b = _case(m, k, n, group, seed=m * 1000 + n + 7, bias=bias)
     xb = x.bfloat16()
-    y = ops.int4_linear(xb, packed, scales, zeros, group, b)
+    y = ops.int4_linear(xb, _weight(packed, in_panels), scales, zeros, group, b)
     assert y.shape == (m, n)
     ref = _reference(xb, packed, scales, zeros, group, b, weight_bf16=isa == "avx512bf16")
     assert_rounded_once_to_bf16(y, ref, RTOL)
 
 
-def test_bfloat16_strided_rows(isa: str) -> None:
+@PACKED
+def test_bfloat16_strided_rows(isa: str, in_panels: bool) -> None:
     x, packed, scales, zeros, b = _case(6, 64, 24, 32, seed=8, bias=True)
     xb = x.bfloat16()
     wide = torch.full((6, 100), float("nan"), dtype=torch.bfloat16)
     wide[:, 30:94] = xb
-    y = ops.int4_linear(wide[:, 30:94], packed, scales, zeros, 32, b)
+    y = ops.int4_linear(wide[:, 30:94], _weight(packed, in_panels), scales, zeros, 32, b)
     ref = _reference(xb, packed, scales, zeros, 32, b, weight_bf16=isa == "avx512bf16")
     assert_rounded_once_to_bf16(y, ref, RTOL)
 
 
-def test_leading_dims_and_strided_rows(isa: str) -> None:
+@PACKED
+def test_leading_dims_and_strided_rows(isa: str, in_panels: bool) -> None:
     x, packed, scales, zeros, b = _case(6, 64, 24, 32, seed=5, bias=True)
     ref = _reference(x, packed, scales, zeros, 32, b)
+    packed = _weight(packed, in_panels)
     atol = RTOL * float(ref.abs().max())
     y = ops.int4_linear(x.reshape(2, 3, 64), packed, scales, zeros, 32, b)
     torch.testing.assert_close(y.double(), ref.reshape(2, 3, 24), rtol=0, atol=atol)
@@ -99,8 +114,21 @@ def test_leading_dims_and_strided_rows(isa: str) -> None:
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=atol)
 
 
-def test_traces_under_torch_compile() -> None:
+def test_packed_layout() -> None:
+    """pack_linear_weight on int4_linear's nibbles: [panels, K / 2, 48], element (n // 48,
+    j, n % 48) = byte j of row n, zero past N."""
+    _, packed, _, _, _ = _case(1, 64, 50, 32, seed=4, bias=False)
+    p = ops.pack_linear_weight(packed)
+    assert p.shape == (2, 32, 48) and p.dtype == torch.uint8
+    for n in range(50):
+        assert torch.equal(p[n // 48, :, n % 48], packed[n])
+    assert not p[1, :, 2:].any()
+
+
+@PACKED
+def test_traces_under_torch_compile(in_panels: bool) -> None:
     x, packed, scales, zeros, _ = _case(4, 64, 8, 32, seed=3, bias=False)
+    packed = _weight(packed, in_panels)
     f = torch.compile(lambda t: ops.int4_linear(t, packed, scales, zeros, 32) * 2,
                       fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(x), ops.int4_linear(x, packed, scales, zeros, 32) * 2)
@@ -111,6 +139,11 @@ def test_traces_under_torch_compile() -> None:
     ("x half", lambda a: a.update(x=a["x"].half()), "x must be Float or BFloat16"),
     ("qweight dtype", lambda a: a.update(qweight=a["qweight"].to(torch.int8)), "qweight must be Byte"),
     ("qweight shape", lambda a: a.update(qweight=a["qweight"][:, :-1].contiguous()), "qweight must be"),
+    ("qweight dims", lambda a: a.update(qweight=a["qweight"][None, None]), "qweight must be"),
+    ("packed panels", lambda a: a.update(qweight=ops.pack_linear_weight(a["qweight"])[:, :, :40].contiguous()),
+     r"packed qweight must be pack_linear_weight's \[ceil\(N / 48\), K / 2, 48\]"),
+    ("packed K", lambda a: a.update(qweight=ops.pack_linear_weight(a["qweight"])[:, :-1].contiguous()),
+     "qweight must be"),
     ("qweight strided", lambda a: a.update(qweight=a["qweight"].t().contiguous().t()), "qweight must be contiguous"),
     ("group", lambda a: a.update(group_size=16), "group_size must be 32, 64 or 128"),
     ("group divides K", lambda a: a.update(group_size=128), "multiple of group_size"),

@@ -27,6 +27,15 @@ def _case(m: int, k: int, n: int, seed: int, bias: bool):
     return x, q, scales, b
 
 
+def _weight(q: torch.Tensor, packed: bool) -> torch.Tensor:
+    """q as it is, or packed in panels (the layers' form on AVX-512 builds; elsewhere the op
+    unpacks it per call)."""
+    return ops.pack_linear_weight(q) if packed else q
+
+
+PACKED = pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+
+
 def _reference(x, q, scales, b):
     ref = x.double() @ (q.double() * scales.double()[:, None]).t()
     return ref + b.double() if b is not None else ref
@@ -41,57 +50,64 @@ SHAPES = [(1, 64, 32), (2, 64, 37), (3, 13, 5), (7, 576, 96), (16, 8, 1), (31, 7
           (32, 100, 64), (33, 64, 40), (100, 48, 70), (17, 30, 97), (600, 1100, 49)]
 
 
+@PACKED
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_float64(isa: str, m: int, k: int, n: int, bias: bool) -> None:
+def test_matches_float64(isa: str, m: int, k: int, n: int, bias: bool, packed: bool) -> None:
     x, q, scales, b = _case(m, k, n, seed=m * 1000 + n, bias=bias)
-    y = ops.int8_linear(x, q, scales, b)
+    y = ops.int8_linear(x, _weight(q, packed), scales, b)
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert not torch.isnan(y).any()
     ref = _reference(x, q, scales, b)
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=RTOL * float(ref.abs().max()) + 1e-7)
 
 
-def test_leading_dims_and_strided_rows(isa: str) -> None:
+@PACKED
+def test_leading_dims_and_strided_rows(isa: str, packed: bool) -> None:
     """x [2, 3, K] and x a column slice of a wider, NaN-filled tensor (rows strided):
     the columns outside the slice are never read."""
-    x, q, scales, b = _case(6, 40, 24, seed=5, bias=True)
+    x, q_rows, scales, b = _case(6, 40, 24, seed=5, bias=True)
+    q = _weight(q_rows, packed)
     y = ops.int8_linear(x.reshape(2, 3, 40), q, scales, b)
-    ref = _reference(x, q, scales, b).reshape(2, 3, 24)
+    ref = _reference(x, q_rows, scales, b).reshape(2, 3, 24)
     assert y.shape == (2, 3, 24)
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=RTOL * float(ref.abs().max()))
     wide = torch.full((6, 100), float("nan"))
     wide[:, 30:70] = x
     y = ops.int8_linear(wide[:, 30:70], q, scales, b)
-    torch.testing.assert_close(y.double(), _reference(x, q, scales, b), rtol=0,
+    torch.testing.assert_close(y.double(), _reference(x, q_rows, scales, b), rtol=0,
                                atol=RTOL * float(ref.abs().max()))
 
 
-# bfloat16 x: odd K (x padded by a zero column for the pairs), K not a multiple of 4 or 32
-# (a last partial chunk of q's bytes), every row-tile size, several panels of 48 columns and
-# a partial last one, and (200 rows of K 1536) two row blocks, each dequantizing the panels
-# again.
+# bfloat16 x: odd K (x padded by a zero column for the pairs), K not a multiple of 4 or 32,
+# 1-4 rows (packed: dequantized in registers, no buffer), every row-tile size, several
+# panels of 48 columns and a partial last one, and (200 rows of K 1536) two row blocks,
+# each dequantizing the panels again.
 BF16_SHAPES = SHAPES + [(5, 577, 9), (64, 1536, 40), (130, 96, 33), (1, 577, 9), (1, 100, 7),
-                        (1, 72, 5), (9, 574, 150), (200, 1536, 100)]
+                        (1, 72, 5), (9, 574, 150), (200, 1536, 100), (4, 66, 50)]
 
 
+@PACKED
 @pytest.mark.parametrize("m,k,n", BF16_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_matches_float64(isa: str, m: int, k: int, n: int, bias: bool) -> None:
+def test_bfloat16_matches_float64(isa: str, m: int, k: int, n: int, bias: bool,
+                                  packed: bool) -> None:
     x, q, scales, b = _case(m, k, n, seed=m * 1000 + n + 7, bias=bias)
     xb = x.bfloat16()
-    y = ops.int8_linear(xb, q, scales, b)
+    y = ops.int8_linear(xb, _weight(q, packed), scales, b)
     assert y.shape == (m, n)
     assert_rounded_once_to_bf16(y, _reference(xb, q, scales, b), RTOL)
 
 
-def test_bfloat16_strided_rows_never_read_past_k(isa: str) -> None:
+@PACKED
+def test_bfloat16_strided_rows_never_read_past_k(isa: str, packed: bool) -> None:
     """x a column slice (K = 40, a masked tail) of a NaN-filled bf16 tensor; x [2, 3, K]."""
     x, q, scales, b = _case(6, 40, 24, seed=9, bias=True)
     xb = x.bfloat16()
     wide = torch.full((6, 100), float("nan"), dtype=torch.bfloat16)
     wide[:, 30:70] = xb
     ref = _reference(xb, q, scales, b)
+    q = _weight(q, packed)
     assert_rounded_once_to_bf16(ops.int8_linear(wide[:, 30:70], q, scales, b), ref, RTOL)
     y3 = ops.int8_linear(xb.reshape(2, 3, 40), q, scales, b)
     assert y3.shape == (2, 3, 24)
@@ -123,13 +139,14 @@ GROUP_SHAPES = [(1, 64, 37, 32), (3, 576, 96, 32), (7, 256, 70, 64), (32, 384, 4
                 (33, 128, 24, 32), (130, 96, 33, 32), (200, 1536, 100, 32)]
 
 
+@PACKED
 @pytest.mark.parametrize("m,k,n,group", GROUP_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_group_scales_match_float64(isa: str, m: int, k: int, n: int, group: int,
-                                    dtype: torch.dtype) -> None:
+                                    dtype: torch.dtype, packed: bool) -> None:
     x, q, scales, b = _group_case(m, k, n, group, seed=m * 100 + n, bias=True)
     xd = x.to(dtype)
-    y = ops.int8_linear(xd, q, scales, b)
+    y = ops.int8_linear(xd, _weight(q, packed), scales, b)
     assert y.shape == (m, n) and y.dtype == dtype
     if dtype == torch.float32:
         ref = _group_reference(xd, q, scales, b)
@@ -143,13 +160,29 @@ def test_group_scales_match_float64(isa: str, m: int, k: int, n: int, group: int
 def test_empty_inputs() -> None:
     x, q, scales, _ = _case(0, 16, 8, seed=1, bias=False)
     assert ops.int8_linear(x, q, scales).shape == (0, 8)
+    assert ops.int8_linear(x, ops.pack_linear_weight(q), scales).shape == (0, 8)
+
+
+def test_packed_layout() -> None:
+    """pack_linear_weight on an int8 qweight: [panels, K, 48], element (n // 48, k, n % 48)
+    = q[n, k], zero past N."""
+    _, q, _, _ = _case(1, 7, 50, seed=4, bias=False)
+    p = ops.pack_linear_weight(q)
+    assert p.shape == (2, 7, 48) and p.dtype == torch.int8
+    for n in range(50):
+        assert torch.equal(p[n // 48, :, n % 48], q[n])
+    assert not p[1, :, 2:].any()
 
 
 @pytest.mark.parametrize("what,args,match", [
     ("x dtype", lambda x, q, s, b: (x.double(), q, s, b), "x must be Float or BFloat16"),
     ("x half", lambda x, q, s, b: (x.half(), q, s, b), "x must be Float or BFloat16"),
     ("q dtype", lambda x, q, s, b: (x, q.to(torch.uint8), s, b), "qweight must be Char"),
-    ("q dims", lambda x, q, s, b: (x, q[None], s, b), "qweight must be 2-D"),
+    ("q dims", lambda x, q, s, b: (x, q[None, None], s, b), r"qweight must be \[N, K\] or packed"),
+    ("q packed shape", lambda x, q, s, b: (x, q[None], s, b),
+     r"packed qweight must be pack_linear_weight's \[ceil\(N / 48\), K, 48\]"),
+    ("q packed panels", lambda x, q, s, b: (x, torch.cat([ops.pack_linear_weight(q)] * 2), s, b),
+     r"packed qweight must be pack_linear_weight's"),
     ("q strided", lambda x, q, s, b: (x, q.t().contiguous().t(), s, b), "qweight must be contiguous"),
     ("K", lambda x, q, s, b: (x[:, :-1], q, s, b), "last dimension"),
     ("scales shape", lambda x, q, s, b: (x, q, s[:-1], b), "scales must be"),
@@ -168,9 +201,11 @@ def test_bad_arguments(what: str, args, match: str) -> None:
         ops.int8_linear(*args(x, q, scales, b))
 
 
+@PACKED
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck(dtype: torch.dtype) -> None:
+def test_opcheck(dtype: torch.dtype, packed: bool) -> None:
     x, q, scales, b = _case(3, 16, 8, seed=3, bias=True)
-    torch.library.opcheck(torch.ops.vllm_lite.int8_linear.default, (x.to(dtype), q, scales, b),
+    torch.library.opcheck(torch.ops.vllm_lite.int8_linear.default,
+                          (x.to(dtype), _weight(q, packed), scales, b),
                           test_utils=("test_schema", "test_faketensor",
                                       "test_aot_dispatch_static"))

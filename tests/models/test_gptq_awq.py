@@ -162,7 +162,7 @@ def test_checkpoint_loads_exactly_and_matches_the_dequantized_model(
         want = torch.cat([deq[f"model.layers.{i}.{p}.weight"] for p in fused[ours]])
         # One group spanning all of K needs no column order, act-order or not.
         assert (layer.perm is not None) == (act_order and want.shape[1] > group)
-        got = Int4Weight(layer.qweight, layer.scales, layer.zeros, group, layer.perm)
+        got = Int4Weight(layer.qweight_rows(), layer.scales, layer.zeros, group, layer.perm)
         assert torch.equal(got.dequantize(), want), name  # exact: no rounding anywhere
         x = torch.randn(5, want.shape[1], generator=gen)
         with torch.no_grad():
@@ -309,7 +309,7 @@ def test_engine_gguf_keeps_q8_0_and_matches_the_dequantized_model(
     assert len(q8) == 3 * n_layers and len(q4) == n_layers
     assert all(n.endswith("down_proj") for n in q4)
     for name, m in q8.items():  # the converted (dequantized) float weights, bit for bit
-        got = Int8GroupWeight(m.qweight, m.scales, m.group_size).dequantize()
+        got = Int8GroupWeight(m.qweight_rows(), m.scales, m.group_size).dequantize()
         assert torch.equal(got, ref[name].weight), name
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [[1, 504, 3458, 282, 4321], [1, 2683, 314, 253, 1345, 30, 198]]

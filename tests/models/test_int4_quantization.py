@@ -107,7 +107,7 @@ def test_engine_int4_equals_the_dequantized_model(checkpoint: Path, group: int) 
             if name in int4:
                 q = int4[name]
                 g = q.group_size
-                w = unpack_nibbles(q.qweight).float()
+                w = unpack_nibbles(q.qweight_rows()).float()
                 n, k = w.shape
                 w = (w.view(n, k // g, g) * q.scales[..., None] + q.zeros[..., None]).view(n, k)
                 lin.weight.copy_(w)
@@ -129,7 +129,11 @@ def test_int4_weights_take_an_eighth_of_float32(checkpoint: Path) -> None:
         packed = dense = 0
         for m in model.modules():
             if isinstance(m, Int4Linear):
-                packed += m.qweight.numel() * m.qweight.element_size()
+                # the nibbles' own bytes; packed in panels of 48 output columns for the CPU
+                # GEMM, at most 47 rows of padding
+                rows = m.qweight_rows()
+                assert m.qweight.numel() <= rows.numel() + 47 * rows.shape[1]
+                packed += rows.numel() * rows.element_size()
             elif isinstance(m, torch.nn.Linear) and m is not model.lm_head:
                 dense += m.weight.numel() * m.weight.element_size()
         return packed, dense

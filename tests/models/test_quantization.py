@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 
 from entrypoints.utils import make_llm  # noqa: E402
 from models.helpers import make_config, save_hf_model  # noqa: E402
-from vllm_lite import LLM, SamplingParams  # noqa: E402
+from vllm_lite import LLM, SamplingParams, ops  # noqa: E402
 from vllm_lite.layers.quantization import (  # noqa: E402
     Int8Linear,
     dequantize_int8,
@@ -61,10 +61,12 @@ def test_int8_linear_matches_float64(dtype: torch.dtype, bias: bool, rows: int) 
             lin.bias.copy_(_randn(40, seed=rows + 1))
     lin = lin.to(dtype)
     q_lin = Int8Linear(lin)
+    # packed in panels for the CPU GEMM where the selected build has packed_linear's kernel
+    assert q_lin.qweight.dim() == (3 if ops.packed_linear_kernel_selected(torch.float32) else 2)
     x = _randn(2, rows, 96, seed=rows + 2).to(dtype)  # a leading batch dim too
     out = torch.full((2, rows, 40), float("nan"), dtype=dtype)
     out.copy_(q_lin(x))
-    deq = dequantize_int8(q_lin.qweight, q_lin.scales).double()
+    deq = dequantize_int8(q_lin.qweight_rows(), q_lin.scales).double()
     ref = x.double() @ deq.t()
     if bias:
         ref = ref + lin.bias.detach().double()
@@ -119,7 +121,7 @@ def test_engine_int8_equals_the_dequantized_model(checkpoint: Path) -> None:
     with torch.no_grad():
         for name, lin in ref_linears.items():
             q = q_linears[name]
-            lin.weight.copy_(dequantize_int8(q.qweight, q.scales))
+            lin.weight.copy_(dequantize_int8(q.qweight_rows(), q.scales))
     ref_model.prepare_for_cpu()
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
     got = quantized.generate(_prompts(), params, use_tqdm=False)
@@ -139,7 +141,11 @@ def test_engine_int8_weights_take_a_quarter_of_float32(checkpoint: Path) -> None
         total = 0
         for m in model.modules():
             if isinstance(m, Int8Linear):
-                total += m.qweight.numel() * m.qweight.element_size()
+                # the weight's own bytes; packed for the CPU GEMM, at most 47 rows of
+                # padding (the last panel of 48 output columns)
+                rows = m.qweight_rows()
+                assert m.qweight.numel() <= rows.numel() + 47 * rows.shape[1]
+                total += rows.numel() * rows.element_size()
             elif isinstance(m, torch.nn.Linear) and m is not model.lm_head:
                 total += m.weight.numel() * m.weight.element_size()
         return total

@@ -11,7 +11,8 @@ and each row count (tokens in the step), one run times, on the CPU:
   ``mkldnn._reorder_linear_weight`` (what the engine used before packed_linear; the peer);
 - ``torch``: ``F.linear`` on the plain weight (MKL's sgemm for float32 in the official
   builds, oneDNN unpacked for bf16);
-- ``vllm_lite int8``: ``torch.ops.vllm_lite.int8_linear`` (quantization="int8");
+- ``vllm_lite int8``: ``torch.ops.vllm_lite.int8_linear`` (quantization="int8") on the
+  weight in the form ``Int8Linear`` keeps (packed in panels on AVX-512 builds);
 - ``torch int8``: ``aten._weight_int8pack_mm`` on the same int8 weight.
 
 Each cell is the median of timed calls after a warm-up. By default the weights stay in the
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> str:
 
     from vllm_lite import ops
     from vllm_lite.benchmarks.kernels import llc_bytes_cpu
-    from vllm_lite.layers.quantization import quantize_int8
+    from vllm_lite.layers.quantization import cpu_qweight, quantize_int8
     from vllm_lite.models.llama import Linear
 
     set_threads(args.threads)
@@ -130,9 +131,10 @@ def run(args: argparse.Namespace) -> str:
                 plain.append(lin.weight.detach().clone())
                 dnn.append(torch.ops.mkldnn._reorder_linear_weight(plain[-1],
                                                                   Linear.PACK_ROWS_HINT))
-                q8.append(quantize_int8(lin.weight))
+                q, scale = quantize_int8(lin.weight)
+                q8.append((cpu_qweight(q), scale, q))  # the engine's form, and torch's
             scale_t = q8[0][1].to(dtype)  # torch's op wants the scales in x's dtype
-            deq = q8[0][0].double() * q8[0][1].double()[:, None]
+            deq = q8[0][2].double() * q8[0][1].double()[:, None]
             w64 = lins[0].weight.double()
             nxt = {name: _cycle(items) for name, items in
                    (("lin", lins), ("dnn", dnn), ("plain", plain), ("q8", q8))}
@@ -142,17 +144,17 @@ def run(args: argparse.Namespace) -> str:
                 onednn = time_us(lambda: torch.ops.mkldnn._linear_pointwise(
                     x, nxt["dnn"](), None, "none", [], ""), target)
                 torch_mm = time_us(lambda: F.linear(x, nxt["plain"]()), target)
-                int8 = time_us(lambda: ops.int8_linear(x, *nxt["q8"]()), target)
+                int8 = time_us(lambda: ops.int8_linear(x, *nxt["q8"]()[:2]), target)
                 # torch's bf16 int8 op crashes (SIGSEGV, torch 2.14) for K not a multiple
                 # of 16: that column is n/a there.
                 theirs = (None if dtype == torch.bfloat16 and k % 16 else
                           time_us(lambda: torch.ops.aten._weight_int8pack_mm(
-                              x, nxt["q8"]()[0], scale_t), target))
+                              x, nxt["q8"]()[2], scale_t), target))
                 ref = x.double() @ w64.t()
                 err = float((lins[0](x).double() - ref).abs().max()
                             / ref.abs().max().clamp_min(1e-30))
                 ref8 = x.double() @ deq.t()
-                err8 = float((ops.int8_linear(x, *q8[0]).double() - ref8).abs().max()
+                err8 = float((ops.int8_linear(x, *q8[0][:2]).double() - ref8).abs().max()
                              / ref8.abs().max().clamp_min(1e-30))
                 theirs_cells = ("n/a", "n/a") if theirs is None else (f"{theirs:.1f}",
                                                                       f"{ours / theirs:.2f}")

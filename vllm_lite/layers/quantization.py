@@ -53,6 +53,23 @@ logger = logging.getLogger(__name__)
 _INT8_MAX = 127
 
 
+def cpu_qweight(q: torch.Tensor) -> torch.Tensor:
+    """A CPU layer's int8 [N, K] / int4 uint8 [N, K / 2] weight as its GEMM wants it: packed
+    in panels of output columns (``ops.pack_linear_weight``) where the selected CPU build has
+    packed_linear's float32 kernel (AVX-512), so int8_linear / int4_linear run every row
+    count on packed_linear's tiles, a panel dequantized at a time (measured against the row
+    kernels in README "CPU kernels"); elsewhere as it is."""
+    return ops.pack_linear_weight(q) if ops.packed_linear_kernel_selected(torch.float32) else q
+
+
+def qweight_rows(q: torch.Tensor, n: int) -> torch.Tensor:
+    """The [N, row] weight of ``q``, packed by :func:`cpu_qweight` or not (a copy if
+    packed)."""
+    if q.dim() == 3:
+        return q.permute(0, 2, 1).reshape(-1, q.shape[1])[:n]
+    return q
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [N, K], scale float32 [N]) with weight ~= q * scale[:, None]. An all-zero row
     gets scale 1 (q = 0), so no division by zero."""
@@ -78,8 +95,8 @@ class Int8Linear(nn.Module):
         self.out_features = linear.out_features
         dtype, device = linear.weight.dtype, linear.weight.device
         q, scale = quantize_int8(linear.weight)
-        self.register_buffer("qweight", q.to(device))
         self.on_cpu = device.type == "cpu"
+        self.register_buffer("qweight", cpu_qweight(q) if self.on_cpu else q.to(device))
         # vllm_lite's CPU op takes float32 scales and bias; torch's op wants the scales in
         # the activation dtype.
         self.register_buffer("scales", scale.to(device=device,
@@ -108,6 +125,10 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def qweight_rows(self) -> torch.Tensor:
+        """The int8 weight [N, K] (``qweight`` may be packed for the CPU GEMM)."""
+        return qweight_rows(self.qweight, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -153,7 +174,7 @@ class Int4Linear(nn.Module):
                            "weights at load (correct, no memory saving)", device)
             self._dequantized = weight.dequantize().to(device=device, dtype=dtype)
             return
-        self.register_buffer("qweight", weight.qweight.contiguous())
+        self.register_buffer("qweight", cpu_qweight(weight.qweight.contiguous()))
         self.register_buffer("scales", weight.scales.float().contiguous())
         self.register_buffer("zeros", weight.zeros.float().contiguous())
         self._bias_f32 = None if linear.bias is None else linear.bias.detach().float()
@@ -169,6 +190,11 @@ class Int4Linear(nn.Module):
         y = ops.int4_linear(xin, self.qweight, self.scales, self.zeros, self.group_size,
                             self._bias_f32)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def qweight_rows(self) -> torch.Tensor:
+        """The packed nibbles [N, K / 2] (``qweight`` may be packed in panels for the CPU
+        GEMM)."""
+        return qweight_rows(self.qweight, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4, "
@@ -193,11 +219,12 @@ class Int8GroupLinear(nn.Module):
                                 f"a {self.out_features}x{self.in_features} linear layer")
         device = linear.weight.device
         self.group_size = weight.group_size
-        self.register_buffer("qweight", weight.qweight.to(device).contiguous())
+        self.on_cpu = device.type == "cpu"
+        q = weight.qweight.to(device).contiguous()
+        self.register_buffer("qweight", cpu_qweight(q) if self.on_cpu else q)
         self.register_buffer("scales", weight.scales.to(device=device,
                                                         dtype=torch.float32).contiguous())
         self.bias = linear.bias
-        self.on_cpu = device.type == "cpu"
         self._bias_f32 = (None if linear.bias is None or not self.on_cpu
                           else linear.bias.detach().float())
 
@@ -219,6 +246,10 @@ class Int8GroupLinear(nn.Module):
         if self.bias is not None:
             y += self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+    def qweight_rows(self) -> torch.Tensor:
+        """The int8 weight [N, K] (``qweight`` may be packed for the CPU GEMM)."""
+        return qweight_rows(self.qweight, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8, "
