@@ -27,9 +27,9 @@
 namespace vllm_lite::cpu {
 namespace {
 
-// This thread's buffer of at least n elements, 64-byte aligned (a panel row is one cache
-// line), kept for the thread's next calls: no allocation (and no page faults of a fresh
-// mapping) per call.
+// This thread's buffer of at least n elements, 64-byte aligned (so each 16-column vector of
+// a panel row is one cache line), kept for the thread's next calls: no allocation (and no
+// page faults of a fresh mapping) per call.
 template <typename T>
 T* panel_buffer(int64_t n) {
   thread_local std::vector<T> buf;

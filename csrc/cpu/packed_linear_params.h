@@ -62,7 +62,8 @@ struct PackedLinearArgs {
 // A weight-only quantized weight packed by pack_linear_weight like a float32 weight (one
 // byte per k of a column for int8, per pair of k for int4: [panels, K or K / 2, 48] bytes),
 // which the quantized entry points dequantize one panel at a time (packed_dequant.h) into a
-// per-thread buffer in the float layout above, then run the same tiles on.
+// per-thread buffer in the float layout above, then run the same tiles on (up to
+// kQuantFusedRows rows of x: straight into the tiles' accumulators, no buffer).
 struct PackedQuantWeight {
   const void* q;         // int8 [panels, K, cols] or uint8 [panels, K / 2, cols] (byte j of a
                          // column: k = 2j in its low nibble, 2j + 1 in its high one)
