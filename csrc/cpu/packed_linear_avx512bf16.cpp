@@ -157,18 +157,20 @@ void quant_tile(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t 
   Bf16Tile::store<R>(acc, scale, bias, static_cast<uint16_t*>(a.y) + n0, a.N, cols);
 }
 
+// quant_tile<rows> for 1 <= rows <= R.
+template <int64_t R>
+void quant_tile_of(int64_t rows, const PackedLinearArgs& a, const PackedQuantWeight& qw,
+                   int64_t p, bool prefetch_next) {
+  if constexpr (R > 0) {
+    if (rows == R) return quant_tile<R>(a, qw, p, prefetch_next);
+    quant_tile_of<R - 1>(rows, a, qw, p, prefetch_next);
+  }
+}
+
 void bf16_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw,
                               int64_t p0, int64_t p1) {
   if (a.M <= kQuantFusedRows) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const bool next = p + 1 < p1;
-      switch (a.M) {
-        case 1: quant_tile<1>(a, qw, p, next); break;
-        case 2: quant_tile<2>(a, qw, p, next); break;
-        case 3: quant_tile<3>(a, qw, p, next); break;
-        default: quant_tile<4>(a, qw, p, next); break;
-      }
-    }
+    for (int64_t p = p0; p < p1; ++p) quant_tile_of<kQuantFusedRows>(a.M, a, qw, p, p + 1 < p1);
     return;
   }
   uint16_t* buf = panel_buffer<uint16_t>((a.K / 2) * kPairStride);
