@@ -134,7 +134,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size,
                        const std::optional<at::Tensor>& bias) {
-  const int64_t N = check_int4_linear(x, qweight, scales, zeros, group_size, bias, kPackedPanelCols);
+  const int64_t N =
+      check_int4_linear(x, qweight, scales, zeros, group_size, bias, kPackedPanelCols);
   TORCH_CHECK(x.device().is_cpu(), "int4_linear: x must be on the CPU, got ", x.device());
   const int64_t K = x.size(-1);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());

@@ -63,7 +63,9 @@ inline __m512 uint8_to_f32(__m128i b) {
   return (__m512)__builtin_convertvector(__builtin_convertvector((U8x16)b, I32x16), F32x16);
 }
 
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i load16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
 
 // Calls emit(b, k, v0, v1) for k = 0, 2, 4, ... below kp (kp >= qw.K; int4: kp == K) and the
 // panel's vectors b = 0 .. kPackedPanelVecs - 1: v0 / v1 = the float32 weights W[n, k] /
@@ -80,7 +82,9 @@ inline void dequant_panel(const PackedQuantWeight& qw, int64_t p, int64_t N, int
   const uint8_t* q = static_cast<const uint8_t*>(qw.q) + p * rows * W;
   const char* next = reinterpret_cast<const char*>(q + rows * W);
   __mmask16 live[NV];
-  for (int64_t b = 0; b < NV; ++b) live[b] = static_cast<__mmask16>(packed_cols_mask(cols, b * kPackedVecCols));
+  for (int64_t b = 0; b < NV; ++b) {
+    live[b] = static_cast<__mmask16>(packed_cols_mask(cols, b * kPackedVecCols));
+  }
   const __m512i group_rows = lane_rows(groups);
   const float* scales = qw.scales != nullptr ? qw.scales + n0 * groups : nullptr;
   const float* zeros = qw.zeros != nullptr ? qw.zeros + n0 * groups : nullptr;
@@ -97,11 +101,12 @@ inline void dequant_panel(const PackedQuantWeight& qw, int64_t p, int64_t N, int
       }
     }
     if (prefetch_next) {
+      const char* next_scales = reinterpret_cast<const char*>(scales + W * groups);
+      const char* next_zeros =
+          zeros != nullptr ? reinterpret_cast<const char*>(zeros + W * groups) : nullptr;
       for (int64_t l = 0; l < 3; ++l) {
-        _mm_prefetch(reinterpret_cast<const char*>(scales + W * groups) + (3 * g + l) * 64, _MM_HINT_T0);
-        if (zeros != nullptr) {
-          _mm_prefetch(reinterpret_cast<const char*>(zeros + W * groups) + (3 * g + l) * 64, _MM_HINT_T0);
-        }
+        _mm_prefetch(next_scales + (3 * g + l) * 64, _MM_HINT_T0);
+        if (zeros != nullptr) _mm_prefetch(next_zeros + (3 * g + l) * 64, _MM_HINT_T0);
       }
     }
   };
@@ -136,6 +141,16 @@ inline void dequant_panel(const PackedQuantWeight& qw, int64_t p, int64_t N, int
       emit(b, k, v0, v1);
     }
   }
+}
+
+// The tiles' epilogue for int8's per-channel scales: acc[r][b] = acc[r][b] * scale + bias
+// over the lanes of m (vector b's stored columns; scale and bias start at its first one).
+template <int64_t R, int64_t NV>
+inline void apply_column_scale(__m512 (&acc)[R][NV], int64_t b, __mmask16 m, const float* scale,
+                               const float* bias) {
+  const __m512 sv = _mm512_maskz_loadu_ps(m, scale);
+  const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(acc[r][b], sv, bv);
 }
 
 }  // namespace

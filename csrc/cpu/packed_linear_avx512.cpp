@@ -63,9 +63,7 @@ struct F32Tile {
       if (cols <= c0) break;
       const __mmask16 m = cols_mask(cols, c0);
       if (scale != nullptr) {
-        const __m512 sv = _mm512_maskz_loadu_ps(m, scale + c0);
-        const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(acc[r][b], sv, bv);
+        apply_column_scale(acc, b, m, scale + c0, bias != nullptr ? bias + c0 : nullptr);
       }
       for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + c0, m, acc[r][b]);
     }
