@@ -103,6 +103,9 @@ at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
 bool packed_linear_kernel_selected(at::ScalarType dtype);
+// Not an op: pack_linear_weight's inverse, the [N, K] weight (K bytes or K / 2 for int8 /
+// int4) of a packed one, a copy; the fallbacks where no packed kernel is selected.
+at::Tensor unpack_linear_weight(const at::Tensor& packed, int64_t N);
 // Not an op: int8_linear's and int4_linear's GEMM on a packed qweight (packed_linear.cpp),
 // x2 [M, K] float32 or bfloat16 with rows contiguous within themselves, y = scale * (x2 W^T)
 // + bias with W dequantized from qw (scale: [N] or nullptr); an undefined tensor where the

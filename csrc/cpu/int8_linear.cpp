@@ -52,11 +52,6 @@ void run_channel_tasks(int64_t N, int64_t row, Block&& block) {
   });
 }
 
-// A packed qweight [panels, row, kPackedPanelCols] back in rows [N, row] (a copy).
-at::Tensor unpack_rows(const at::Tensor& qweight, int64_t N) {
-  return qweight.permute({0, 2, 1}).reshape({-1, qweight.size(1)}).narrow(0, 0, N).contiguous();
-}
-
 // The packed path for x2 [M, K]: x2's dtype where the selected build has that kernel, else
 // bfloat16 on the float32 kernel, rounded once; undefined where neither exists.
 at::Tensor run_packed(const at::Tensor& x2, const PackedQuantWeight& qw, int64_t N,
@@ -89,7 +84,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     const at::Tensor y =
         run_packed(x2, qw, N, group_size == 0 ? scales.data_ptr<float>() : nullptr, bias);
     if (y.defined()) return y.reshape(out_shape);
-    return int8_linear(x, unpack_rows(qweight, N), scales, bias);
+    return int8_linear(x, unpack_linear_weight(qweight, N), scales, bias);
   }
   if (x.scalar_type() == at::kBFloat16) {
     const Int8LinearBf16BlockFn bf16 =
@@ -147,7 +142,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                                zeros.data_ptr<float>(), K, group_size, true};
     const at::Tensor y = run_packed(x2, qw, N, nullptr, bias);
     if (y.defined()) return y.reshape(out_shape);
-    return int4_linear(x, unpack_rows(qweight, N), scales, zeros, group_size, bias);
+    return int4_linear(x, unpack_linear_weight(qweight, N), scales, zeros, group_size, bias);
   }
   if (x.scalar_type() == at::kBFloat16) {
     const Int4LinearBf16BlockFn bf16 =

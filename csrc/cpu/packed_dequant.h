@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpu/packed_linear_params.h"
+#include "cpu/packed_tile.h"
 
 namespace vllm_lite::cpu {
 namespace {
@@ -82,9 +83,7 @@ inline void dequant_panel(const PackedQuantWeight& qw, int64_t p, int64_t N, int
   const uint8_t* q = static_cast<const uint8_t*>(qw.q) + p * rows * W;
   const char* next = reinterpret_cast<const char*>(q + rows * W);
   __mmask16 live[NV];
-  for (int64_t b = 0; b < NV; ++b) {
-    live[b] = static_cast<__mmask16>(packed_cols_mask(cols, b * kPackedVecCols));
-  }
+  for (int64_t b = 0; b < NV; ++b) live[b] = vector_cols_mask(cols, b);
   const __m512i group_rows = lane_rows(groups);
   const float* scales = qw.scales != nullptr ? qw.scales + n0 * groups : nullptr;
   const float* zeros = qw.zeros != nullptr ? qw.zeros + n0 * groups : nullptr;
@@ -141,16 +140,6 @@ inline void dequant_panel(const PackedQuantWeight& qw, int64_t p, int64_t N, int
       emit(b, k, v0, v1);
     }
   }
-}
-
-// The tiles' epilogue for int8's per-channel scales: acc[r][b] = acc[r][b] * scale + bias
-// over the lanes of m (vector b's stored columns; scale and bias start at its first one).
-template <int64_t R, int64_t NV>
-inline void apply_column_scale(__m512 (&acc)[R][NV], int64_t b, __mmask16 m, const float* scale,
-                               const float* bias) {
-  const __m512 sv = _mm512_maskz_loadu_ps(m, scale);
-  const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(acc[r][b], sv, bv);
 }
 
 }  // namespace

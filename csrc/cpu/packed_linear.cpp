@@ -70,6 +70,13 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.reshape({panels, kPackedPanelCols, K}).permute({0, 2, 1}).contiguous();
 }
 
+at::Tensor unpack_linear_weight(const at::Tensor& packed, int64_t N) {
+  // [panels, rows, cols(, 2)] -> [panels, cols, rows(, 2)] -> [panels * cols, K]
+  const at::Tensor t = packed.dim() == 4 ? packed.permute({0, 2, 1, 3}) : packed.permute({0, 2, 1});
+  const int64_t K = packed.dim() == 4 ? 2 * packed.size(1) : packed.size(1);
+  return t.reshape({packed.size(0) * kPackedPanelCols, K}).narrow(0, 0, N).contiguous();
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features) {
   check_packed_linear(x, packed_weight, bias, out_features, kPackedPanelCols);
@@ -78,9 +85,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
   out_shape.back() = N;
   const PackedLinearFn fn = selected_kernel(x.scalar_type());
   if (fn == nullptr) {
-    const at::Tensor rows = packed_weight.dim() == 4 ? packed_weight.permute({0, 2, 1, 3})
-                                                     : packed_weight.permute({0, 2, 1});
-    const at::Tensor w = rows.reshape({panels * kPackedPanelCols, K}).narrow(0, 0, N).to(at::kFloat);
+    const at::Tensor w = unpack_linear_weight(packed_weight, N).to(at::kFloat);
     return at::linear(x.to(at::kFloat), w, bias).to(x.scalar_type());
   }
   const at::Tensor x2 = x.reshape({-1, K});

@@ -20,15 +20,12 @@
 #endif
 
 #include "cpu/packed_dequant.h"
+#include "cpu/packed_tile.h"
 
 namespace vllm_lite::cpu {
 namespace {
 
 constexpr int64_t NV = kPackedPanelVecs;
-
-inline __mmask16 cols_mask(int64_t cols, int64_t c0) {
-  return static_cast<__mmask16>(packed_cols_mask(cols, c0));
-}
 
 // Rows [0, R) of x times one panel w (see the bf16 kernel's tile).
 struct F32Tile {
@@ -36,13 +33,7 @@ struct F32Tile {
   static void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* scale,
                    const float* bias, float* y, int64_t N, int64_t cols, const float* next) {
     __m512 acc[R][NV];
-    for (int64_t b = 0; b < NV; ++b) {
-      const __m512 init = bias != nullptr && scale == nullptr
-                              ? _mm512_maskz_loadu_ps(cols_mask(cols, b * kPackedVecCols),
-                                                      bias + b * kPackedVecCols)
-                              : _mm512_setzero_ps();
-      for (int64_t r = 0; r < R; ++r) acc[r][b] = init;
-    }
+    init_acc(acc, scale, bias, cols);
     for (int64_t k = 0; k < K; ++k) {
       const float* wk = w + k * kPackedPanelCols;
       if (next != nullptr) {
@@ -58,15 +49,9 @@ struct F32Tile {
         for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
       }
     }
-    for (int64_t b = 0; b < NV; ++b) {
-      const int64_t c0 = b * kPackedVecCols;
-      if (cols <= c0) break;
-      const __mmask16 m = cols_mask(cols, c0);
-      if (scale != nullptr) {
-        apply_column_scale(acc, b, m, scale + c0, bias != nullptr ? bias + c0 : nullptr);
-      }
-      for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + c0, m, acc[r][b]);
-    }
+    store_acc(acc, scale, bias, cols, [&](int64_t r, int64_t c0, __mmask16 m, __m512 v) {
+      _mm512_mask_storeu_ps(y + r * N + c0, m, v);
+    });
   }
 };
 

@@ -32,6 +32,7 @@
 #endif
 
 #include "cpu/packed_dequant.h"
+#include "cpu/packed_tile.h"
 
 namespace vllm_lite::cpu {
 namespace {
@@ -40,49 +41,25 @@ constexpr int64_t NV = kPackedPanelVecs;
 constexpr int64_t kPairStride = kPackedPanelCols * 2;  // bf16 per k pair of a panel
 constexpr int64_t kVecPairs = kPackedVecCols * 2;      // bf16 per 64-byte row (16 columns)
 
-inline __mmask16 cols_mask(int64_t cols, int64_t c0) {
-  return static_cast<__mmask16>(packed_cols_mask(cols, c0));
-}
-
 // Rows [0, R) of x (row stride xs) times one panel w; y's rows have stride N and this
 // panel's columns start at y; `cols` of them are stored (< kPackedPanelCols in the last
 // panel). next: the panel to prefetch into L2 meanwhile (nullptr: none).
+// y = bf16(acc) (nearest even), rows of stride N, the panel's `cols` columns.
+template <int64_t R>
+void store_bf16(__m512 (&acc)[R][NV], const float* scale, const float* bias, uint16_t* y,
+                int64_t N, int64_t cols) {
+  store_acc(acc, scale, bias, cols, [&](int64_t r, int64_t c0, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(v));
+  });
+}
+
 struct Bf16Tile {
-  // Accumulators of R rows: the bias, or zero where a scale is applied at the end.
-  template <int64_t R>
-  static void init(__m512 (&acc)[R][NV], const float* scale, const float* bias, int64_t cols) {
-    for (int64_t b = 0; b < NV; ++b) {
-      const __m512 v = bias != nullptr && scale == nullptr
-                           ? _mm512_maskz_loadu_ps(cols_mask(cols, b * kPackedVecCols),
-                                                   bias + b * kPackedVecCols)
-                           : _mm512_setzero_ps();
-      for (int64_t r = 0; r < R; ++r) acc[r][b] = v;
-    }
-  }
-
-  // y = bf16(acc) (times the scale, plus the bias, where scale is given), `cols` columns.
-  template <int64_t R>
-  static void store(__m512 (&acc)[R][NV], const float* scale, const float* bias, uint16_t* y,
-                    int64_t N, int64_t cols) {
-    for (int64_t b = 0; b < NV; ++b) {
-      const int64_t c0 = b * kPackedVecCols;
-      if (cols <= c0) break;
-      const __mmask16 m = cols_mask(cols, c0);
-      if (scale != nullptr) {
-        apply_column_scale(acc, b, m, scale + c0, bias != nullptr ? bias + c0 : nullptr);
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
-      }
-    }
-  }
-
   template <int64_t R>
   static void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
                    const float* scale, const float* bias, uint16_t* y, int64_t N,
                    int64_t cols, const uint16_t* next) {
     __m512 acc[R][NV];
-    init<R>(acc, scale, bias, cols);
+    init_acc(acc, scale, bias, cols);
     const int64_t pairs = K / 2;
     for (int64_t j = 0; j < pairs; ++j) {
       const uint16_t* wj = w + j * kPairStride;
@@ -100,7 +77,7 @@ struct Bf16Tile {
         for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
       }
     }
-    store<R>(acc, scale, bias, y, N, cols);
+    store_bf16(acc, scale, bias, y, N, cols);
   }
 };
 
@@ -143,7 +120,7 @@ void quant_tile(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t 
   const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
   const __m512i interleave = pair_interleave();
   __m512 acc[R][NV];
-  Bf16Tile::init<R>(acc, scale, bias, cols);
+  init_acc(acc, scale, bias, cols);
   dequant_panel(qw, p, a.N, a.K, prefetch_next, [&](int64_t b, int64_t k, __m512 v0, __m512 v1) {
     const __m512bh w = bf16_pairs(v0, v1, interleave);
     for (int64_t r = 0; r < R; ++r) {
@@ -152,7 +129,7 @@ void quant_tile(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t 
       acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)_mm512_set1_epi32(pair), w);
     }
   });
-  Bf16Tile::store<R>(acc, scale, bias, static_cast<uint16_t*>(a.y) + n0, a.N, cols);
+  store_bf16(acc, scale, bias, static_cast<uint16_t*>(a.y) + n0, a.N, cols);
 }
 
 // quant_tile<rows> for 1 <= rows <= R.
