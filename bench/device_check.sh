@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU, torch and nvcc but no network:
 #   1. builds vllm_lite._C in place for this GPU's architecture only,
-#   2. runs the CUDA kernel tests (pytest tests/kernels -k cuda),
+#   2. runs the CUDA kernel tests (pytest tests/ops -k cuda),
 #   3. runs the kernel benchmarks (bench/kernels.py --device cuda: decode, then --prefill),
 #   4. runs the engine benchmark on CUDA: bench/throughput.py --quick (vllm_lite against
 #      HF generate and generate_batch, bfloat16, no sweeps), then bench/latency.py --quick
@@ -125,10 +125,10 @@ elif [[ -z "$SO" ]]; then
   stage tests skip 0 "no extension"
 else
   L=$(limit "$TESTS_S")
-  # tests/kernels parametrize by device/backend; the CUDA cases have "cuda" in their ids.
+  # tests/ops parametrize by device/backend; the CUDA cases have "cuda" in their ids.
   {
-    echo "$PY -m pytest tests/kernels -x -q -k cuda ${PYTEST_ARGS:-}   (limit ${L} s)"
-    timeout -s INT -k 15 "$L" "$PY" -m pytest tests/kernels -x -q -k cuda -p no:cacheprovider \
+    echo "$PY -m pytest tests/ops -x -q -k cuda ${PYTEST_ARGS:-}   (limit ${L} s)"
+    timeout -s INT -k 15 "$L" "$PY" -m pytest tests/ops -x -q -k cuda -p no:cacheprovider \
       ${PYTEST_ARGS:-}
   } > "$OUTDIR/tests.log" 2>&1
   RC=$?

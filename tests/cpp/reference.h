@@ -38,7 +38,7 @@ at::Tensor ref_paged_attention(const at::Tensor& query, const PagedKV& kv, doubl
 int64_t elem_x(at::ScalarType dtype);
 
 // |actual - expected| <= atol + rtol * |expected| everywhere (per-dtype tolerances as in
-// tests/kernels/reference.py); NaN never passes.
+// tests/ops/reference.py); NaN never passes.
 void check_close(const at::Tensor& actual, const at::Tensor& expected, at::ScalarType dtype,
                  const std::string& what);
 

@@ -1,8 +1,8 @@
 """paged_attention_v1 / v2 (+ the v2 reduce kernel) of csrc/cuda, run on the CPU by the
-SIMT emulator, against the float64 reference of tests/kernels/reference.py with the CUDA
+SIMT emulator, against the float64 reference of tests/ops/reference.py with the CUDA
 tests' tolerances.
 
-As in tests/kernels/test_attention.py: every cache slot no sequence reads is NaN, outputs
+As in tests/ops/test_attention.py: every cache slot no sequence reads is NaN, outputs
 and the v2 scratch start as NaN, partitions a sequence does not have must stay NaN bit for
 bit, v1 == v2 within tolerance, and the inputs must be unchanged. Sizes are reduced (the
 emulator runs each GPU thread as a fiber under ASan). Every case runs under each schedule
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.reference import (  # tests/ is on sys.path (rootdir-based packages)
+from ops.reference import (  # tests/ is on sys.path (rootdir-based packages)
     PARTITION_SIZE,
     alibi_slopes,
     assert_bitwise_equal,

@@ -1,6 +1,6 @@
 """reshape_and_cache(_flash), copy_blocks and swap_blocks of csrc/cuda, run on the CPU by
-the SIMT emulator: bit-exact against tests/kernels/reference.py (as
-tests/kernels/test_cache.py checks the real kernels).
+the SIMT emulator: bit-exact against tests/ops/reference.py (as
+tests/ops/test_cache.py checks the real kernels).
 
 Caches start as NaN (writes) or random data (copies). Slot mappings carry padding (-1,
 -7, -2^40) and, as an unvalidated mapping under CUDA graph capture could, slots past the
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.reference import (  # tests/ is on sys.path (rootdir-based packages)
+from ops.reference import (  # tests/ is on sys.path (rootdir-based packages)
     assert_bitwise_equal,
     dtype_name,
     elem_x,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.reference import assert_bitwise_equal, dtype_name  # tests/ is on sys.path
+from ops.reference import assert_bitwise_equal, dtype_name  # tests/ is on sys.path
 from . import harness
 from .conftest import case_dir
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.reference import (  # tests/ is on sys.path (rootdir-based packages)
+from ops.reference import (  # tests/ is on sys.path (rootdir-based packages)
     FP8_DTYPES,
     assert_bitwise_equal,
     assert_close,

@@ -1,6 +1,6 @@
 """varlen_paged_attention of csrc/cuda (varlen_attention_kernels.cuh, launched as
 varlen_attention.cu launches it), run on the CPU by the SIMT emulator, against the float64
-reference of tests/kernels/reference.py with the CUDA tests' tolerances.
+reference of tests/ops/reference.py with the CUDA tests' tolerances.
 
 Ragged query counts (one token, several, a whole prompt, none) after cached prefixes of 0 to
 a few hundred tokens (several KV tiles and block boundaries), each head-size bucket (64,
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.reference import (  # tests/ is on sys.path (rootdir-based packages)
+from ops.reference import (  # tests/ is on sys.path (rootdir-based packages)
     alibi_slopes,
     assert_bitwise_equal,
     assert_close,

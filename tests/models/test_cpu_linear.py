@@ -24,7 +24,7 @@ def test_float32_onednn_weight(bias: bool, copy_float32: bool) -> None:
     lin, ref_w = _linear(torch.float32, bias, seed=1)
     lin.prepare_for_cpu(copy_float32=copy_float32)
     if copy_float32 and ops.packed_linear_kernel_selected(torch.float32):
-        # vllm_lite's own kernel (tests/kernels/test_packed_linear.py), no oneDNN copy
+        # vllm_lite's own kernel (tests/ops/test_packed_linear.py), no oneDNN copy
         assert lin._own_packed is not None and lin._packed is None
     elif not torch.backends.mkldnn.is_available():
         assert lin._packed is None

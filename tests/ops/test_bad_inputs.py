@@ -107,7 +107,7 @@ def test_valid_base_calls_pass(device):
 def test_kv_cache_dtype(device):
     expect_error(replace(attn(device), kv_cache_dtype="fp8_e4m3fnuz"),
                  r"paged_attention: kv_cache_dtype 'fp8_e4m3fnuz' is not supported; use 'auto'")
-    # fp8 caches are uint8 (tests/kernels/test_fp8_kv.py runs them); float ones are refused.
+    # fp8 caches are uint8 (tests/ops/test_fp8_kv.py runs them); float ones are refused.
     expect_error(replace(attn(device), kv_cache_dtype="fp8"),
                  re.escape("paged_attention: key_cache must be uint8 (Byte) for an fp8 "
                            "kv_cache_dtype"))
@@ -536,7 +536,7 @@ def test_swap_blocks_mapping_on_cuda():
 
 _UNCHECKED_CUDA_CALLS = """
 import torch
-from tests.kernels.test_bad_inputs import attn, write
+from tests.ops.test_bad_inputs import attn, write
 from vllm_lite import ops
 
 w = write("cuda")
