@@ -39,6 +39,29 @@ inline void store_fp8(uint8_t* dst, const T* src, int64_t n, float scale, int64_
   }
 }
 
+// Touches, for writing, the cache lines that n elements at dst_stride elements apart span.
+template <typename C>
+inline void prefetch_dst(const C* dst, int64_t n, int64_t dst_stride) {
+  constexpr int64_t kLine = 64;
+  const auto* p = reinterpret_cast<const char*>(dst);
+  const int64_t step = dst_stride * static_cast<int64_t>(sizeof(C));
+  if (step >= kLine) {
+    for (int64_t i = 0; i < n; ++i) __builtin_prefetch(p + i * step, 1, 3);
+  } else {
+    const int64_t span = (n - 1) * step + static_cast<int64_t>(sizeof(C));
+    for (int64_t b = 0; b < span; b += kLine) __builtin_prefetch(p + b, 1, 3);
+    __builtin_prefetch(p + span - 1, 1, 3);
+  }
+}
+
+// Tokens whose destination lines are requested before the current token is written. A
+// decode step's tokens each land in another sequence's block, in lines the step's weights
+// have evicted: written one after another, every store waits for its line (a bf16 9/3x64
+// token's K and V span 120 lines; 31 tokens took 72 us cold against 11 us warm), while
+// requested ahead their misses overlap. Two tokens keep ~240 lines in flight, more than a
+// core's miss buffers hold.
+constexpr int64_t kCacheWriteAhead = 2;
+
 // Writes the tokens' keys and values into the caches; C is the cache element (T for
 // kv_cache_dtype "auto", uint8 for fp8) and Store(dst, src, n, scale, dst_stride) converts.
 template <typename T, typename C, typename Store>
@@ -50,8 +73,26 @@ void write_cache(const CacheWriteDims& d, const at::Tensor& key, const at::Tenso
   C* kc = static_cast<C*>(key_cache.data_ptr());
   C* vc = static_cast<C*>(value_cache.data_ptr());
   const int64_t H = d.num_kv_heads, D = d.head_size, bs = d.block_size, x = d.x;
+  // Requests the lines token i's key and value go to (nothing for padding).
+  const auto prefetch_token = [&](int64_t i) {
+    const int64_t slot = slots[i];
+    if (slot < 0) return;
+    const int64_t block = slot / bs, off = slot % bs;
+    if (flash) {
+      const int64_t base = (block * bs + off) * H * D;
+      prefetch_dst(kc + base, H * D, 1);
+      prefetch_dst(vc + base, H * D, 1);
+      return;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      prefetch_dst(kc + ((block * H + h) * (D / x) * bs + off) * x, D / x, bs * x);
+      prefetch_dst(vc + (block * H + h) * D * bs + off, D, bs);
+    }
+  };
   at::parallel_for(0, d.num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end && i < begin + kCacheWriteAhead; ++i) prefetch_token(i);
     for (int64_t i = begin; i < end; ++i) {
+      if (i + kCacheWriteAhead < end) prefetch_token(i + kCacheWriteAhead);
       const int64_t slot = slots[i];
       if (slot < 0) continue;
       const int64_t block = slot / bs, off = slot % bs;
