@@ -95,6 +95,43 @@ KvDType kv_dtype(at::ScalarType t) {
   }
 }
 
+int64_t cache_element_bytes(KvDType t) {
+  switch (t) {
+    case KvDType::kFloat32: return 4;
+    case KvDType::kFloat16:
+    case KvDType::kBFloat16: return 2;
+    default: return 1;
+  }
+}
+
+// Blocks at the start of a task whose K and V tiles are requested before the task before
+// it runs. Inside a task the kernel keeps its next K tiles in flight, but it starts with
+// none: with a decode step's short contexts (a few hundred tokens, ~10 blocks per task)
+// that first wait was a large part of each task.
+constexpr int64_t kTaskPrefetchBlocks = 2;
+
+// Requests task t's first kTaskPrefetchBlocks K and V tiles (into L2, as the kernel's own).
+void prefetch_task(const AttentionParams& p, int64_t t) {
+  const int64_t s = t / (p.num_partitions * p.num_kv_heads);
+  const int64_t kh = (t / p.num_partitions) % p.num_kv_heads;
+  const int64_t start = (t % p.num_partitions) * p.partition_size;
+  const int64_t len = p.seq_lens[s];
+  if (start >= len) return;
+  const int64_t elem = cache_element_bytes(p.cache_dtype);
+  const int64_t tile = p.head_size * p.block_size * elem;
+  const int64_t block_stride = p.num_kv_heads * tile;
+  const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
+  const int64_t first = start / p.block_size;
+  const int64_t last = std::min(len - 1, start + p.partition_size - 1) / p.block_size;
+  for (int64_t b = first; b <= last && b < first + kTaskPrefetchBlocks; ++b) {
+    const int64_t at = table[b] * block_stride + kh * tile;
+    for (const void* base : {p.key_cache, p.value_cache}) {
+      const char* c = static_cast<const char*>(base) + at;
+      for (int64_t i = 0; i < tile; i += 64) __builtin_prefetch(c + i, 0, 1);
+    }
+  }
+}
+
 // Runs every (sequence, KV head, partition) task; results land in p.part_*.
 void run_tasks(const AttentionParams& p) {
   const AttentionTaskFn fn = selected_build().fn;
@@ -112,8 +149,14 @@ void run_tasks(const AttentionParams& p) {
         static_cast<float*>(std::aligned_alloc(64, bytes)), &std::free);
     TORCH_CHECK(scratch != nullptr, "paged_attention: out of memory for ", bytes, " bytes of scratch");
     for (int64_t w = begin; w < end; ++w) {
-      for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+      // Each worker claims its next task before running the current one, so that task's
+      // first tiles arrive meanwhile.
+      int64_t t = next.fetch_add(1);
+      while (t < tasks) {
+        const int64_t after = next.fetch_add(1);
+        if (after < tasks) prefetch_task(p, after);
         fn(p, t, scratch.get());
+        t = after;
       }
     }
   });
