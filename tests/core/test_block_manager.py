@@ -40,6 +40,24 @@ def fork(bm: BlockSpaceManager, group: SequenceGroup, parent: Sequence) -> Seque
     return child
 
 
+def test_freed_blocks_are_handed_out_again_first() -> None:
+    # The free list is a stack: a finished request's blocks (memory touched recently) go
+    # to the next request, instead of the pool's untouched blocks.
+    bm = make_bm(num_gpu_blocks=8)
+    first = allocate_and_compute(bm, make_group([1, 2, 3, 4, 5]))  # 3 blocks
+    used = bm.get_block_table(first)
+    assert used == [0, 1, 2]  # a fresh pool hands out the lowest ids first
+    other = allocate_and_compute(bm, make_group([6, 7]))
+    assert bm.get_block_table(other) == [3]
+    bm.free(first)
+    again = allocate_and_compute(bm, make_group([8, 9, 10, 11]))  # 2 blocks
+    got = bm.get_block_table(again)
+    assert set(got) <= set(used) and len(set(got)) == 2, got
+    bm.free(other)
+    bm.free(again)
+    assert bm.get_num_free_device_blocks() == 8
+
+
 def test_capacity_answers_now_later_never_with_watermark() -> None:
     bm = make_bm(num_gpu_blocks=10, watermark=0.2)  # 2 blocks held back from prompts
     assert bm.can_allocate(make_group(list(range(17)))) == AllocStatus.NEVER  # 9 blocks > 10 - 2

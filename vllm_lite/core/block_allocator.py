@@ -9,7 +9,6 @@ holding it).
 from __future__ import annotations
 
 import logging
-from collections import deque
 
 from vllm_lite.core.prefix_cache import Evictor
 from vllm_lite.errors import InternalError
@@ -26,7 +25,11 @@ class BlockAllocator:
         self.name = name
         self._ref_counts: list[int] = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack, lowest id on top: the block freed last is handed out first. Its memory
+        # was touched recently (on the CPU: its pages are faulted in, maybe still cached),
+        # while a queue walked the whole pool, so every block's pages faulted in once
+        # however little of the pool was in use at a time.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictor = Evictor()
         self._cached: dict[bytes, int] = {}
 
@@ -55,7 +58,7 @@ class BlockAllocator:
     def allocate(self) -> int:
         """A fresh block with ref count 1: a never-cached one first, else the LRU cached one."""
         if self._free:
-            block_id = self._free.popleft()
+            block_id = self._free.pop()
         elif self._evictor:
             block_id = self._evict_one()
         else:
