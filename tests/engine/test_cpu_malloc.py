@@ -74,3 +74,66 @@ make_llm(Path({str(model_dir)!r}))
 print(json.dumps({{"before": before, "after": cpu_malloc._applied}}))
 """)
     assert got == {"before": False, "after": True}
+
+
+# The VmFlags of the mapping holding an address ("hg": madvised MADV_HUGEPAGE) and its
+# AnonHugePages (kB); a helper for the children below.
+SMAPS = """
+def mapping_of(addr):
+    entry = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            entry = {"in": lo <= addr < hi}
+        elif entry is not None and entry["in"]:
+            if head == "VmFlags:":
+                return {"flags": line.split()[1:], "huge_kb": entry.get("huge_kb", 0)}
+            if head == "AnonHugePages:":
+                entry["huge_kb"] = int(line.split()[1])
+    return None
+"""
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "absent"
+    return text.split("[")[1].split("]")[0]
+
+
+def test_advise_huge_pages_backs_a_fresh_tensor_with_huge_pages() -> None:
+    got = _run(SMAPS + """
+import json, torch
+from vllm_lite.worker.cpu_malloc import HUGE_PAGE_BYTES, advise_huge_pages
+t = torch.empty(64 << 20, dtype=torch.uint8)  # past glibc's mmap threshold: fresh pages
+advised = advise_huge_pages(t)
+small = advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))
+t.fill_(1)  # first touch
+m = mapping_of(t.data_ptr() + (32 << 20))
+print(json.dumps({"advised": advised, "small": small, "unit": HUGE_PAGE_BYTES,
+                  "flags": m["flags"], "huge_kb": m["huge_kb"]}))
+""")
+    # The whole 2 MiB pages inside 64 MiB: 31 or 32 of them, by the tensor's alignment.
+    assert got["advised"] in (31 * got["unit"], 32 * got["unit"]), got
+    assert got["small"] == 0  # holds no whole huge page
+    assert "hg" in got["flags"], got
+    if _thp_mode() in ("always", "madvise"):
+        assert got["huge_kb"] >= 16 << 10, got  # most of the 64 MiB is in huge pages
+
+
+def test_cpu_engine_advises_its_kv_pool(model_dir: Path) -> None:
+    got = _run(SMAPS + f"""
+import json
+from pathlib import Path
+from entrypoints.utils import make_llm
+llm = make_llm(Path({str(model_dir)!r}), kv_cache_space=0.25)
+flags = []
+for k, v in llm.llm_engine.cache_engine.gpu_cache:
+    for t in (k, v):
+        mid = t.data_ptr() + t.numel() * t.element_size() // 2
+        flags.append("hg" in mapping_of(mid)["flags"])
+print(json.dumps({{"flags": flags}}))
+""")
+    assert got["flags"] and all(got["flags"]), got

@@ -1,4 +1,5 @@
-"""glibc's allocator settings for an engine on the CPU: keep freed memory for reuse.
+"""Memory settings for an engine on the CPU: glibc keeps freed memory for reuse, and the
+big, randomly read tensors (the KV pool) ask for transparent huge pages.
 
 A CPU step allocates and frees tensors of megabytes every time (the logits, their
 log_softmax and the sampler's temporaries, 6 MiB each at 31 x 49152 float32; a prefill's
@@ -16,14 +17,29 @@ at engine start do it, in every process that runs a CPU worker:
 
 A user's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ (glibc's environment
 settings) win: then nothing is changed. Not glibc (musl, macOS): nothing to do.
+
+Huge pages (:func:`advise_huge_pages`): a decode step reads every sequence's KV blocks,
+2 KiB tiles scattered over a pool of a GiB or more, so with 4 KiB pages nearly every tile
+costs a TLB miss and a page walk before its data arrives. Linux backs memory with 2 MiB
+pages when the system's transparent_hugepage setting is "always", or is "madvise" (the
+default of Debian and Ubuntu) and the program asks with madvise(MADV_HUGEPAGE); the engine
+asks for its CPU KV pool. Measured on the project's AMD EPYC VM (bf16 9/3x64, 32
+sequences, 1 GiB pool, shuffled blocks, 2 threads): the paged-attention kernel took
+0.31 / 0.37 / 1.61 ms instead of 0.39 / 0.45 / 1.80 at 128 / 176 / 1024 tokens. A first
+touch also faults in 2 MiB at once instead of 512 faults. "never" (or not Linux): nothing
+happens.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
+import sys
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +52,9 @@ TRIM_THRESHOLD_BYTES = 512 << 20
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 _applied = False
+
+_MADV_HUGEPAGE = 14  # linux/mman.h
+HUGE_PAGE_BYTES = 2 << 20
 
 
 def keep_freed_memory() -> bool:
@@ -73,3 +92,36 @@ def _glibc() -> ctypes.CDLL | None:
     libc.mallopt.restype = ctypes.c_int
     return libc
 
+
+
+def advise_huge_pages(t: torch.Tensor) -> int:
+    """Asks Linux to back the whole 2 MiB pages inside CPU tensor ``t``'s memory with huge
+    pages (madvise MADV_HUGEPAGE); call it before the memory is first touched (a fresh
+    ``torch.empty``), as pages already faulted in stay small. Returns the bytes advised: 0
+    off Linux, for a tensor that holds no whole huge page, or when the kernel refuses
+    (which changes nothing but speed)."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return 0
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    first = (start + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    length = (end - first) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if length <= 0:
+        return 0
+    libc = _libc()
+    if libc is None or libc.madvise(first, length, _MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
+        return 0
+    return length
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return libc
