@@ -104,13 +104,17 @@ int64_t cache_element_bytes(KvDType t) {
   }
 }
 
-// Blocks at the start of a task whose K and V tiles are requested before the task before
-// it runs. Inside a task the kernel keeps its next K tiles in flight, but it starts with
-// none: with a decode step's short contexts (a few hundred tokens, ~10 blocks per task)
-// that first wait was a large part of each task.
-constexpr int64_t kTaskPrefetchBlocks = 2;
+// How much of a task's K and of its V (each) is requested while the task before it runs.
+// Inside a task the kernel keeps its next K tiles in flight, but it starts with none, and
+// a decode step's tasks are short (a few hundred tokens: ~10 blocks). Measured on the
+// project's AMD EPYC VM (bf16 9/3x64, 32 sequences, 1 GiB pool, 2 threads, caches
+// flushed): 2 blocks ahead (4 KiB) took 0.37 -> 0.30 ms at 128 tokens, 32 KiB (16 blocks,
+// about a whole task) 0.28 ms; 256 tokens 0.55 -> 0.40 ms; 1024 tokens 1.71 -> 1.45 ms.
+// 64 and 128 KiB ran no faster.
+constexpr int64_t kTaskPrefetchBytes = 32 << 10;
 
-// Requests task t's first kTaskPrefetchBlocks K and V tiles (into L2, as the kernel's own).
+// Requests the first kTaskPrefetchBytes of task t's K tiles and of its V tiles (into L2,
+// as the kernel's own prefetches).
 void prefetch_task(const AttentionParams& p, int64_t t) {
   const int64_t s = t / (p.num_partitions * p.num_kv_heads);
   const int64_t kh = (t / p.num_partitions) % p.num_kv_heads;
@@ -123,7 +127,8 @@ void prefetch_task(const AttentionParams& p, int64_t t) {
   const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
   const int64_t first = start / p.block_size;
   const int64_t last = std::min(len - 1, start + p.partition_size - 1) / p.block_size;
-  for (int64_t b = first; b <= last && b < first + kTaskPrefetchBlocks; ++b) {
+  const int64_t blocks = std::max<int64_t>(1, kTaskPrefetchBytes / tile);
+  for (int64_t b = first; b <= last && b < first + blocks; ++b) {
     const int64_t at = table[b] * block_stride + kh * tile;
     for (const void* base : {p.key_cache, p.value_cache}) {
       const char* c = static_cast<const char*>(base) + at;
