@@ -103,6 +103,20 @@ at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
 bool packed_linear_kernel_selected(at::ScalarType dtype);
+// One decode step through a stack of Llama decoder layers on packed weights (the kernels
+// above, called in models/llama.py's order; cpu/decode_layers.cpp states the layout).
+// CPU only: LlamaModel uses it for decode steps when every layer qualifies.
+at::Tensor llama_decode_layers(
+    at::Tensor& hidden, at::Tensor& residual, bool residual_set, const at::Tensor& positions,
+    const std::vector<at::Tensor>& norm_weights, const std::vector<at::Tensor>& packed_weights,
+    const std::vector<std::optional<at::Tensor>>& biases, int64_t intermediate_size,
+    const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+    const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+    int64_t max_seq_len, int64_t num_kv_heads, double scale, const std::string& kv_cache_dtype,
+    double k_scale, double v_scale, at::Tensor& attn_out,
+    const std::optional<at::Tensor>& exp_sums, const std::optional<at::Tensor>& max_logits,
+    const std::optional<at::Tensor>& tmp_out, double epsilon);
 // Not an op: pack_linear_weight's inverse, the [N, K] weight (K bytes or K / 2 for int8 /
 // int4) of a packed one, a copy; the fallbacks where no packed kernel is selected.
 at::Tensor unpack_linear_weight(const at::Tensor& packed, int64_t N);

@@ -48,6 +48,14 @@ TORCH_LIBRARY(vllm_lite, m) {
       "Tensor? bias) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+  m.def(
+      "llama_decode_layers(Tensor(a!) hidden, Tensor(b!) residual, bool residual_set, "
+      "Tensor positions, Tensor[] norm_weights, Tensor[] packed_weights, Tensor?[] biases, "
+      "int intermediate_size, Tensor(c!)[] key_caches, Tensor(d!)[] value_caches, "
+      "Tensor cos_sin_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+      "int block_size, int max_seq_len, int num_kv_heads, float scale, str kv_cache_dtype, "
+      "float k_scale, float v_scale, Tensor(e!) attn_out, Tensor(f!)? exp_sums, "
+      "Tensor(g!)? max_logits, Tensor(h!)? tmp_out, float epsilon) -> Tensor");
   // No tensors: one implementation for every backend (vLLM v0.6's CPU schema).
   m.def("init_cpu_threads_env(str cpu_ids) -> str", &vllm_lite::cpu::init_cpu_threads_env);
 }
@@ -71,6 +79,7 @@ TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   m.impl("int4_linear", &vllm_lite::cpu::int4_linear);  // CPU only (ops.h)
   m.impl("pack_linear_weight", &vllm_lite::cpu::pack_linear_weight);  // CPU only (ops.h)
   m.impl("packed_linear", &vllm_lite::cpu::packed_linear);            // CPU only (ops.h)
+  m.impl("llama_decode_layers", &vllm_lite::cpu::llama_decode_layers);  // CPU only (ops.h)
 }
 
 #ifdef VLLM_LITE_WITH_CUDA

@@ -130,6 +130,20 @@ def use_v2(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
     return max_seq_len > 8192 or (num_partitions > 1 and num_seqs * num_heads <= 512)
 
 
+def v2_scratch(out: torch.Tensor, max_seq_len: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(exp_sums, max_logits, tmp_out) for paged_attention_v2 into ``out`` [num_seqs,
+    num_heads, head_size] when :func:`use_v2` picks it, else None (v1)."""
+    num_seqs, num_heads, head_size = out.shape
+    if not use_v2(max_seq_len, num_seqs, num_heads):
+        return None
+    partitions = max(1, (max_seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE)
+    exp_sums = torch.empty((num_seqs, num_heads, partitions), dtype=torch.float32,
+                           device=out.device)
+    tmp_out = out.new_empty((num_seqs, num_heads, partitions, head_size))
+    return exp_sums, torch.empty_like(exp_sums), tmp_out
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -150,15 +164,9 @@ def paged_attention(
     num_seqs, num_heads, head_size = query.shape
     if out is None:
         out = torch.empty((num_seqs, num_heads, head_size), dtype=query.dtype, device=query.device)
-    if use_v2(max_seq_len, num_seqs, num_heads):
-        partitions = max(1, (max_seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE)
-        exp_sums = torch.empty(
-            (num_seqs, num_heads, partitions), dtype=torch.float32, device=query.device
-        )
-        max_logits = torch.empty_like(exp_sums)
-        tmp_out = torch.empty(
-            (num_seqs, num_heads, partitions, head_size), dtype=query.dtype, device=query.device
-        )
+    scratch = v2_scratch(out, max_seq_len)
+    if scratch is not None:
+        exp_sums, max_logits, tmp_out = scratch
         paged_attention_v2(
             out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
             scale, block_tables, seq_lens, block_size, max_seq_len, alibi_slopes,
@@ -296,6 +304,34 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return _ops.packed_linear(x, packed_weight, bias, out_features)
 
 
+def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor, residual_set: bool,
+                        positions: torch.Tensor, norm_weights: list[torch.Tensor],
+                        packed_weights: list[torch.Tensor],
+                        biases: list[torch.Tensor | None], intermediate_size: int,
+                        key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                        cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                        max_seq_len: int, num_heads: int, num_kv_heads: int, head_size: int,
+                        scale: float, kv_cache_dtype: str, k_scale: float, v_scale: float,
+                        epsilon: float) -> torch.Tensor:
+    """One decode step (one token per sequence) through a stack of Llama decoder layers in
+    one call: per layer the fused/first RMSNorm, the qkv, o, gate_up and down projections
+    on weights packed by :func:`pack_linear_weight` (2 norm weights and 4 weights / float32
+    biases or None per layer, in that order), neox rotary, the cache write and paged
+    attention (v1 or v2 as :func:`paged_attention` picks) - the kernels models.llama's
+    layers call, in their order, so the same bits. ``hidden`` [T, hidden_size] is
+    overwritten; ``residual`` (same shape) is the residual stream, taken as given when
+    ``residual_set``, else set from ``hidden`` by the first layer. Returns the last layer's
+    MLP output. CPU only (csrc/cpu/decode_layers.cpp)."""
+    attn_out = hidden.new_empty((hidden.shape[0], num_heads, head_size))
+    exp_sums, max_logits, tmp_out = v2_scratch(attn_out, max_seq_len) or (None, None, None)
+    return _ops.llama_decode_layers(
+        hidden, residual, residual_set, positions, norm_weights, packed_weights, biases,
+        intermediate_size, key_caches, value_caches, cos_sin_cache, slot_mapping,
+        block_tables, seq_lens, block_size, max_seq_len, num_kv_heads, scale, kv_cache_dtype,
+        k_scale, v_scale, attn_out, exp_sums, max_logits, tmp_out, epsilon)
+
+
 def packed_linear_kernel_selected(dtype: torch.dtype) -> bool:
     """Whether packed_linear runs its own kernel for ``dtype`` in the selected CPU build
     (float32: "avx512" / "avx512bf16"; bfloat16: "avx512bf16"); elsewhere it computes
@@ -404,6 +440,10 @@ def _register_fakes() -> None:
     def _packed_linear_fake(x: torch.Tensor, packed_weight: torch.Tensor,
                             bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("vllm_lite::llama_decode_layers")
+    def _llama_decode_layers_fake(hidden: torch.Tensor, *args: object) -> torch.Tensor:
+        return torch.empty_like(hidden)
 
     @torch.library.register_fake("vllm_lite::int4_linear")
     def _int4_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
