@@ -103,12 +103,14 @@ at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
 bool packed_linear_kernel_selected(at::ScalarType dtype);
-// One decode step through a stack of Llama decoder layers on packed weights (the kernels
-// above, called in models/llama.py's order; cpu/decode_layers.cpp states the layout).
+// One decode step through a stack of Llama decoder layers (the kernels above and below,
+// called in models/llama.py's order; cpu/decode_layers.cpp states the layout).
 // CPU only: LlamaModel uses it for decode steps when every layer qualifies.
 at::Tensor llama_decode_layers(
     at::Tensor& hidden, at::Tensor& residual, bool residual_set, const at::Tensor& positions,
-    const std::vector<at::Tensor>& norm_weights, const std::vector<at::Tensor>& packed_weights,
+    const std::vector<at::Tensor>& norm_weights, const std::vector<at::Tensor>& weights,
+    const std::vector<std::optional<at::Tensor>>& scales,
+    const std::vector<std::optional<at::Tensor>>& zeros, const std::vector<int64_t>& group_sizes,
     const std::vector<std::optional<at::Tensor>>& biases, int64_t intermediate_size,
     const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
     const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,

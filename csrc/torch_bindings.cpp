@@ -50,7 +50,8 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
   m.def(
       "llama_decode_layers(Tensor(a!) hidden, Tensor(b!) residual, bool residual_set, "
-      "Tensor positions, Tensor[] norm_weights, Tensor[] packed_weights, Tensor?[] biases, "
+      "Tensor positions, Tensor[] norm_weights, Tensor[] weights, Tensor?[] scales, "
+      "Tensor?[] zeros, int[] group_sizes, Tensor?[] biases, "
       "int intermediate_size, Tensor(c!)[] key_caches, Tensor(d!)[] value_caches, "
       "Tensor cos_sin_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "int block_size, int max_seq_len, int num_kv_heads, float scale, str kv_cache_dtype, "

@@ -304,9 +304,17 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return _ops.packed_linear(x, packed_weight, bias, out_features)
 
 
+# One projection as llama_decode_layers takes it: (weight, scales, zeros, group_size,
+# float32 bias or None): packed_linear on a packed float weight (scales None), int8_linear
+# (zeros None), or int4_linear with group_size.
+DecodeForm = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", int,
+                   "torch.Tensor | None"]
+
+
 def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor, residual_set: bool,
                         positions: torch.Tensor, norm_weights: list[torch.Tensor],
-                        packed_weights: list[torch.Tensor],
+                        weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+                        zeros: list[torch.Tensor | None], group_sizes: list[int],
                         biases: list[torch.Tensor | None], intermediate_size: int,
                         key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                         cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -316,8 +324,9 @@ def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor, residual_s
                         epsilon: float) -> torch.Tensor:
     """One decode step (one token per sequence) through a stack of Llama decoder layers in
     one call: per layer the fused/first RMSNorm, the qkv, o, gate_up and down projections
-    on weights packed by :func:`pack_linear_weight` (2 norm weights and 4 weights / float32
-    biases or None per layer, in that order), neox rotary, the cache write and paged
+    (2 norm weights and 4 projections per layer, in that order; each projection j is
+    (weights[j], scales[j], zeros[j], group_sizes[j], biases[j]) as :data:`DecodeForm`),
+    neox rotary, the cache write and paged
     attention (v1 or v2 as :func:`paged_attention` picks) - the kernels models.llama's
     layers call, in their order, so the same bits. ``hidden`` [T, hidden_size] is
     overwritten; ``residual`` (same shape) is the residual stream, taken as given when
@@ -326,8 +335,8 @@ def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor, residual_s
     attn_out = hidden.new_empty((hidden.shape[0], num_heads, head_size))
     exp_sums, max_logits, tmp_out = v2_scratch(attn_out, max_seq_len) or (None, None, None)
     return _ops.llama_decode_layers(
-        hidden, residual, residual_set, positions, norm_weights, packed_weights, biases,
-        intermediate_size, key_caches, value_caches, cos_sin_cache, slot_mapping,
+        hidden, residual, residual_set, positions, norm_weights, weights, scales, zeros,
+        group_sizes, biases, intermediate_size, key_caches, value_caches, cos_sin_cache, slot_mapping,
         block_tables, seq_lens, block_size, max_seq_len, num_kv_heads, scale, kv_cache_dtype,
         k_scale, v_scale, attn_out, exp_sums, max_logits, tmp_out, epsilon)
 

@@ -5,15 +5,18 @@
 // meanwhile (README "Throughput"). This calls the same kernels in the same order as
 // models/llama.py's layers with the same arguments, so the results are the same bits.
 //
-// Per layer l (weights packed by pack_linear_weight; biases float32 or none):
+// Per layer l, 4 projections (qkv, o, gate_up, down): projection j = 4l + i runs
+// packed_linear on weights[j] (a float weight packed by pack_linear_weight) where scales[j]
+// is none, int8_linear where zeros[j] is none (per-channel or group scales), else
+// int4_linear with group_sizes[j]; biases float32 or none. Per layer:
 //   layer 0 without a residual: residual = hidden; hidden = rms_norm(residual)
 //   else                        fused_add_rms_norm(hidden, residual)      (norm_weights[2l])
-//   qkv = packed_linear(hidden, packed_weights[4l], biases[4l])  [T, (H + 2 KVH) * D]
+//   qkv = projection 4l (hidden)                                  [T, (H + 2 KVH) * D]
 //   rotary_embedding on qkv's q and k columns (neox); reshape_and_cache of k and v
 //   attn_out = paged_attention v1, or v2 with the given scratch        [T, H, D]
-//   hidden = packed_linear(attn_out, packed_weights[4l + 1], biases[4l + 1])
+//   hidden = projection 4l + 1 (attn_out)
 //   fused_add_rms_norm(hidden, residual)                              (norm_weights[2l + 1])
-//   hidden = packed_linear(silu_and_mul(packed_linear(hidden, [4l + 2])), [4l + 3])
+//   hidden = projection 4l + 3 (silu_and_mul(projection 4l + 2 (hidden)))
 // Returns the last layer's MLP output; residual (a buffer the caller owns, [T, hidden]) holds
 // the stream before it. One token per sequence (T = number of sequences).
 #include <ATen/ATen.h>
@@ -21,10 +24,24 @@
 #include "ops.h"
 
 namespace vllm_lite::cpu {
+namespace {
+
+// One projection of x to n columns, by the kind of its weight (see above).
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& zeros,
+                   int64_t group_size, const std::optional<at::Tensor>& bias, int64_t n) {
+  if (!scales.has_value()) return packed_linear(x, weight, bias, n);
+  if (!zeros.has_value()) return int8_linear(x, weight, *scales, bias);
+  return int4_linear(x, weight, *scales, *zeros, group_size, bias);
+}
+
+}  // namespace
 
 at::Tensor llama_decode_layers(
     at::Tensor& hidden, at::Tensor& residual, bool residual_set, const at::Tensor& positions,
-    const std::vector<at::Tensor>& norm_weights, const std::vector<at::Tensor>& packed_weights,
+    const std::vector<at::Tensor>& norm_weights, const std::vector<at::Tensor>& weights,
+    const std::vector<std::optional<at::Tensor>>& scales,
+    const std::vector<std::optional<at::Tensor>>& zeros, const std::vector<int64_t>& group_sizes,
     const std::vector<std::optional<at::Tensor>>& biases, int64_t intermediate_size,
     const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
     const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
@@ -41,12 +58,13 @@ at::Tensor llama_decode_layers(
   TORCH_CHECK(static_cast<int64_t>(norm_weights.size()) == 2 * layers,
               "llama_decode_layers: norm_weights must hold 2 per layer (", 2 * layers,
               "), got ", norm_weights.size());
-  TORCH_CHECK(static_cast<int64_t>(packed_weights.size()) == 4 * layers,
-              "llama_decode_layers: packed_weights must hold 4 per layer (", 4 * layers,
-              "), got ", packed_weights.size());
-  TORCH_CHECK(static_cast<int64_t>(biases.size()) == 4 * layers,
-              "llama_decode_layers: biases must hold 4 per layer (", 4 * layers, "), got ",
-              biases.size());
+  const std::pair<const char*, size_t> per_projection[] = {
+      {"weights", weights.size()}, {"scales", scales.size()}, {"zeros", zeros.size()},
+      {"group_sizes", group_sizes.size()}, {"biases", biases.size()}};
+  for (const auto& [name, size] : per_projection) {
+    TORCH_CHECK(static_cast<int64_t>(size) == 4 * layers, "llama_decode_layers: ", name,
+                " must hold 4 per layer (", 4 * layers, "), got ", size);
+  }
   TORCH_CHECK(hidden.dim() == 2 && residual.sizes() == hidden.sizes() &&
                   residual.scalar_type() == hidden.scalar_type(),
               "llama_decode_layers: hidden [T, hidden_size] and residual must match, got ",
@@ -64,6 +82,9 @@ at::Tensor llama_decode_layers(
   const int64_t q_size = heads * head_size, kv_size = num_kv_heads * head_size;
   const std::optional<at::Tensor> no_alibi;
 
+  const auto proj = [&](const at::Tensor& in, int64_t j, int64_t n) {
+    return project(in, weights[j], scales[j], zeros[j], group_sizes[j], biases[j], n);
+  };
   at::Tensor x = hidden;
   for (int64_t l = 0; l < layers; ++l) {
     if (l == 0 && !residual_set) {
@@ -72,8 +93,7 @@ at::Tensor llama_decode_layers(
     } else {
       fused_add_rms_norm(x, residual, norm_weights[2 * l], epsilon);
     }
-    const at::Tensor qkv =
-        packed_linear(x, packed_weights[4 * l], biases[4 * l], q_size + 2 * kv_size);
+    const at::Tensor qkv = proj(x, 4 * l, q_size + 2 * kv_size);
     at::Tensor q = qkv.narrow(1, 0, q_size);
     at::Tensor k = qkv.narrow(1, q_size, kv_size);
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
@@ -92,14 +112,12 @@ at::Tensor llama_decode_layers(
                          seq_lens, block_size, max_seq_len, no_alibi, kv_cache_dtype, k_scale,
                          v_scale);
     }
-    x = packed_linear(attn_out.view({T, q_size}), packed_weights[4 * l + 1], biases[4 * l + 1],
-                      width);
+    x = proj(attn_out.view({T, q_size}), 4 * l + 1, width);
     fused_add_rms_norm(x, residual, norm_weights[2 * l + 1], epsilon);
-    const at::Tensor gate_up =
-        packed_linear(x, packed_weights[4 * l + 2], biases[4 * l + 2], 2 * intermediate_size);
+    const at::Tensor gate_up = proj(x, 4 * l + 2, 2 * intermediate_size);
     at::Tensor act = at::empty({T, intermediate_size}, gate_up.options());
     silu_and_mul(act, gate_up);
-    x = packed_linear(act, packed_weights[4 * l + 3], biases[4 * l + 3], width);
+    x = proj(act, 4 * l + 3, width);
   }
   return x;
 }

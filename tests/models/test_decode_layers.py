@@ -1,6 +1,7 @@
 """Decode steps through ops.llama_decode_layers (every decoder layer in one native call,
 csrc/cpu/decode_layers.cpp): the engine's greedy tokens and their logprobs are the same
-bits as through the layers' own forward, for every model family and both CPU dtypes; the
+bits as through the layers' own forward, for every model family, both CPU dtypes and the
+float / int8 / int4 projections; the
 call happens exactly where every layer qualifies (not Qwen3's q/k norms, not with forward
 hooks); paged attention v2 (long contexts) too; bad lists are named errors."""
 
@@ -55,14 +56,17 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_one_call_decode_matches_the_layers_bit_for_bit(
-        name: str, dtype: str, tmp_path: Path, counted: list[int]) -> None:
-    _needs_packed(getattr(torch, dtype))
+        name: str, dtype: str, quantization: str, tmp_path: Path, counted: list[int]) -> None:
+    if quantization == "none":
+        _needs_packed(getattr(torch, dtype))
     save_hf_model(make_config(name), tmp_path, seed=random.randrange(1 << 30))
     llm = LLM(str(tmp_path), dtype=dtype, device="cpu", block_size=4, kv_cache_space=0.02,
-              swap_space=0)
+              swap_space=0, quantization=quantization,
+              quantization_group_size=32 if quantization == "int4" else None)
     rng = random.Random()
     prompts = [[rng.randrange(BASE["vocab_size"]) for _ in range(rng.randint(1, 40))]
                for _ in range(5)]
@@ -118,20 +122,15 @@ def test_bad_lists_are_named_errors() -> None:
                   seq_lens=torch.ones(t, dtype=torch.int32), block_size=4, max_seq_len=1,
                   num_heads=heads, num_kv_heads=kv_heads, head_size=head, scale=0.5,
                   kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, epsilon=1e-6)
-    packed = [torch.zeros(1, width, 48)] * 4
-    cases = [
-        (dict(norm_weights=[torch.ones(width)], packed_weights=packed, biases=[None] * 4,
-              key_caches=[kc], value_caches=[vc]), "norm_weights must hold 2 per layer"),
-        (dict(norm_weights=[torch.ones(width)] * 2, packed_weights=packed[:3],
-              biases=[None] * 4, key_caches=[kc], value_caches=[vc]),
-         "packed_weights must hold 4 per layer"),
-        (dict(norm_weights=[torch.ones(width)] * 2, packed_weights=packed, biases=[None] * 2,
-              key_caches=[kc], value_caches=[vc]), "biases must hold 4 per layer"),
-        (dict(norm_weights=[torch.ones(width)] * 2, packed_weights=packed, biases=[None] * 4,
-              key_caches=[kc], value_caches=[]), "value_caches has 0 layers"),
-        (dict(norm_weights=[], packed_weights=[], biases=[], key_caches=[], value_caches=[]),
-         "no layers"),
-    ]
+    good = dict(norm_weights=[torch.ones(width)] * 2, weights=[torch.zeros(1, width, 48)] * 4,
+                scales=[None] * 4, zeros=[None] * 4, group_sizes=[0] * 4, biases=[None] * 4,
+                key_caches=[kc], value_caches=[vc])
+    cases = [({**good, "norm_weights": good["norm_weights"][:1]},
+              "norm_weights must hold 2 per layer")]
+    for name in ("weights", "scales", "zeros", "group_sizes", "biases"):
+        cases.append(({**good, name: good[name][:3]}, f"{name} must hold 4 per layer"))
+    cases += [({**good, "value_caches": []}, "value_caches has 0 layers"),
+              ({name: [] for name in good}, "no layers")]
     for lists, message in cases:
         before = hidden.clone()
         with pytest.raises(RuntimeError, match=message):

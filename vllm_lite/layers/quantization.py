@@ -85,6 +85,15 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
 
+def _int8_decode_form(layer: Int8Linear | Int8GroupLinear, dtype: torch.dtype
+                      ) -> ops.DecodeForm | None:
+    """What the layer's forward passes to ``ops.int8_linear`` for x of ``dtype`` (float32 /
+    bf16 on the CPU), for ``ops.llama_decode_layers``; None elsewhere."""
+    if not layer.on_cpu or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return layer.qweight, layer.scales, None, 0, layer._bias_f32
+
+
 class Int8Linear(nn.Module):
     """A linear layer with an int8 per-channel weight; ``forward`` takes [..., K] in the
     engine's dtype and returns [..., N] in that dtype."""
@@ -110,6 +119,9 @@ class Int8Linear(nn.Module):
             logger.warning("no int8 weight-only GEMM for %s %s in this torch: dequantizing the "
                            "weights at load (correct, no memory saving)", device, dtype)
             self._dequantized = dequantize_int8(q, scale).to(device=device, dtype=dtype)
+
+    def decode_form(self, dtype: torch.dtype) -> ops.DecodeForm | None:
+        return _int8_decode_form(self, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_cpu:
@@ -179,6 +191,14 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", weight.zeros.float().contiguous())
         self._bias_f32 = None if linear.bias is None else linear.bias.detach().float()
 
+    def decode_form(self, dtype: torch.dtype) -> ops.DecodeForm | None:
+        """What forward passes to ``ops.int4_linear`` for x of ``dtype`` (float32 / bf16, no
+        act-order permutation), for ``ops.llama_decode_layers``; None elsewhere."""
+        if (self._dequantized is not None or self.perm is not None
+                or dtype not in (torch.float32, torch.bfloat16)):
+            return None
+        return self.qweight, self.scales, self.zeros, self.group_size, self._bias_f32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._dequantized is not None:
             return nn.functional.linear(x, self._dequantized, self.bias)
@@ -227,6 +247,9 @@ class Int8GroupLinear(nn.Module):
         self.bias = linear.bias
         self._bias_f32 = (None if linear.bias is None or not self.on_cpu
                           else linear.bias.detach().float())
+
+    def decode_form(self, dtype: torch.dtype) -> ops.DecodeForm | None:
+        return _int8_decode_form(self, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_cpu:

@@ -101,12 +101,12 @@ class Linear(nn.Linear):
             except (RuntimeError, AttributeError) as e:  # a torch / CPU without the op
                 logger.debug("no prepacked %s weight (%s); using F.linear", w.dtype, e)
 
-    def packed_form(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(packed weight, float32 bias or None): what forward passes to ``ops.packed_linear``
-        for a CPU x of ``dtype`` without autograd; None where forward takes another path."""
+    def decode_form(self, dtype: torch.dtype) -> ops.DecodeForm | None:
+        """What forward passes to ``ops.packed_linear`` for a CPU x of ``dtype`` without
+        autograd (see :data:`DecodeForm`); None where forward takes another path."""
         if self._own_packed is None or self.weight.dtype != dtype:
             return None
-        return self._own_packed, self._bias_f32
+        return self._own_packed, None, None, 0, self._bias_f32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
@@ -191,7 +191,7 @@ class DecodeParts:
     :meth:`LlamaDecoderLayer.decode_parts`)."""
 
     norm_weights: tuple[torch.Tensor, torch.Tensor]  # input, post-attention
-    packed: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]  # qkv, o, gate_up, down
+    projections: tuple[ops.DecodeForm, ...]  # qkv, o, gate_up, down
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     # Must be the same in every layer of one call.
@@ -219,12 +219,13 @@ class LlamaDecoderLayer(nn.Module):
                 or core.k_cache is None or core.v_cache is None
                 or attn.rotary_emb.head_size != core.head_size):
             return None
-        packed = tuple(lin.packed_form(dtype) if isinstance(lin, Linear) else None for lin in (
-            attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))  # not quantized
-        if any(p is None for p in packed):
+        projections = tuple(
+            lin.decode_form(dtype) if hasattr(lin, "decode_form") else None
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        if any(p is None for p in projections):
             return None
         return DecodeParts(
-            (self.input_layernorm.weight, self.post_attention_layernorm.weight), packed,
+            (self.input_layernorm.weight, self.post_attention_layernorm.weight), projections,
             core.k_cache, core.v_cache,
             (self.input_layernorm.eps, self.post_attention_layernorm.eps, mlp.intermediate_size,
              attn.rotary_emb.cos_sin_cache, core.num_heads, core.num_kv_heads, core.head_size,
@@ -309,7 +310,7 @@ class LlamaModel(nn.Module):
          k_scale, v_scale) = shared
         residual = torch.empty_like(hidden)
         out = ops.llama_decode_layers(
-            hidden, residual, False, positions, *lists[:3], intermediate, *lists[3:], cos_sin,
+            hidden, residual, False, positions, *lists[:6], intermediate, *lists[6:], cos_sin,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.block_size,
             meta.max_seq_len, heads, kv_heads, head_size, scale, kv_cache_dtype,
             float(k_scale), float(v_scale), eps)
@@ -339,8 +340,8 @@ class LlamaModel(nn.Module):
         shared = parts[0].shared
         if shared[0] != shared[1]:  # one epsilon for both norms
             return None
-        lists = ([w for p in parts for w in p.norm_weights],
-                 [w for p in parts for w, _ in p.packed], [b for p in parts for _, b in p.packed],
+        forms = [f for p in parts for f in p.projections]
+        lists = ([w for p in parts for w in p.norm_weights], *map(list, zip(*forms)),
                  [p.k_cache for p in parts], [p.v_cache for p in parts])
         return lists, shared
 
