@@ -6,6 +6,10 @@ checkout built in place (``python setup.py build_ext --inplace``, as bench/devic
 does) holds its own compiled ``vllm_lite/_C*``; only then is the checkout put first, so
 that build is the one measured. A checkout without ``_C`` is never imported: its kernels
 would be missing.
+
+bench/ itself then leaves sys.path: the scripts' names would shadow packages of the same
+name for everything they import, and ``kernels`` is one (transformers 5.25 imports the
+``kernels`` package when installed, and found bench/kernels.py instead).
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
 
 
 def use_checkout_if_built() -> None:
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
     if any((ROOT / "vllm_lite").glob("_C*.so")) or any((ROOT / "vllm_lite").glob("_C*.pyd")):
         if str(ROOT) not in sys.path:
             sys.path.insert(0, str(ROOT))
