@@ -211,8 +211,8 @@ class LlamaDecoderLayer(nn.Module):
     def decode_parts(self, dtype: torch.dtype) -> DecodeParts | None:
         """This layer's tensors and settings for ``ops.llama_decode_layers``, which runs what
         forward runs for a decode step on the CPU; None where forward would run anything
-        else (tensor parallelism, Qwen3's q/k norms, a projection not on packed_linear, no
-        KV cache)."""
+        else (tensor parallelism, Qwen3's q/k norms, a projection none of the call's ops
+        serves: see each layer's ``decode_form``; no KV cache)."""
         attn, mlp = self.self_attn, self.mlp
         core = attn.attn
         if (attn.tp is not None or mlp.tp is not None or attn.q_norm is not None
