@@ -107,7 +107,7 @@ bool packed_linear_kernel_selected(at::ScalarType dtype);
 // called in models/llama.py's order; cpu/decode_layers.cpp states the layout).
 // CPU only: LlamaModel uses it for decode steps when every layer qualifies.
 at::Tensor llama_decode_layers(
-    at::Tensor& hidden, at::Tensor& residual, bool residual_set, const at::Tensor& positions,
+    at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
     const std::vector<at::Tensor>& norm_weights, const std::vector<at::Tensor>& weights,
     const std::vector<std::optional<at::Tensor>>& scales,
     const std::vector<std::optional<at::Tensor>>& zeros, const std::vector<int64_t>& group_sizes,

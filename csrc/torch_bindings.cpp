@@ -49,8 +49,8 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
   m.def(
-      "llama_decode_layers(Tensor(a!) hidden, Tensor(b!) residual, bool residual_set, "
-      "Tensor positions, Tensor[] norm_weights, Tensor[] weights, Tensor?[] scales, "
+      "llama_decode_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, "
+      "Tensor[] norm_weights, Tensor[] weights, Tensor?[] scales, "
       "Tensor?[] zeros, int[] group_sizes, Tensor?[] biases, "
       "int intermediate_size, Tensor(c!)[] key_caches, Tensor(d!)[] value_caches, "
       "Tensor cos_sin_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "

@@ -311,7 +311,7 @@ DecodeForm = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", i
                    "torch.Tensor | None"]
 
 
-def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor, residual_set: bool,
+def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor,
                         positions: torch.Tensor, norm_weights: list[torch.Tensor],
                         weights: list[torch.Tensor], scales: list[torch.Tensor | None],
                         zeros: list[torch.Tensor | None], group_sizes: list[int],
@@ -326,19 +326,18 @@ def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor, residual_s
     one call: per layer the fused/first RMSNorm, the qkv, o, gate_up and down projections
     (2 norm weights and 4 projections per layer, in that order; each projection j is
     (weights[j], scales[j], zeros[j], group_sizes[j], biases[j]) as :data:`DecodeForm`),
-    neox rotary, the cache write and paged
-    attention (v1 or v2 as :func:`paged_attention` picks) - the kernels models.llama's
-    layers call, in their order, so the same bits. ``hidden`` [T, hidden_size] is
-    overwritten; ``residual`` (same shape) is the residual stream, taken as given when
-    ``residual_set``, else set from ``hidden`` by the first layer. Returns the last layer's
-    MLP output. CPU only (csrc/cpu/decode_layers.cpp)."""
+    neox rotary, the cache write and paged attention (v1 or v2 as :func:`paged_attention`
+    picks) - the kernels models.llama's layers call, in their order, so the same bits.
+    ``hidden`` [T, hidden_size] is overwritten; ``residual`` (same shape, contents ignored)
+    receives the residual stream, which the first layer starts from ``hidden``. Returns the
+    last layer's MLP output. CPU only (csrc/cpu/decode_layers.cpp)."""
     attn_out = hidden.new_empty((hidden.shape[0], num_heads, head_size))
     exp_sums, max_logits, tmp_out = v2_scratch(attn_out, max_seq_len) or (None, None, None)
     return _ops.llama_decode_layers(
-        hidden, residual, residual_set, positions, norm_weights, weights, scales, zeros,
-        group_sizes, biases, intermediate_size, key_caches, value_caches, cos_sin_cache, slot_mapping,
-        block_tables, seq_lens, block_size, max_seq_len, num_kv_heads, scale, kv_cache_dtype,
-        k_scale, v_scale, attn_out, exp_sums, max_logits, tmp_out, epsilon)
+        hidden, residual, positions, norm_weights, weights, scales, zeros, group_sizes, biases,
+        intermediate_size, key_caches, value_caches, cos_sin_cache, slot_mapping, block_tables,
+        seq_lens, block_size, max_seq_len, num_kv_heads, scale, kv_cache_dtype, k_scale,
+        v_scale, attn_out, exp_sums, max_logits, tmp_out, epsilon)
 
 
 def packed_linear_kernel_selected(dtype: torch.dtype) -> bool:

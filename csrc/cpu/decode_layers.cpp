@@ -9,16 +9,16 @@
 // packed_linear on weights[j] (a float weight packed by pack_linear_weight) where scales[j]
 // is none, int8_linear where zeros[j] is none (per-channel or group scales), else
 // int4_linear with group_sizes[j]; biases float32 or none. Per layer:
-//   layer 0 without a residual: residual = hidden; hidden = rms_norm(residual)
-//   else                        fused_add_rms_norm(hidden, residual)      (norm_weights[2l])
+//   layer 0:      residual = hidden; hidden = rms_norm(residual)        (norm_weights[0])
+//   later layers: fused_add_rms_norm(hidden, residual)                  (norm_weights[2l])
 //   qkv = projection 4l (hidden)                                  [T, (H + 2 KVH) * D]
 //   rotary_embedding on qkv's q and k columns (neox); reshape_and_cache of k and v
 //   attn_out = paged_attention v1, or v2 with the given scratch        [T, H, D]
 //   hidden = projection 4l + 1 (attn_out)
 //   fused_add_rms_norm(hidden, residual)                              (norm_weights[2l + 1])
 //   hidden = projection 4l + 3 (silu_and_mul(projection 4l + 2 (hidden)))
-// Returns the last layer's MLP output; residual (a buffer the caller owns, [T, hidden]) holds
-// the stream before it. One token per sequence (T = number of sequences).
+// Returns the last layer's MLP output; residual (a buffer the caller owns, [T, hidden], its
+// contents ignored) holds the stream before it. One token per sequence (T = number of sequences).
 #include <ATen/ATen.h>
 
 #include "ops.h"
@@ -38,7 +38,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight,
 }  // namespace
 
 at::Tensor llama_decode_layers(
-    at::Tensor& hidden, at::Tensor& residual, bool residual_set, const at::Tensor& positions,
+    at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
     const std::vector<at::Tensor>& norm_weights, const std::vector<at::Tensor>& weights,
     const std::vector<std::optional<at::Tensor>>& scales,
     const std::vector<std::optional<at::Tensor>>& zeros, const std::vector<int64_t>& group_sizes,
@@ -87,7 +87,7 @@ at::Tensor llama_decode_layers(
   };
   at::Tensor x = hidden;
   for (int64_t l = 0; l < layers; ++l) {
-    if (l == 0 && !residual_set) {
+    if (l == 0) {
       residual.copy_(x);
       rms_norm(x, residual, norm_weights[0], epsilon);
     } else {

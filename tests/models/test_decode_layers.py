@@ -134,7 +134,7 @@ def test_bad_lists_are_named_errors() -> None:
     for lists, message in cases:
         before = hidden.clone()
         with pytest.raises(RuntimeError, match=message):
-            ops.llama_decode_layers(hidden, torch.empty_like(hidden), False, **common, **lists)
+            ops.llama_decode_layers(hidden, torch.empty_like(hidden), **common, **lists)
         assert torch.equal(hidden, before)  # refused before anything ran
 
 

@@ -310,7 +310,7 @@ class LlamaModel(nn.Module):
          k_scale, v_scale) = shared
         residual = torch.empty_like(hidden)
         out = ops.llama_decode_layers(
-            hidden, residual, False, positions, *lists[:6], intermediate, *lists[6:], cos_sin,
+            hidden, residual, positions, *lists[:6], intermediate, *lists[6:], cos_sin,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.block_size,
             meta.max_seq_len, heads, kv_heads, head_size, scale, kv_cache_dtype,
             float(k_scale), float(v_scale), eps)
