@@ -82,16 +82,13 @@ def keep_freed_memory() -> bool:
 
 
 def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        version = libc.gnu_get_libc_version  # only glibc has it
-    except (OSError, AttributeError):
+    """The process's C library when it is glibc (mallopt's thresholds are glibc's)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):  # only glibc has it
         return None
-    version.restype = ctypes.c_char_p
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     libc.mallopt.restype = ctypes.c_int
     return libc
-
 
 
 def advise_huge_pages(t: torch.Tensor) -> int:
@@ -117,8 +114,9 @@ def advise_huge_pages(t: torch.Tensor) -> int:
 
 @functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL | None:
+    """The C library the process runs on (any libc: madvise), loaded once."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         madvise = libc.madvise
     except (OSError, AttributeError):
         return None
