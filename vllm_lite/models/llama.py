@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -185,6 +185,23 @@ class LlamaMLP(nn.Module):
         return all_reduce(self.tp, self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
 
 
+class DecodeSettings(NamedTuple):
+    """What ``ops.llama_decode_layers`` takes once for all layers: every layer must agree
+    (tensors by identity, the rest by value: :func:`_same_settings`)."""
+
+    input_eps: float
+    post_attention_eps: float
+    intermediate_size: int
+    cos_sin_cache: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    kv_cache_dtype: str
+    k_scale: float
+    v_scale: float
+
+
 @dataclass(frozen=True)
 class DecodeParts:
     """What ``ops.llama_decode_layers`` needs of one decoder layer (see
@@ -194,8 +211,7 @@ class DecodeParts:
     projections: tuple[ops.DecodeForm, ...]  # qkv, o, gate_up, down
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    # Must be the same in every layer of one call.
-    shared: tuple[Any, ...]
+    shared: DecodeSettings
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -227,9 +243,10 @@ class LlamaDecoderLayer(nn.Module):
         return DecodeParts(
             (self.input_layernorm.weight, self.post_attention_layernorm.weight), projections,
             core.k_cache, core.v_cache,
-            (self.input_layernorm.eps, self.post_attention_layernorm.eps, mlp.intermediate_size,
-             attn.rotary_emb.cos_sin_cache, core.num_heads, core.num_kv_heads, core.head_size,
-             core.scale, core.kv_cache_dtype, core.k_scale, core.v_scale))
+            DecodeSettings(self.input_layernorm.eps, self.post_attention_layernorm.eps,
+                           mlp.intermediate_size, attn.rotary_emb.cos_sin_cache,
+                           core.num_heads, core.num_kv_heads, core.head_size, core.scale,
+                           core.kv_cache_dtype, core.k_scale, core.v_scale))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,15 +322,13 @@ class LlamaModel(nn.Module):
             self._decode_key = key
         if self._decode_args is None:
             return None
-        lists, shared = self._decode_args
-        (eps, _, intermediate, cos_sin, heads, kv_heads, head_size, scale, kv_cache_dtype,
-         k_scale, v_scale) = shared
+        lists, s = self._decode_args
         residual = torch.empty_like(hidden)
         out = ops.llama_decode_layers(
-            hidden, residual, positions, *lists[:6], intermediate, *lists[6:], cos_sin,
-            meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.block_size,
-            meta.max_seq_len, heads, kv_heads, head_size, scale, kv_cache_dtype,
-            float(k_scale), float(v_scale), eps)
+            hidden, residual, positions, *lists[:6], s.intermediate_size, *lists[6:],
+            s.cos_sin_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.block_size, meta.max_seq_len, s.num_heads, s.num_kv_heads, s.head_size,
+            s.scale, s.kv_cache_dtype, float(s.k_scale), float(s.v_scale), s.input_eps)
         return out, residual
 
     def _attention_cores(self) -> tuple[Attention, ...]:
@@ -338,7 +353,7 @@ class LlamaModel(nn.Module):
                 return None
             parts.append(p)
         shared = parts[0].shared
-        if shared[0] != shared[1]:  # one epsilon for both norms
+        if shared.input_eps != shared.post_attention_eps:  # the op takes one epsilon
             return None
         forms = [f for p in parts for f in p.projections]
         lists = ([w for p in parts for w in p.norm_weights], *map(list, zip(*forms)),
