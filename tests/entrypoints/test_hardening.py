@@ -666,6 +666,10 @@ def test_streaming_client_that_stops_reading_is_aborted(model_dir: Path, offline
     timeout (not run to its end) and its blocks are freed; the server serves on."""
     config = ServerConfig(served_model_name=MODEL_NAME, stream_timeout_s=1.0)
     with ServerThread(make_llm(model_dir), config) as srv:
+        # Paced (>= 4.8 s for 240 tokens) so the request cannot run to its end before the
+        # buffers fill and the stream timeout passes: unpaced, a fast machine finishes all
+        # 240 steps inside the timeout and the request ends as "length" (a CI failure).
+        srv.engine.step_callbacks.append(lambda outs: time.sleep(0.02))
         body = json.dumps({"model": MODEL_NAME, "prompt": [1, 2, 3], "n": 16,
                            "temperature": 1.0, "seed": 1, "max_tokens": 240,
                            "ignore_eos": True, "stream": True, "logprobs": 5}).encode()
