@@ -46,6 +46,7 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.def(
       "int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
       "Tensor? bias) -> Tensor");
+  m.def("greedy_sample(Tensor logits, Tensor! token_ids, Tensor! logprobs) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
   m.def(
@@ -81,6 +82,7 @@ TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   m.impl("pack_linear_weight", &vllm_lite::cpu::pack_linear_weight);  // CPU only (ops.h)
   m.impl("packed_linear", &vllm_lite::cpu::packed_linear);            // CPU only (ops.h)
   m.impl("llama_decode_layers", &vllm_lite::cpu::llama_decode_layers);  // CPU only (ops.h)
+  m.impl("greedy_sample", &vllm_lite::cpu::greedy_sample);              // CPU only (ops.h)
 }
 
 #ifdef VLLM_LITE_WITH_CUDA

@@ -746,6 +746,26 @@ RowsDims check_silu_and_mul(const at::Tensor& out, const at::Tensor& input) {
   return d;
 }
 
+RowsDims check_greedy_sample(const at::Tensor& logits, const at::Tensor& token_ids,
+                             const at::Tensor& logprobs) {
+  const char* op = "greedy_sample";
+  check_float_dtype(op, logits, "logits");
+  check_dim(op, logits, "logits", 2, "[num_rows, vocab]");
+  const RowsDims d = rows_of(op, logits, "logits");
+  TORCH_CHECK(d.hidden >= 1 && d.hidden < (int64_t{1} << 31), op,
+              ": logits' vocab must be in [1, 2^31), got ", d.hidden);
+  const auto check_per_row = [&](const at::Tensor& t, const char* name, at::ScalarType dtype) {
+    check_dtype(op, t, name, dtype);
+    check_same_device(op, t, name, logits, "logits");
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == d.rows, op, ": ", name, " must be [", d.rows,
+                "] (one per row of logits), got shape ", t.sizes());
+    check_contiguous(op, t, name);
+  };
+  check_per_row(token_ids, "token_ids", at::kLong);
+  check_per_row(logprobs, "logprobs", at::kFloat);
+  return d;
+}
+
 namespace {
 
 // query / key: [num_tokens, heads * head_size] or [num_tokens, heads, head_size], heads

@@ -153,6 +153,11 @@ RowsDims check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& res
                                   const at::Tensor& weight, double epsilon);
 // input [..., 2 * d] with rows as rms_norm's input; out contiguous [..., d].
 RowsDims check_silu_and_mul(const at::Tensor& out, const at::Tensor& input);
+// greedy_sample: logits [rows, vocab] float, half or bfloat16, vocab in [1, 2^31) and
+// contiguous within a row (any row stride); token_ids int64 [rows] and logprobs float32
+// [rows] contiguous, on logits' device. hidden = vocab.
+RowsDims check_greedy_sample(const at::Tensor& logits, const at::Tensor& token_ids,
+                             const at::Tensor& logprobs);
 
 struct RotaryDims {
   int64_t num_tokens;

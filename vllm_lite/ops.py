@@ -409,6 +409,20 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     _ops.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of CPU ``logits`` [rows, vocab] (float32, float16 or bfloat16; rows at any
+    stride): (token_ids int64 [rows], logprobs float32 [rows]) = the lowest id among the
+    row's maxima (torch.argmax's choice) and its log_softmax, in float32 -- what the
+    sampler's greedy rows need, in two passes over the logits instead of a float32 copy,
+    log_softmax and argmax. A row whose maximum is not finite (a NaN, +inf, or every logit
+    -inf) gets -1 and NaN: torch's argmax and log_softmax define those rows. CPU only."""
+    rows = logits.shape[0] if logits.dim() else 0
+    token_ids = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _ops.greedy_sample(logits, token_ids, logprobs)
+    return token_ids, logprobs
+
+
 # Fake (meta) implementations: every op but the linear ones only mutates its outputs, so
 # tracing needs no shape computation, just the promise that nothing is returned.
 def _register_fakes() -> None:
@@ -427,6 +441,7 @@ def _register_fakes() -> None:
         "fused_add_rms_norm",
         "silu_and_mul",
         "rotary_embedding",
+        "greedy_sample",
     ):
         torch.library.register_fake(f"vllm_lite::{name}")(_none)
 

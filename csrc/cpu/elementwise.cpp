@@ -1,4 +1,4 @@
-// CPU rms_norm, fused_add_rms_norm, silu_and_mul and rotary_embedding: validation, the
+// CPU rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding and greedy_sample: validation, the
 // choice of kernel build (the CPU ISA switch of cpu_isa.h: AVX-512, AVX2 or generic) and
 // the split of rows over ATen's threads. The row kernels live in elementwise_kernel.h.
 //
@@ -94,6 +94,15 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
                      cos_sin_cache.data_ptr(), d.num_heads, d.num_kv_heads, d.head_size,
                      d.rot_dim, d.q_stride, d.k_stride};
   run_rows(kernels().rotary, a, d.num_tokens, (d.num_heads + d.num_kv_heads) * d.rot_dim);
+}
+
+void greedy_sample(const at::Tensor& logits, at::Tensor& token_ids, at::Tensor& logprobs) {
+  const RowsDims d = check_greedy_sample(logits, token_ids, logprobs);
+  check_cpu("greedy_sample", logits);
+  if (d.rows == 0) return;
+  const GreedySampleArgs a{elem_type(logits), logits.data_ptr(), token_ids.data_ptr<int64_t>(),
+                           logprobs.data_ptr<float>(), d.hidden, d.row_stride};
+  run_rows(kernels().greedy_sample, a, d.rows, d.hidden);
 }
 
 }  // namespace vllm_lite::cpu

@@ -1,6 +1,6 @@
 // CPU element-wise kernels of a decoder layer (rms_norm / fused_add_rms_norm, silu_and_mul,
-// rotary_embedding), built once per instruction set like attention_kernel.h: each
-// elementwise_<isa>.cpp sets its target, VLLM_LITE_ELEMENTWISE_FN (the name of the function
+// rotary_embedding) and of the sampler's greedy rows (greedy_sample), built once per
+// instruction set like attention_kernel.h: each elementwise_<isa>.cpp sets its target, VLLM_LITE_ELEMENTWISE_FN (the name of the function
 // returning this build's kernels) and VLLM_LITE_VEC_WIDTH (floats per native vector: 4, 8
 // or 16), then includes this file.
 //
@@ -8,8 +8,8 @@
 // round to the tensor dtype, nearest even (bit-exact with torch's casts, NaN kept NaN), so
 // bf16 / fp16 models round where HF's eager code does.
 //
-// Layouts: rows of `hidden` (rms_norm) or 2 * d (silu_and_mul) elements, input rows at any
-// stride, outputs contiguous; rotary: per token, heads of head_size contiguous, tokens at
+// Layouts: rows of `hidden` (rms_norm), 2 * d (silu_and_mul) or vocab (greedy_sample)
+// elements, input rows at any stride, outputs contiguous; rotary: per token, heads of head_size contiguous, tokens at
 // q_stride / k_stride, table rows [cos | sin] of rot_dim. Every row is W-wide vectors plus
 // one zero-padded partial vector, so any width works; the caller splits rows over threads.
 // Limits: none beyond memory (rotary keeps a token's rounded cos/sin, rot_dim floats, on
@@ -305,6 +305,71 @@ void rotary_rows(const RotaryArgs& a, int64_t t0, int64_t t1) {
   }
 }
 
+// Greedy sampling of rows of logits in two passes over each row: (1) per lane, the
+// running maximum and the index where it first appeared (a strict > keeps the first),
+// plus whether any lane saw a NaN; across lanes, the lowest index holding the maximum m
+// (lanes hold disjoint indices, so that is the row's first maximum, torch.argmax's
+// choice); (2) s = sum exp(x - m), two vectors per step for the exp chains. The chosen
+// token's log_softmax is x - m - log(s) = -log(s). A row with a NaN or a maximum that is
+// not finite gets -1 / NaN: torch's argmax and log_softmax define those rows, and the
+// caller takes them (sampler.py).
+template <KvDType DT>
+void greedy_rows(const GreedySampleArgs& a, int64_t r0, int64_t r1) {
+  using L = Lanes<DT>;
+  using T = typename L::T;
+  using EI = Vec<int32_t, EW>;
+  const int64_t V = a.vocab;
+  const int64_t full = V - V % EW;
+  EI lane;
+  for (int64_t l = 0; l < EW; ++l) lane[l] = static_cast<int32_t>(l);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* x = static_cast<const T*>(a.logits) + r * a.row_stride;
+    EF mv = EF{} - INFINITY;
+    EI iv = EI{};
+    EI nan = EI{};
+    for (int64_t i = 0; i < full; i += EW) {
+      const EF v = L::load(x + i);
+      nan |= (EI)(v != v);
+      const EI gt = (EI)(v > mv);
+      mv = gt ? v : mv;
+      iv = gt ? lane + static_cast<int32_t>(i) : iv;
+    }
+    float m = -INFINITY;
+    int64_t token = -1;
+    bool bad = false;
+    for (int64_t l = 0; l < EW; ++l) {
+      bad |= nan[l] != 0;
+      if (mv[l] > m || (mv[l] == m && iv[l] < token)) m = mv[l], token = iv[l];
+    }
+    const int64_t n = V - full;
+    EF tail{};
+    if (n > 0) tail = load_part<DT>(x + full, n);
+    for (int64_t l = 0; l < n; ++l) {  // later indices: only a larger value replaces m
+      bad |= tail[l] != tail[l];
+      if (tail[l] > m) m = tail[l], token = full + l;
+    }
+    if (bad || !std::isfinite(m)) {
+      a.token_ids[r] = -1;
+      a.logprobs[r] = NAN;
+      continue;
+    }
+    const EF mm = EF{} + m;
+    EF s0{}, s1{};
+    int64_t i = 0;
+    for (; i + 2 * EW <= full; i += 2 * EW) {
+      s0 += exp_nonpositive<EF, EI>(L::load(x + i) - mm);
+      s1 += exp_nonpositive<EF, EI>(L::load(x + i + EW) - mm);
+    }
+    for (; i < full; i += EW) s0 += exp_nonpositive<EF, EI>(L::load(x + i) - mm);
+    s0 += s1;
+    float s = 0.0f;
+    for (int64_t l = 0; l < EW; ++l) s += s0[l];
+    for (int64_t l = 0; l < n; ++l) s += std::exp(tail[l] - m);
+    a.token_ids[r] = token;
+    a.logprobs[r] = -std::log(s);
+  }
+}
+
 template <template <KvDType> class Fn, typename Args>
 void by_dtype(const Args& a, int64_t r0, int64_t r1) {
   switch (a.dtype) {
@@ -325,12 +390,16 @@ template <KvDType DT>
 struct RotaryOp {
   static void run(const RotaryArgs& a, int64_t r0, int64_t r1) { rotary_rows<DT>(a, r0, r1); }
 };
+template <KvDType DT>
+struct GreedySampleOp {
+  static void run(const GreedySampleArgs& a, int64_t r0, int64_t r1) { greedy_rows<DT>(a, r0, r1); }
+};
 
 }  // namespace
 
 ElementwiseFns VLLM_LITE_ELEMENTWISE_FN() {
   return {&by_dtype<RmsNormOp, RmsNormArgs>, &by_dtype<SiluAndMulOp, SiluAndMulArgs>,
-          &by_dtype<RotaryOp, RotaryArgs>};
+          &by_dtype<RotaryOp, RotaryArgs>, &by_dtype<GreedySampleOp, GreedySampleArgs>};
 }
 
 }  // namespace vllm_lite::cpu

@@ -40,11 +40,24 @@ struct RotaryArgs {
   int64_t num_heads, num_kv_heads, head_size, rot_dim, q_stride, k_stride;
 };
 
+// greedy_sample: per row of logits, the lowest id among its maxima and that token's
+// log_softmax; -1 and NaN for a row whose maximum is not finite (a NaN, +inf, or every
+// logit -inf), which the caller samples another way.
+struct GreedySampleArgs {
+  KvDType dtype;
+  const void* logits;  // [rows, vocab], row stride row_stride
+  int64_t* token_ids;  // [rows]
+  float* logprobs;     // [rows]
+  int64_t vocab;       // < 2^31 (checked): lane indices are int32
+  int64_t row_stride;
+};
+
 // Each runs rows (tokens) [r0, r1) of its op.
 struct ElementwiseFns {
   void (*rms_norm)(const RmsNormArgs&, int64_t r0, int64_t r1);
   void (*silu_and_mul)(const SiluAndMulArgs&, int64_t r0, int64_t r1);
   void (*rotary)(const RotaryArgs&, int64_t r0, int64_t r1);
+  void (*greedy_sample)(const GreedySampleArgs&, int64_t r0, int64_t r1);
 };
 
 // nullptr fns where a build was compiled out (non-x86 targets).

@@ -447,6 +447,63 @@ def test_greedy_large_vocab_with_ties_and_temperature_rows():
         assert o.logprobs[0] == pytest.approx(float(lsm[i, o.token_ids[0]]), abs=1e-5)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_plain_greedy_batch_matches_float64(dtype):
+    """Every row plain greedy (the CPU fast path, ops.greedy_sample): tokens are the float64
+    argmax (lowest id on ties) and logprobs its log_softmax, from logits in the model's
+    dtype; no full logprobs tensor is built."""
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(31, 49152, generator=gen) * 4
+    _plant_ties(logits, gen)
+    logits = logits.to(dtype)
+    rows = [make_row(SamplingParams(temperature=0.0, ignore_eos=i % 2 == 0), seq_id=i)
+            for i in range(31)]
+    out = Sampler(seed=0)(logits, SamplingMetadata(rows))
+    assert out.logprobs is None  # the fast path ran
+    x = logits.double()
+    want = x.argmax(dim=-1)
+    lsm = torch.log_softmax(x, dim=-1)
+    assert [o.token_ids for o in out.outputs] == [[int(t)] for t in want]
+    for i, o in enumerate(out.outputs):
+        assert o.seq_id == i and o.top_logprobs is None
+        assert o.logprobs[0] == pytest.approx(float(lsm[i, want[i]]), abs=1e-5)
+
+
+@pytest.mark.parametrize("odd", [
+    dict(temperature=0.8), dict(temperature=0.0, logprobs=0),
+    dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=0.0, presence_penalty=0.5),
+    dict(temperature=0.0, frequency_penalty=0.5), dict(temperature=0.0, min_tokens=4),
+])  # (greedy SamplingParams reset top_k / top_p / min_p themselves)
+def test_one_row_that_is_not_plain_greedy_takes_the_general_path(odd):
+    """One row with anything that changes its logits or asks for more: the whole batch
+    goes the general way (full logprobs tensor), and the plain rows get the same tokens
+    and logprobs either way."""
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.randn(4, 300, generator=gen) * 3
+    plain = [make_row(SamplingParams(temperature=0.0), prompt=[1, 2], output=[3], seq_id=i)
+             for i in range(4)]
+    fast = Sampler(seed=0)(logits, SamplingMetadata(plain))
+    assert fast.logprobs is None
+    mixed = plain[:3] + [make_row(SamplingParams(**odd), prompt=[1, 2], output=[3], seq_id=3)]
+    out = Sampler(seed=0)(logits, SamplingMetadata(mixed))
+    assert out.logprobs is not None
+    for a, b in zip(fast.outputs[:3], out.outputs[:3]):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs[0] == pytest.approx(b.logprobs[0], abs=1e-5)
+
+
+def test_plain_greedy_row_without_a_finite_maximum_follows_torch():
+    """A NaN or +inf row: the fast path hands the batch back, and torch's argmax /
+    log_softmax decide (NaN counts as the maximum; an inf row's logprob is NaN)."""
+    logits = torch.randn(3, 40)
+    logits[0, 9] = float("nan")
+    logits[1, 17] = float("inf")
+    rows = [make_row(SamplingParams(temperature=0.0), seq_id=i) for i in range(3)]
+    out = Sampler(seed=0)(logits, SamplingMetadata(rows))
+    assert out.logprobs is not None
+    assert [o.token_ids[0] for o in out.outputs] == logits.argmax(dim=-1).tolist()
+
+
 def test_greedy_and_random_rows_in_one_batch():
     V = 32
     g = torch.Generator().manual_seed(5)

@@ -34,6 +34,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from vllm_lite import ops
 from vllm_lite.core.beam_search import BeamCandidate
 from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from vllm_lite.sampling_params import _SAMPLING_EPS, SamplingParams, SamplingType
@@ -94,10 +95,11 @@ class SamplerOutput:
     """outputs[i] is row i's SampleOutput, None for a beam-search row; beams: per
     beam-search request, the step's 2 * beam_width best extensions over all its rows
     (beam_search_candidates), best first, with their logprob entries when asked for.
-    logprobs: [num_rows, vocab] float32 log_softmax of the processed logits."""
+    logprobs: [num_rows, vocab] float32 log_softmax of the processed logits; None after the
+    plain greedy path (Sampler._plain_greedy), which computes only the chosen tokens'."""
 
     outputs: list[SampleOutput | None]
-    logprobs: torch.Tensor
+    logprobs: torch.Tensor | None
     beams: dict[str, list[BeamCandidate]] = field(default_factory=dict)
 
 
@@ -562,6 +564,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         rows = metadata.rows
+        plain = _plain_greedy(logits, rows)
+        if plain is not None:
+            return plain
         processed = process_logits(logits, metadata)
         logprobs = torch.log_softmax(processed, dim=-1)
         dev = processed.device
@@ -649,6 +654,36 @@ class Sampler:
         if len(u) != len(random_rows):  # best_of draws: one probability row per sample
             probs = probs.repeat_interleave(torch.tensor(counts, device=dev), dim=0)
         return inverse_cdf_sample(probs, u)
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    """A greedy row whose logits no processor changes (steps 1-4 leave them as they are:
+    greedy rows use temperature 1, and greedy SamplingParams reset top_k / top_p / min_p;
+    they are checked all the same, as process_logits would apply them) and that asks for
+    no logprobs beyond its token's."""
+    p = row.params
+    return (row.sampling_type == SamplingType.GREEDY and p.logprobs is None
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and p.repetition_penalty == 1.0 and p.top_k <= 0 and p.top_p >= 1.0
+            and p.min_p <= 0.0 and not row.min_tokens_banned_ids())
+
+
+def _plain_greedy(logits: torch.Tensor, rows: Seq[SamplingRow]) -> SamplerOutput | None:
+    """The step's output where every row is plain greedy (_is_plain_greedy) and the logits
+    are on the CPU: ops.greedy_sample gives each row's token and logprob in two passes over
+    the logits (0.35 ms for 31 x 49152 bf16 on 2 threads) where the general path's float32
+    copy, log_softmax and argmax took ~1.9 ms, ~5% of a decode step. None otherwise, or
+    when a row's maximum is not finite (then torch's argmax / log_softmax decide, as
+    before)."""
+    if (logits.device.type != "cpu" or logits.dim() != 2 or logits.shape[0] != len(rows)
+            or not rows or not all(_is_plain_greedy(r) for r in rows)):
+        return None
+    tokens, logprobs = ops.greedy_sample(logits)
+    toks = tokens.tolist()
+    if min(toks) < 0:
+        return None
+    return SamplerOutput([SampleOutput(r.seq_id, [t], [lp], None)
+                          for r, t, lp in zip(rows, toks, logprobs.tolist())], None)
 
 
 def _beam_candidates(rows: Seq[SamplingRow], logprobs: torch.Tensor
