@@ -149,6 +149,45 @@ def test_throughput_tensor_parallel_rows(model_dir: Path, tmp_path: Path) -> Non
     assert "## Tensor parallel" in md and "all-reduce share" in md
 
 
+def test_throughput_repeats_report_the_median_run(model_dir: Path, tmp_path: Path) -> None:
+    """--repeats 3: each engine's timed run three times; the table's row is the run with
+    the median time (its tok/s is the middle of the three listed), every run complete."""
+    args = _args(throughput, "--model", str(model_dir), "--num-requests", "3",
+                 "--input-len", "4-12", "--output-len", "2-6", "--no-sweeps", "--repeats", "3",
+                 "--hf-batch-size", "2", "--block-size", "4", "--kv-cache-space", "0.01",
+                 "--out", str(tmp_path), "--engines", "vllm_lite,hf_generate",
+                 "--no-progress")
+    report = throughput.run(args)
+    report.save()
+    data = json.loads((tmp_path / f"{report.stem}.json").read_text())
+    wanted = sum(r.output_len for r in make_workload(WorkloadConfig(3, (4, 12), (2, 6), seed=0),
+                                                     VOCAB))
+    for run in data["engines"]:
+        speeds = run["settings"]["repeat_output_tok_s"]
+        assert len(speeds) == 3 and run["output_tokens"] == wanted
+        assert run["output_tokens_per_s"] == pytest.approx(sorted(speeds)[1], rel=1e-3)
+    md = (tmp_path / f"{report.stem}.md").read_text()
+    assert "ran the workload 3 times back to back" in md
+    with pytest.raises(ValueError, match="--repeats must be >= 1"):
+        throughput.run(_args(throughput, "--model", str(model_dir), "--repeats", "0",
+                             "--out", str(tmp_path)))
+
+
+def test_median_run_picks_the_middle_time_and_stops_at_a_failure() -> None:
+    times = iter([3.0, 1.0, 2.0, 5.0])
+    mid = E.median_run(lambda: E.RunResult("x", 1, elapsed_s=next(times), output_tokens=6), 3)
+    assert mid.elapsed_s == 2.0 and mid.settings["repeat_output_tok_s"] == [2.0, 6.0, 3.0]
+    calls = []
+
+    def failing() -> E.RunResult:
+        calls.append(1)
+        return E.RunResult("x", 1, error="boom")
+
+    assert E.median_run(failing, 4).error == "boom" and len(calls) == 1
+    one = E.median_run(lambda: E.RunResult("x", 1, elapsed_s=1.0), 1)
+    assert "repeat_output_tok_s" not in one.settings
+
+
 def test_hf_generate_batch_runs_or_says_why(model_dir: Path) -> None:
     import torch
 
@@ -238,7 +277,9 @@ def test_llama_server_generates_every_requested_token(tmp_path: Path) -> None:
     gguf = llama_cpp.model_file(bin_dir, "float32")
     requests = make_workload(WorkloadConfig(5, (4, 20), (3, 9), seed=7), 49152)
     res = llama_cpp.run_llama_cpp(bin_dir, gguf, requests, threads=1, slots=3,
-                                  log_path=tmp_path / "server.log", precision="float32")
+                                  log_path=tmp_path / "server.log", precision="float32",
+                                  repeats=2)
+    assert len(res.settings["repeat_output_tok_s"]) == 2  # two timed runs on one server
     assert res.ok and res.output_lens == [r.output_len for r in requests]
     assert res.output_tokens == sum(r.output_len for r in requests)
     assert res.settings["slots"] == 3 and res.elapsed_s > 0

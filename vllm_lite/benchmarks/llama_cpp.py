@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from vllm_lite.benchmarks.engines import LLAMA_CPP, RunResult, _progress
+from vllm_lite.benchmarks.engines import LLAMA_CPP, RunResult, _progress, median_run
 from vllm_lite.benchmarks.workload import BenchRequest
 
 logger = logging.getLogger(__name__)
@@ -142,8 +142,9 @@ class LlamaServer:
 
 def run_llama_cpp(bin_dir: Path, gguf: Path, requests: Sequence[BenchRequest], threads: int,
                   slots: int, log_path: Path, progress: bool = False,
-                  timeout_s: float = 3600.0, precision: str = "") -> RunResult:
-    """Every request sent at once to a fresh server; see the module docstring."""
+                  timeout_s: float = 3600.0, precision: str = "", repeats: int = 1) -> RunResult:
+    """Every request sent at once to a fresh server; see the module docstring. ``repeats``
+    timed runs on that server, the median one returned (median_run)."""
     slots = max(1, min(slots, len(requests)))
     longest = max(r.prompt_len + r.output_len for r in requests)
     # The unified cache holds every slot's sequence at once (a slot's context is this too).
@@ -152,30 +153,36 @@ def run_llama_cpp(bin_dir: Path, gguf: Path, requests: Sequence[BenchRequest], t
     with LlamaServer(bin_dir, gguf, slots, ctx, threads, log_path) as server:
         warm = BenchRequest(list(requests[0].prompt_token_ids[:8]), 4)
         server.complete(warm, timeout_s)
-        bar = _progress(len(requests), LLAMA_CPP, progress)
-        cpu0 = server.cpu_seconds()
 
-        def one(req: BenchRequest) -> int:
-            n = server.complete(req, timeout_s)
-            bar.update(1)
-            return n
+        def timed_run() -> RunResult:
+            bar = _progress(len(requests), LLAMA_CPP, progress)
+            cpu0 = server.cpu_seconds()
 
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
-            lens = list(pool.map(one, requests))
-        elapsed = time.perf_counter() - start
-        cpu1 = server.cpu_seconds()
-        bar.close()
-    # CPU time the server got / (wall time x its threads), as CpuShare for vllm_lite.
-    share = (cpu1 - cpu0) / (elapsed * threads) if cpu0 is not None and cpu1 is not None else None
-    result = RunResult(
-        engine=LLAMA_CPP, num_requests=len(requests), elapsed_s=elapsed,
-        prompt_tokens=sum(r.prompt_len for r in requests),
-        output_tokens=sum(min(n, r.output_len) for n, r in zip(lens, requests)),
-        generated_tokens=sum(lens), output_lens=lens, cpu_share=share,
-        settings={"precision": precision, "gguf": gguf.name, "slots": slots, "ctx_tokens": ctx, "threads": threads,
-                  "unified_kv": True},
-    )
+            def one(req: BenchRequest) -> int:
+                n = server.complete(req, timeout_s)
+                bar.update(1)
+                return n
+
+            start = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+                lens = list(pool.map(one, requests))
+            elapsed = time.perf_counter() - start
+            cpu1 = server.cpu_seconds()
+            bar.close()
+            # CPU time the server got / (wall time x its threads), as CpuShare for vllm_lite.
+            share = ((cpu1 - cpu0) / (elapsed * threads) if cpu0 is not None
+                     and cpu1 is not None else None)
+            return RunResult(
+                engine=LLAMA_CPP, num_requests=len(requests), elapsed_s=elapsed,
+                prompt_tokens=sum(r.prompt_len for r in requests),
+                output_tokens=sum(min(n, r.output_len) for n, r in zip(lens, requests)),
+                generated_tokens=sum(lens), output_lens=lens, cpu_share=share,
+                settings={"precision": precision, "gguf": gguf.name, "slots": slots,
+                          "ctx_tokens": ctx, "threads": threads, "unified_kv": True},
+            )
+
+        result = median_run(timed_run, repeats)
+    lens = result.output_lens
     short = sum(1 for n, r in zip(lens, requests) if n < r.output_len)
     if short:
         result.note = f"{short} request(s) ended before their output length"

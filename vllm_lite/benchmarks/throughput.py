@@ -22,6 +22,7 @@ preallocated padded cache). Writes ``<out>/throughput_<device>_<dtype>_<time>.md
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -37,7 +38,6 @@ from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply
 from vllm_lite.benchmarks.report import (Report, describe_machine, fmt, machine_info,
                                          make_report, markdown_table, pct)
 from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
-from vllm_lite.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the engine's, %d)" % EngineArgs.tensor_parallel_size)
     p.add_argument("--no-sweeps", action="store_true",
                    help="skip the block-size, max_num_seqs and prefix-caching runs")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each engine in the engines and tensor-parallel "
+                        "tables, back to back on the warmed-up engine; the tables show the "
+                        "run with the median time, the JSON every run's tok/s (the sweeps "
+                        "run once; default 1)")
 
 
 def resolve_sizes(args: argparse.Namespace) -> None:
@@ -122,7 +127,7 @@ def resolve_sizes(args: argparse.Namespace) -> None:
         args.block_size_sweep, args.max_num_seqs_sweep, args.prefix_requests = [], [], 0
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
-    for key in ("num_requests", "sweep_requests", "block_size", "max_num_seqs"):
+    for key in ("num_requests", "sweep_requests", "block_size", "max_num_seqs", "repeats"):
         if getattr(args, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     if args.prefix_requests < 0 or args.prefix_len < 0 or args.num_prefixes < 1:
@@ -145,9 +150,10 @@ def _max_model_len(s: BenchSetup, *workloads: Sequence[BenchRequest]) -> int | N
 
 def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: argparse.Namespace,
                          max_model_len: int | None, label: str = E.VLLM_LITE,
-                         primer: Sequence[BenchRequest] = (), **overrides: Any) -> E.RunResult:
+                         primer: Sequence[BenchRequest] = (), repeats: int = 1,
+                         **overrides: Any) -> E.RunResult:
     """A fresh LLM with ``overrides``, warmed up, then ``primer`` run untimed, then the
-    timed run over ``requests``."""
+    timed run over ``requests`` (``repeats`` of them: E.median_run)."""
     kw = dict(engine_options(args), enable_prefix_caching=False,
               tensor_parallel_size=args.tensor_parallel_size[0])
     kw.update(overrides)
@@ -165,10 +171,12 @@ def run_vllm_lite_config(s: BenchSetup, requests: Sequence[BenchRequest], args: 
             E.run_vllm_lite(llm, primer, track_kv=False)
         executor = llm.llm_engine.executor
         comm_before = getattr(executor, "comm_seconds", 0.0)
-        result = E.run_vllm_lite(llm, requests, progress=s.progress, label=label)
+        result = E.median_run(functools.partial(E.run_vllm_lite, llm, requests,
+                                                progress=s.progress, label=label), repeats)
         result.settings["tensor_parallel_size"] = kw["tensor_parallel_size"]
-        # Rank 0's seconds in the all-reduces and the logits gather of the timed run.
-        result.settings["comm_s"] = getattr(executor, "comm_seconds", 0.0) - comm_before
+        # Rank 0's seconds in the all-reduces and the logits gather, per timed run.
+        result.settings["comm_s"] = (getattr(executor, "comm_seconds", 0.0)
+                                     - comm_before) / repeats
         return result
     finally:
         llm.shutdown()
@@ -193,7 +201,8 @@ def run_hf(s: BenchSetup, requests: Sequence[BenchRequest], args: argparse.Names
         if E.HF_STATIC in s.engines:
             def static() -> E.RunResult:
                 E.run_hf_static(model, warm, batch)
-                res = E.run_hf_static(model, requests, batch, progress=s.progress)
+                res = E.median_run(lambda: E.run_hf_static(
+                    model, requests, batch, progress=s.progress), args.repeats)
                 res.settings["batch_rule"] = ("--hf-batch-size" if args.hf_batch_size else
                                               "fits vllm_lite's KV pool")
                 return res
@@ -203,8 +212,9 @@ def run_hf(s: BenchSetup, requests: Sequence[BenchRequest], args: argparse.Names
             def continuous() -> E.RunResult:
                 E.run_hf_continuous(model, warm, cb_budget, args.max_num_seqs,
                                     timeout_s=args.hf_timeout)
-                return E.run_hf_continuous(model, requests, cb_budget, args.max_num_seqs,
-                                           progress=s.progress, timeout_s=args.hf_timeout)
+                return E.median_run(lambda: E.run_hf_continuous(
+                    model, requests, cb_budget, args.max_num_seqs, progress=s.progress,
+                    timeout_s=args.hf_timeout), args.repeats)
             results.append(_guarded(E.HF_CONTINUOUS, len(requests), continuous))
             on_result(results)
     finally:
@@ -262,11 +272,11 @@ def run(args: argparse.Namespace) -> Report:
             rep.save()
         return rep
 
-    main = run_vllm_lite_config(s, requests, args, max_len)
+    main = run_vllm_lite_config(s, requests, args, max_len, repeats=args.repeats)
     snapshot([])
     for tp in args.tensor_parallel_size[1:]:
         tp_runs.append(run_vllm_lite_config(s, requests, args, max_len,
-                                            tensor_parallel_size=tp,
+                                            tensor_parallel_size=tp, repeats=args.repeats,
                                             label=f"vllm_lite tp={tp}"))
     for bs in args.block_size_sweep:
         bs_sweep.append(run_vllm_lite_config(s, sweep_requests, args, max_len, block_size=bs))
@@ -311,7 +321,8 @@ def run_llama_cpp_peer(s: BenchSetup, requests: Sequence[BenchRequest],
     log_path.parent.mkdir(parents=True, exist_ok=True)
     return llama_cpp.run_llama_cpp(bin_dir, gguf, requests, s.threads,
                                    args.llama_cpp_slots or args.max_num_seqs, log_path,
-                                   progress=s.progress, precision=precision)
+                                   progress=s.progress, precision=precision,
+                                   repeats=args.repeats)
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -405,6 +416,12 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
                "sequences vs their computed tokens, read after every step; hf_generate: a "
                "cache preallocated for rows x (longest prompt + most new tokens)). "
                "generate_batch's own cache is not measured (n/a).")
+    if args.repeats > 1:
+        runs = "; ".join(f"{r.engine}: " + ", ".join(fmt(v) for v in r.settings.get(
+            "repeat_output_tok_s", [])) for r in [main, *peers] if r.ok)
+        report.add(f"Each engine ran the workload {args.repeats} times back to back; the "
+                   f"table shows its run with the median time. Output tok/s of every run, "
+                   f"in order: {runs}.")
     report.add("### Targets (reported, not asserted)\n\n" + "\n".join(targets(main, peers)))
     if tp_runs:
         rows = []
