@@ -1,6 +1,7 @@
-// CPU rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding and greedy_sample: validation, the
-// choice of kernel build (the CPU ISA switch of cpu_isa.h: AVX-512, AVX2 or generic) and
-// the split of rows over ATen's threads. The row kernels live in elementwise_kernel.h.
+// CPU rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding and greedy_sample:
+// validation, the choice of kernel build (the CPU ISA switch of cpu_isa.h: AVX-512, AVX2
+// or generic) and the split of rows over ATen's threads. The row kernels live in
+// elementwise_kernel.h.
 //
 // These ops replace a decoder layer's chains of small torch ops (an RMSNorm alone is eight
 // of them, each allocating and re-reading its input); at decode sizes that per-op overhead,

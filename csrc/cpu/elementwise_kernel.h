@@ -1,17 +1,18 @@
 // CPU element-wise kernels of a decoder layer (rms_norm / fused_add_rms_norm, silu_and_mul,
 // rotary_embedding) and of the sampler's greedy rows (greedy_sample), built once per
-// instruction set like attention_kernel.h: each elementwise_<isa>.cpp sets its target, VLLM_LITE_ELEMENTWISE_FN (the name of the function
-// returning this build's kernels) and VLLM_LITE_VEC_WIDTH (floats per native vector: 4, 8
-// or 16), then includes this file.
+// instruction set like attention_kernel.h: each elementwise_<isa>.cpp sets its target,
+// VLLM_LITE_ELEMENTWISE_FN (the name of the function returning this build's kernels) and
+// VLLM_LITE_VEC_WIDTH (floats per native vector: 4, 8 or 16), then includes this file.
 //
 // Semantics (ops.h): math in float32 with Hugging Face Llama's rounding steps, round_T =
 // round to the tensor dtype, nearest even (bit-exact with torch's casts, NaN kept NaN), so
 // bf16 / fp16 models round where HF's eager code does.
 //
 // Layouts: rows of `hidden` (rms_norm), 2 * d (silu_and_mul) or vocab (greedy_sample)
-// elements, input rows at any stride, outputs contiguous; rotary: per token, heads of head_size contiguous, tokens at
-// q_stride / k_stride, table rows [cos | sin] of rot_dim. Every row is W-wide vectors plus
-// one zero-padded partial vector, so any width works; the caller splits rows over threads.
+// elements, input rows at any stride, outputs contiguous; rotary: per token, heads of
+// head_size contiguous, tokens at q_stride / k_stride, table rows [cos | sin] of rot_dim.
+// Every row is W-wide vectors plus one zero-padded partial vector, so any width works; the
+// caller splits rows over threads.
 // Limits: none beyond memory (rotary keeps a token's rounded cos/sin, rot_dim floats, on
 // the heap once per call).
 #pragma once
