@@ -294,6 +294,12 @@ def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < scaled, -float("inf"))
 
 
+def _penalized(params: SamplingParams) -> bool:
+    """Whether step 2 (repetition, frequency, presence penalties) changes the row."""
+    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0)
+
+
 def _temperature(params: SamplingParams) -> float:
     return 1.0 if params.temperature < _SAMPLING_EPS else float(params.temperature)
 
@@ -332,13 +338,7 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     rows = metadata.rows
     dev = logits.device
     banned = [r.min_tokens_banned_ids() for r in rows]
-    pen = [
-        i
-        for i, r in enumerate(rows)
-        if r.params.presence_penalty != 0.0
-        or r.params.frequency_penalty != 0.0
-        or r.params.repetition_penalty != 1.0
-    ]
+    pen = [i for i, r in enumerate(rows) if _penalized(r.params)]
     # min_tokens, the penalties and temperature write in place, so they get a copy; a
     # batch with none of them (greedy, or top_k/top_p/min_p alone, which are out of place)
     # skips copying [rows, vocab] floats every step.
@@ -663,8 +663,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     no logprobs beyond its token's."""
     p = row.params
     return (row.sampling_type == SamplingType.GREEDY and p.logprobs is None
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and p.repetition_penalty == 1.0 and p.top_k <= 0 and p.top_p >= 1.0
+            and not _penalized(p) and p.top_k <= 0 and p.top_p >= 1.0
             and p.min_p <= 0.0 and not row.min_tokens_banned_ids())
 
 
