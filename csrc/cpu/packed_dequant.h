@@ -2,7 +2,7 @@
 // packed_linear_params.h) for the quantized entry points of the packed kernels: included by
 // packed_linear_avx512.cpp (float32 panels) and packed_linear_avx512bf16.cpp (bfloat16
 // panels) after their target pragma, so it is built under each file's instruction set
-// (AVX-512F/BW/VL).
+// (AVX-512F/BW/VL); they include <vector> before the pragma (GCC 13 needs it so).
 //
 // A packed quantized panel holds, per k (int8) or pair of k (int4), one 48-byte row of the
 // panel's columns, so 16 contiguous bytes are one vector's 16 columns (a lane a column, the

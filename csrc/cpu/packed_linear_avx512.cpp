@@ -5,8 +5,12 @@
 // each), then per row broadcast x[m, k] and FMA it into the row's 3 accumulators. Limits: rows of x contiguous within
 // themselves; any M, K and N (the last panel's columns past N are zero and not stored).
 // Chosen at run time on CPUs with AVX-512F/BW/VL/DQ (the "avx512" and "avx512bf16" builds).
+// Standard headers come before the target pragma, under the default target: GCC 13 refuses
+// std::vector's always_inline allocator members parsed under it (packed_dequant.h's
+// buffer), "target specific option mismatch".
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu/packed_linear_params.h"
 

@@ -16,8 +16,12 @@
 // hide them (README "Linear-layer benchmark").
 // Limits: K even (the pairs), rows of x contiguous within themselves; any M and N (the
 // last panel's columns past N are zero in the weight and not stored).
+// Standard headers come before the target pragma, under the default target: GCC 13 refuses
+// std::vector's always_inline allocator members parsed under it (packed_dequant.h's
+// buffer), "target specific option mismatch".
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu/packed_linear_params.h"
 
