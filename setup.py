@@ -125,6 +125,14 @@ def extension_modules() -> tuple[list, dict]:
         define_macros=define_macros,
         extra_compile_args=extra,
     )
+    if sys.platform.startswith("linux"):
+        # The C++ runtime must be the shared libstdc++ that torch loads. A compiler that
+        # links it statically (a CXX wrapper adding -static-libstdc++, as on the GPU
+        # machine's image) puts a second copy in _C whose functions read the first copy's
+        # locale data: every number streamed into an error message crashed (segfault) or
+        # was cut off. An explicit -lstdc++ resolves to the shared library before the
+        # driver's own static one is searched.
+        ext.libraries.append("stdc++")
     cmdclass = {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
     return [ext], cmdclass
 
