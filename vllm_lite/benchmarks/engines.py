@@ -17,6 +17,7 @@ past its own length are counted apart, as ``generated_tokens``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -417,14 +418,38 @@ def equal_memory_batch_size(requests: Sequence[BenchRequest], kv_budget_bytes: i
     return max(1, min(cap, kv_budget_bytes // (width * bytes_per_token)))
 
 
+def _cb_page_field(config_cls: Any) -> str:
+    """The name of ContinuousBatchingConfig's tokens-per-block field: ``block_size`` up to
+    transformers 5.1x (the GPU machine has 5.17), ``page_size`` after (where ``block_size``
+    became another setting)."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    return "page_size" if "page_size" in names else "block_size"
+
+
+def _cb_grad_mode() -> Any:
+    """inference_mode around HF's continuous batching where its generation thread takes the
+    caller's mode (later 5.x: the fastest HF); no_grad where the thread runs under its own
+    no_grad (5.17), which refuses the inference tensors an inference_mode caller's cache
+    would be ("Inplace update to inference tensor outside InferenceMode")."""
+    import inspect
+
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchingManager)
+
+    loop = inspect.signature(ContinuousBatchingManager._run_generation_loop)
+    return torch.inference_mode() if "use_inference_mode" in loop.parameters else torch.no_grad()
+
+
 def _cb_config(model: Any, kv_budget_bytes: int | None, max_num_seqs: int) -> Any:
     """HF continuous batching with vllm_lite's KV budget and batch limit (None: HF sizes
     its cache itself)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    kwargs: dict[str, Any] = {"max_requests_per_batch": max_num_seqs, "seed": 0}
+    kwargs: dict[str, Any] = {"max_requests_per_batch": max_num_seqs}
+    if "seed" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}:
+        kwargs["seed"] = 0  # older versions have no seed; greedy decoding needs none
     if kv_budget_bytes:
-        page = ContinuousBatchingConfig.page_size
+        page = getattr(ContinuousBatchingConfig, _cb_page_field(ContinuousBatchingConfig))
         block_bytes = page * kv_bytes_per_token(model.config, model.dtype)
         kwargs["num_blocks"] = max(1, kv_budget_bytes // block_bytes)
     return ContinuousBatchingConfig(**kwargs)
@@ -444,7 +469,8 @@ def run_hf_continuous(model: Any, requests: Sequence[BenchRequest],
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in requests),
                                       eos_token_id=-1, pad_token_id=_pad_id(model))
         cb_config = _cb_config(model, kv_budget_bytes, max_num_seqs)
-        result.settings = {"page_size": cb_config.page_size, "num_blocks": cb_config.num_blocks,
+        result.settings = {"page_size": getattr(cb_config, _cb_page_field(type(cb_config))),
+                           "num_blocks": cb_config.num_blocks,
                            "max_requests_per_batch": cb_config.max_requests_per_batch}
     except Exception as e:  # an older transformers without continuous batching
         result.error = f"{type(e).__name__}: {e}"
@@ -452,7 +478,7 @@ def run_hf_continuous(model: Any, requests: Sequence[BenchRequest],
     outputs: dict[str, Any] = {}
     bar = _progress(len(requests), HF_CONTINUOUS, progress)
     try:
-        with torch.inference_mode(), quiet_transformers(), model.continuous_batching_context_manager(
+        with _cb_grad_mode(), quiet_transformers(), model.continuous_batching_context_manager(
                 generation_config=gen_config, continuous_batching_config=cb_config,
                 block=True, timeout=30) as manager:
             _sync(model.device)
