@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU, torch and nvcc but no network:
 #   1. builds vllm_lite._C in place for this GPU's architecture only,
-#   2. runs the CUDA kernel tests (pytest tests/ops -k cuda),
+#   2. runs the CUDA kernel tests (pytest tests/ops -k cuda; after a test that kills the
+#      process, the tests after it still run),
 #   3. runs the kernel benchmarks (bench/kernels.py --device cuda: decode, then --prefill),
 #   4. runs the engine benchmark on CUDA: bench/throughput.py --quick (vllm_lite against
 #      HF generate and generate_batch, bfloat16, no sweeps), then bench/latency.py --quick
@@ -126,15 +127,51 @@ elif [[ -z "$SO" ]]; then
 else
   L=$(limit "$TESTS_S")
   # tests/ops parametrize by device/backend; the CUDA cases have "cuda" in their ids.
-  {
-    echo "$PY -m pytest tests/ops -x -q -k cuda ${PYTEST_ARGS:-}   (limit ${L} s)"
-    timeout -s INT -k 15 "$L" "$PY" -m pytest tests/ops -x -q -k cuda -p no:cacheprovider \
-      ${PYTEST_ARGS:-}
-  } > "$OUTDIR/tests.log" 2>&1
+  # A test that kills the process (a segfault) would hide every test after it, so the
+  # ids are collected first and, after a crash, pytest resumes with the ids after the
+  # crashed one (-v prints each id before it runs); at most 5 crashes.
+  DEADLINE_T=$(( $(date +%s) + L ))
+  (  # a subshell: its exit sets RC
+    CRASHED=()
+    echo "$PY -m pytest tests/ops -v -k cuda ${PYTEST_ARGS:-}   (limit ${L} s; resumes after a crash)"
+    mapfile -t IDS < <(timeout 60 "$PY" -m pytest tests/ops -q --collect-only -k cuda \
+      -p no:cacheprovider ${PYTEST_ARGS:-} 2>/dev/null | grep '::')
+    echo "${#IDS[@]} CUDA tests collected"
+    RC=5
+    while (( ${#IDS[@]} > 0 )); do
+      LEFT_S=$(( DEADLINE_T - $(date +%s) ))
+      (( LEFT_S < 5 )) && { RC=124; echo "no time left for ${#IDS[@]} tests"; break; }
+      CHUNK="$OUTDIR/.tests_chunk.log"
+      timeout -s INT -k 15 "$LEFT_S" "$PY" -X faulthandler -m pytest -v -p no:cacheprovider \
+        ${PYTEST_ARGS:-} "${IDS[@]}" > "$CHUNK" 2>&1
+      RC=$?
+      cat "$CHUNK"
+      # 134 / 139: SIGABRT / SIGSEGV, the process died inside a test.
+      if (( RC == 134 || RC == 139 )) && (( ${#CRASHED[@]} < 5 )); then
+        LAST=$(grep -oE '^tests/[^ ]+::[^ ]+' "$CHUNK" | tail -n 1)
+        CRASHED+=("$LAST")
+        echo "== CRASHED (rc $RC) in $LAST; resuming after it"
+        REST=(); SEEN=0
+        for id in "${IDS[@]}"; do
+          (( SEEN )) && REST+=("$id")
+          [[ "$id" == "$LAST" ]] && SEEN=1
+        done
+        (( SEEN )) || { echo "could not place $LAST in the collected ids"; break; }
+        IDS=("${REST[@]}")
+        continue
+      fi
+      break
+    done
+    rm -f "$CHUNK"
+    (( ${#CRASHED[@]} > 0 && RC == 0 )) && RC=139
+    exit "$RC"
+  ) > "$OUTDIR/tests.log" 2>&1
   RC=$?
   DT=$(( $(date +%s) - T0 ))
   tail -n 15 "$OUTDIR/tests.log"
   NOTE="limit ${L} s, tests.log: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUTDIR/tests.log" | tail -n 1)"
+  CRASHES=$(grep -oE '^== CRASHED \(rc [0-9]+\) in [^ ;]+' "$OUTDIR/tests.log" | sed 's/^== CRASHED (rc [0-9]*) in //' | tr '\n' ' ')
+  [[ -n "$CRASHES" ]] && NOTE="$NOTE; crashed (process died): $CRASHES"
   [[ $RC -eq 5 ]] && NOTE="$NOTE; pytest rc 5: no test selected by -k cuda"
   stage tests "$RC" "$DT" "$NOTE"
 fi
