@@ -418,14 +418,6 @@ def equal_memory_batch_size(requests: Sequence[BenchRequest], kv_budget_bytes: i
     return max(1, min(cap, kv_budget_bytes // (width * bytes_per_token)))
 
 
-def _cb_page_field(config_cls: Any) -> str:
-    """The name of ContinuousBatchingConfig's tokens-per-block field: ``block_size`` up to
-    transformers 5.1x (the GPU machine has 5.17), ``page_size`` after (where ``block_size``
-    became another setting)."""
-    names = {f.name for f in dataclasses.fields(config_cls)}
-    return "page_size" if "page_size" in names else "block_size"
-
-
 def _cb_grad_mode() -> Any:
     """inference_mode around HF's continuous batching where its generation thread takes the
     caller's mode (later 5.x: the fastest HF); no_grad where the thread runs under its own
@@ -440,19 +432,24 @@ def _cb_grad_mode() -> Any:
     return torch.inference_mode() if "use_inference_mode" in loop.parameters else torch.no_grad()
 
 
-def _cb_config(model: Any, kv_budget_bytes: int | None, max_num_seqs: int) -> Any:
+def _cb_config(model: Any, kv_budget_bytes: int | None, max_num_seqs: int) -> tuple[Any, int]:
     """HF continuous batching with vllm_lite's KV budget and batch limit (None: HF sizes
-    its cache itself)."""
+    its cache itself), and its tokens per block."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    # Tokens per block: ``block_size`` up to transformers 5.1x (the GPU machine has 5.17),
+    # ``page_size`` after (where ``block_size`` became another setting).
+    page_field = "page_size" if "page_size" in names else "block_size"
     kwargs: dict[str, Any] = {"max_requests_per_batch": max_num_seqs}
-    if "seed" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}:
+    if "seed" in names:
         kwargs["seed"] = 0  # older versions have no seed; greedy decoding needs none
     if kv_budget_bytes:
-        page = getattr(ContinuousBatchingConfig, _cb_page_field(ContinuousBatchingConfig))
-        block_bytes = page * kv_bytes_per_token(model.config, model.dtype)
+        block_bytes = (getattr(ContinuousBatchingConfig, page_field)
+                       * kv_bytes_per_token(model.config, model.dtype))
         kwargs["num_blocks"] = max(1, kv_budget_bytes // block_bytes)
-    return ContinuousBatchingConfig(**kwargs)
+    config = ContinuousBatchingConfig(**kwargs)
+    return config, getattr(config, page_field)
 
 
 def run_hf_continuous(model: Any, requests: Sequence[BenchRequest],
@@ -468,9 +465,8 @@ def run_hf_continuous(model: Any, requests: Sequence[BenchRequest],
 
         gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in requests),
                                       eos_token_id=-1, pad_token_id=_pad_id(model))
-        cb_config = _cb_config(model, kv_budget_bytes, max_num_seqs)
-        result.settings = {"page_size": getattr(cb_config, _cb_page_field(type(cb_config))),
-                           "num_blocks": cb_config.num_blocks,
+        cb_config, page_size = _cb_config(model, kv_budget_bytes, max_num_seqs)
+        result.settings = {"page_size": page_size, "num_blocks": cb_config.num_blocks,
                            "max_requests_per_batch": cb_config.max_requests_per_batch}
     except Exception as e:  # an older transformers without continuous batching
         result.error = f"{type(e).__name__}: {e}"
