@@ -55,6 +55,21 @@ def find_cuda_home() -> str | None:
     return str(here.resolve().parent)
 
 
+def loaded_libstdcxx() -> str | None:
+    """The path of the shared libstdc++ this process loaded with torch, or None."""
+    import torch  # noqa: F401  (libtorch loads the C++ runtime)
+
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and re.fullmatch(r"libstdc\+\+\.so(\.\d+)*", Path(fields[5]).name):
+            return fields[5]
+    return None
+
+
 def pick_target(cuda_home: str | None) -> str:
     import torch
 
@@ -127,12 +142,18 @@ def extension_modules() -> tuple[list, dict]:
     )
     if sys.platform.startswith("linux"):
         # The C++ runtime must be the shared libstdc++ that torch loads. A compiler that
-        # links it statically (a CXX wrapper adding -static-libstdc++, as on the GPU
-        # machine's image) puts a second copy in _C whose functions read the first copy's
-        # locale data: every number streamed into an error message crashed (segfault) or
-        # was cut off. An explicit -lstdc++ resolves to the shared library before the
-        # driver's own static one is searched.
-        ext.libraries.append("stdc++")
+        # links it statically puts a second copy in _C whose functions read the first
+        # copy's locale data: every number streamed into an error message crashed
+        # (segfault) or was cut off. "-lstdc++" is not enough: a compiler whose own
+        # library folder holds only libstdc++.a (the GPU machine's GCC 13, a wrapper
+        # passing -B) resolves it to the archive. So the library torch loaded is named by
+        # its path: a path to a shared object always links it dynamically.
+        runtime = loaded_libstdcxx()
+        if runtime is not None:
+            ext.extra_link_args.append(runtime)
+        else:
+            ext.libraries.append("stdc++")
+        log.info("C++ runtime: %s", runtime or "-lstdc++")
     cmdclass = {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
     return [ext], cmdclass
 
