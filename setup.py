@@ -7,6 +7,7 @@ CUDA build that fails fails the install; it never falls back to CPU silently.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -57,7 +58,7 @@ def find_cuda_home() -> str | None:
 
 def loaded_libstdcxx() -> str | None:
     """The path of the shared libstdc++ this process loaded with torch, or None."""
-    import torch  # noqa: F401  (libtorch loads the C++ runtime)
+    importlib.import_module("torch")  # libtorch loads the C++ runtime
 
     try:
         maps = Path("/proc/self/maps").read_text()
