@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU, torch and nvcc but no network:
 #   1. builds vllm_lite._C in place for this GPU's architecture only,
-#   2. runs the CUDA kernel tests (pytest tests/ops -k cuda; after a test that kills the
-#      process, the tests after it still run),
+#   2. runs the CUDA kernel tests and the check that _C shares torch's C++ runtime
+#      (pytest tests/ops -k "cuda or cpp_runtime"; after a test that kills the process,
+#      the tests after it still run),
 #   3. runs the kernel benchmarks (bench/kernels.py --device cuda: decode, then --prefill),
 #   4. runs the engine benchmark on CUDA: bench/throughput.py --quick (vllm_lite against
 #      HF generate and generate_batch, bfloat16, no sweeps), then bench/latency.py --quick
@@ -14,9 +15,9 @@
 #
 #   bash bench/device_check.sh [OUTDIR]
 #
-# Entries in OUTDIR (at most 10): summary.md, env.log, build.log, tests.log, bench.log,
-# engine.log, kernels_cuda_<stamp>.md, kernels_cuda_<stamp>.json,
-# prefill_kernels_cuda_<stamp>.md, and engine/ (the engine reports:
+# Files in OUTDIR (8, what the device tool brings back): summary.md, build.log, tests.log,
+# bench.log, engine.log, kernels_cuda_<stamp>.md, prefill_kernels_cuda_<stamp>.md, and
+# details.tar.gz (env.log, kernels_cuda_<stamp>.json and engine/: the engine reports
 # throughput_cuda_*.md/.json/.png, latency_cuda_*.md/.json/.png).
 # Stage limits (seconds) can be changed with BUILD_S, TESTS_S, BENCH_S, ENGINE_S; TOTAL_S
 # (default 470) caps the sum. The kernel benchmark gets what is left once ENGINE_S is set
@@ -30,7 +31,7 @@ mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 # A rerun replaces the previous run's files (keeps OUTDIR at 10 entries).
 rm -f "$OUTDIR"/kernels_cuda_*.md "$OUTDIR"/kernels_cuda_*.json "$OUTDIR"/prefill_kernels_cuda_*.md
-rm -rf "$OUTDIR/engine"
+rm -rf "$OUTDIR/engine" "$OUTDIR/details.tar.gz"
 PY="${PYTHON:-python}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 TOTAL_S="${TOTAL_S:-470}"
@@ -126,17 +127,18 @@ elif [[ -z "$SO" ]]; then
   stage tests skip 0 "no extension"
 else
   L=$(limit "$TESTS_S")
-  # tests/ops parametrize by device/backend; the CUDA cases have "cuda" in their ids.
+  # tests/ops parametrize by device/backend; the CUDA cases have "cuda" in their ids, and
+  # test_extension_shares_torchs_cpp_runtime checks how this machine's compiler linked _C.
   # A test that kills the process (a segfault) would hide every test after it, so the
   # ids are collected first and, after a crash, pytest resumes with the ids after the
   # crashed one (-v prints each id before it runs); at most 5 crashes.
   DEADLINE_T=$(( $(date +%s) + L ))
   (  # a subshell: its exit sets RC
     CRASHED=()
-    echo "$PY -m pytest tests/ops -v -k cuda ${PYTEST_ARGS:-}   (limit ${L} s; resumes after a crash)"
-    mapfile -t IDS < <(timeout 60 "$PY" -m pytest tests/ops -q --collect-only -k cuda \
+    echo "$PY -m pytest tests/ops -v -k 'cuda or cpp_runtime' ${PYTEST_ARGS:-}   (limit ${L} s; resumes after a crash)"
+    mapfile -t IDS < <(timeout 60 "$PY" -m pytest tests/ops -q --collect-only -k 'cuda or cpp_runtime' \
       -p no:cacheprovider ${PYTEST_ARGS:-} 2>/dev/null | grep '::')
-    echo "${#IDS[@]} CUDA tests collected"
+    echo "${#IDS[@]} tests collected"
     RC=5
     while (( ${#IDS[@]} > 0 )); do
       LEFT_S=$(( DEADLINE_T - $(date +%s) ))
@@ -172,7 +174,7 @@ else
   NOTE="limit ${L} s, tests.log: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUTDIR/tests.log" | tail -n 1)"
   CRASHES=$(grep -oE '^== CRASHED \(rc [0-9]+\) in [^ ;]+' "$OUTDIR/tests.log" | sed 's/^== CRASHED (rc [0-9]*) in //' | tr '\n' ' ')
   [[ -n "$CRASHES" ]] && NOTE="$NOTE; crashed (process died): $CRASHES"
-  [[ $RC -eq 5 ]] && NOTE="$NOTE; pytest rc 5: no test selected by -k cuda"
+  [[ $RC -eq 5 ]] && NOTE="$NOTE; pytest rc 5: no test selected"
   stage tests "$RC" "$DT" "$NOTE"
 fi
 
@@ -314,6 +316,9 @@ engine_table() {  # engine_table KIND FROM TO TARGETS: a table and the target li
   fi
 } > "$SUMMARY"
 cat "$SUMMARY"
+# The device tool brings back 8 files at most: the rest travel as one archive.
+( cd "$OUTDIR" && tar czf details.tar.gz --ignore-failed-read env.log kernels_cuda_*.json engine \
+    2>/dev/null; rm -rf env.log kernels_cuda_*.json engine )
 # Exit status: 0 only when every stage passed.
 for s in "${STAGES[@]}"; do [[ "$s" == *"| ok |"* ]] || exit 1; done
 exit 0
