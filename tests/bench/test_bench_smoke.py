@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -186,6 +187,22 @@ def test_median_run_picks_the_middle_time_and_stops_at_a_failure() -> None:
     assert E.median_run(failing, 4).error == "boom" and len(calls) == 1
     one = E.median_run(lambda: E.RunResult("x", 1, elapsed_s=1.0), 1)
     assert "repeat_output_tok_s" not in one.settings
+
+
+@pytest.mark.parametrize("lengths, stated", [
+    (((100, 1024), (100, 1024)), True), (((32, 256), (32, 256)), True),
+    (((16, 256), (32, 128)), False)])
+def test_kv_waste_target_says_which_lengths_it_is_for(lengths, stated) -> None:
+    kv = E.KVStats(bytes_per_slot=1)
+    live = int(torch.randint(90, 99, ()).item())
+    kv.add(100, live)
+    main = E.RunResult("vllm_lite", 1, kv=kv, settings={"block_size": 16})
+    wl = WorkloadConfig(num_requests=4, input_len=lengths[0], output_len=lengths[1])
+    (line,) = throughput.targets(main, [], wl)
+    status = "met" if (100 - live) / 100 < throughput.TARGET_KV_WASTE else "MISSED"
+    assert line.startswith("- vllm_lite KV waste at block size 16:") and f": {status}" in line
+    assert ("target is stated for the default and --quick lengths" in line) != stated
+    assert "100-1024 / 100-1024 and 32-256 / 32-256" in line or stated
 
 
 def test_hf_generate_batch_runs_or_says_why(model_dir: Path) -> None:
