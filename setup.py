@@ -59,7 +59,6 @@ def find_cuda_home() -> str | None:
 def loaded_libstdcxx() -> str | None:
     """The path of the shared libstdc++ this process loaded with torch, or None."""
     importlib.import_module("torch")  # libtorch loads the C++ runtime
-
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:

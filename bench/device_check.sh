@@ -29,7 +29,7 @@ cd "$ROOT" || exit 1
 OUTDIR="${1:-${OUT:-$ROOT/bench/results/device}}"
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
-# A rerun replaces the previous run's files (keeps OUTDIR at 10 entries).
+# A rerun replaces the previous run's files (keeps OUTDIR at 8 files).
 rm -f "$OUTDIR"/kernels_cuda_*.md "$OUTDIR"/kernels_cuda_*.json "$OUTDIR"/prefill_kernels_cuda_*.md
 rm -rf "$OUTDIR/engine" "$OUTDIR/details.tar.gz"
 PY="${PYTHON:-python}"
