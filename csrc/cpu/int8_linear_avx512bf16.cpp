@@ -24,6 +24,7 @@
 #include "cpu/int8_linear_params.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include "cpu/gcc12_avx512.h"  // before the intrinsics: GCC 12's false warnings
 #include <immintrin.h>  // its intrinsics carry their own target attributes
 #if defined(__clang__)
 #pragma clang attribute push(                                                           \
