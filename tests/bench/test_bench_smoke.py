@@ -292,7 +292,7 @@ def _llama_build() -> Path | None:
 
 
 @pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
-def test_llama_server_generates_every_requested_token(tmp_path: Path) -> None:
+def test_llama_server_generates_every_requested_token(tmp_path: Path, monkeypatch) -> None:
     """The real server (a build of bench/peers/llama_cpp.sh): every request gets exactly its
     output length, greedy, EOS ignored, all sent at once to fewer slots than requests."""
     from vllm_lite.benchmarks import llama_cpp
@@ -300,10 +300,43 @@ def test_llama_server_generates_every_requested_token(tmp_path: Path) -> None:
     bin_dir = _llama_build()
     gguf = llama_cpp.model_file(bin_dir, "float32")
     requests = make_workload(WorkloadConfig(5, (4, 20), (3, 9), seed=7), 49152)
+    erased = []
+    real_erase = llama_cpp.LlamaServer.erase_slots
+
+    def spy(self, timeout: float) -> None:
+        erased.append(self.port)
+        real_erase(self, timeout)
+
+    monkeypatch.setattr(llama_cpp.LlamaServer, "erase_slots", spy)
     res = llama_cpp.run_llama_cpp(bin_dir, gguf, requests, threads=1, slots=3,
                                   log_path=tmp_path / "server.log", precision="float32",
                                   repeats=2)
     assert len(res.settings["repeat_output_tok_s"]) == 2  # two timed runs on one server
+    assert len(erased) == 2 and len(set(erased)) == 1  # before each timed run, one server
     assert res.ok and res.output_lens == [r.output_len for r in requests]
     assert res.output_tokens == sum(r.output_len for r in requests)
     assert res.settings["slots"] == 3 and res.elapsed_s > 0
+
+
+@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
+def test_llama_server_erase_slots_empties_their_cache(tmp_path: Path) -> None:
+    """A finished request's tokens stay in its slot (and its KV in the unified cache) until
+    erase_slots, which the benchmark calls before every timed run."""
+    import json
+    import urllib.request
+
+    from vllm_lite.benchmarks import llama_cpp
+
+    bin_dir = _llama_build()
+    gguf = llama_cpp.model_file(bin_dir, "float32")
+    prompt = [int(t) for t in torch.randint(10, 49152, (int(torch.randint(6, 20, ())),))]
+
+    with llama_cpp.LlamaServer(bin_dir, gguf, 2, 128, 1, tmp_path / "server.log") as server:
+        def cached() -> list[int]:
+            with urllib.request.urlopen(server.url + "/slots", timeout=30) as r:
+                return [int(s.get("n_prompt_tokens", 0)) for s in json.loads(r.read())]
+
+        assert server.complete(BenchRequest(prompt, 3), 60) == 3
+        assert max(cached()) >= len(prompt)
+        server.erase_slots(60)
+        assert cached() == [0, 0]
