@@ -430,7 +430,8 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
         report.add(f"Each engine ran the workload {args.repeats} times back to back; the "
                    f"table shows its run with the median time. Output tok/s of every run, "
                    f"in order: {runs}.")
-    report.add("### Targets (reported, not asserted)\n\n" + "\n".join(targets(main, peers, wl)))
+    target_lines = targets(main, peers, wl)  # the report and its JSON
+    report.add("### Targets (reported, not asserted)\n\n" + "\n".join(target_lines))
     if tp_runs:
         rows = []
         for r in [main, *tp_runs]:
@@ -485,7 +486,7 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
         "max_num_seqs_sweep": [r.to_dict() for r in seqs_sweep],
         "prefix_caching": {"workload": prefix_wl.__dict__ if prefix_wl else None,
                            "runs": [r.to_dict() for r in prefix_runs]},
-        "targets": targets(main, peers, wl),
+        "targets": target_lines,
     }
     if not figures:
         return
