@@ -235,13 +235,28 @@ void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
   }
 }
 
+}  // namespace
+}  // namespace vllm_lite::cpu
+
+#ifdef VLLM_LITE_BF16_DOT
+#include "cpu/varlen_bf16dp.h"
+#endif
+
+namespace vllm_lite::cpu {
+namespace {
+
 void run_varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
   switch (p.cache_dtype) {
     case KvDType::kFp8E4M3: return varlen_task<KvDType::kFp8E4M3>(p, task, scratch);
     case KvDType::kFp8E5M2: return varlen_task<KvDType::kFp8E5M2>(p, task, scratch);
     case KvDType::kFloat32: return varlen_task<KvDType::kFloat32>(p, task, scratch);
     case KvDType::kFloat16: return varlen_task<KvDType::kFloat16>(p, task, scratch);
-    case KvDType::kBFloat16: return varlen_task<KvDType::kBFloat16>(p, task, scratch);
+    case KvDType::kBFloat16:
+#ifdef VLLM_LITE_BF16_DOT
+      return varlen_task_bf16dp(p, task, scratch);  // the query is bf16 too (validate.cpp)
+#else
+      return varlen_task<KvDType::kBFloat16>(p, task, scratch);
+#endif
   }
 }
 

@@ -89,8 +89,10 @@ def _cases() -> list[VarlenCase]:
         cases.append(VarlenCase(f"{fmt}-{dtype_name(dt)}-{j}", 8, 2, 64, [16, 5][j % 2], dt,
                                 j % 2 == 1, seqs, kv_cache_dtype=fmt, reduced=j % 2 == 0,
                                 cpu_only=True))
-    for bs in (1, 7, 13):
-        cases.append(VarlenCase(f"b{bs}", 12, 4, 64, bs, torch.float32, bs == 7,
+    # bf16 too: the AVX512-BF16 task copies K and V into token pairs whatever the block size.
+    for bs, dt in ((1, torch.float32), (7, torch.float32), (13, torch.float32),
+                   (7, torch.bfloat16), (13, torch.bfloat16)):
+        cases.append(VarlenCase(f"b{bs}-{dtype_name(dt)}", 12, 4, 64, bs, dt, bs == 7,
                                 ((200, 60), (31, 31), (14, 1)), reduced=False, cpu_only=True))
     return cases
 
