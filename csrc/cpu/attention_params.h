@@ -92,7 +92,7 @@ inline int64_t padded_head_size(int64_t head_size) { return (head_size + 15) / 1
 
 // Floats of per-thread scratch one task needs: q [group, padded head] | k [padded head] |
 // logits [group, partition]; the AVX512-BF16 task instead keeps logits | the query chunks
-// repeated 4x in bf16 [group, head / 8, 32] | probabilities as bf16 pairs [group, 2, partition],
+// repeated 4x in bf16 [group, head / 8, 32] | probabilities in bf16 [group, partition],
 // which fits in the same size plus 2 x group x padded head. After both, the float32 task's
 // query repeated for its token-vector K pass: at most 4 copies (a vector holds at least 4 of
 // a token's dims) [group, 4 x padded head]. The caller aligns it to 64 bytes.
