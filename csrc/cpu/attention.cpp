@@ -243,6 +243,17 @@ void attention(const PagedAttentionDims& d, at::Tensor& out, AttentionParams& p,
   const at::Tensor part_out = at::empty({d.num_seqs, d.num_heads, p.num_partitions, d.head_size}, opts);
   p.part_out = part_out.data_ptr<float>();
   run_tasks(p);
+  if (p.num_partitions == 1 && tmp_out == nullptr) {
+    // One partition (every sequence <= kPartitionSize tokens, v1): each task wrote the
+    // finished, normalized output, so only its dtype changes (ATen's vectorized copy).
+    // combine_partitions' scalar per-element loop was ~1.4% of a bf16 decode step of
+    // 32 sequences (perf), for 18k elements a layer.
+    out.copy_(part_out.view(out.sizes()));
+    for (int64_t s = 0; s < d.num_seqs; ++s) {
+      if (p.seq_lens[s] == 0) out[s].zero_();  // no task ran: part_out is garbage there
+    }
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "paged_attention", [&] {
     combine_partitions<scalar_t>(p, out.data_ptr<scalar_t>(),
                                  tmp_out != nullptr ? tmp_out->data_ptr<scalar_t>() : nullptr);
