@@ -11,7 +11,7 @@
 // row's 3 accumulators: 3 weight loads and rows broadcasts per 3 x rows products, no
 // horizontal sums, outputs rounded once (vcvtneps2bf16, nearest even).
 // Weights stream from memory once per call (the panel stays in L1/L2 for its row tiles),
-// so the first row tile of a panel prefetches the next panel into L2: at decode sizes the
+// so a block of one row tile prefetches the next panel into L2: at decode sizes the
 // weights, not the arithmetic, are most of the time, and oneDNN's packed GEMM did not
 // hide them (README "Linear-layer benchmark").
 // Limits: K even (the pairs), rows of x contiguous within themselves; any M and N (the
