@@ -36,6 +36,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,prefer-vector-width=512")
 #endif
 
+#include "cpu/bf16_pairs.h"
 #include "cpu/packed_dequant.h"
 #include "cpu/packed_tile.h"
 
@@ -76,9 +77,7 @@ struct Bf16Tile {
       __m512bh wv[NV];
       for (int64_t b = 0; b < NV; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wj + b * kVecPairs);
       for (int64_t r = 0; r < R; ++r) {
-        int32_t pair;
-        __builtin_memcpy(&pair, x + r * xs + 2 * j, sizeof(pair));
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        const __m512bh xv = bcast_pair(x + r * xs + 2 * j);
         for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
       }
     }
@@ -88,18 +87,6 @@ struct Bf16Tile {
 
 void bf16_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
   run_packed_panels<Bf16Tile, uint16_t>(a, p0, p1, (a.K / 2) * kPairStride);
-}
-
-// lane 2c <- column c's even k (lane c of a vcvtne2ps2bf16 pair), 2c + 1 <- its odd k (16 + c)
-inline __m512i pair_interleave() {
-  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-}
-
-// Two float32 vectors of 16 columns' weights at k and k + 1, rounded to bf16 (nearest
-// even) and interleaved into a packed row [16 columns, 2].
-inline __m512bh bf16_pairs(__m512 v0, __m512 v1, __m512i interleave) {
-  return (__m512bh)_mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
 }
 
 // Panel p of a quantized weight, dequantized into buf in the bf16 packed layout (K even,
@@ -129,9 +116,7 @@ void quant_tile(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t 
   dequant_panel(qw, p, a.N, a.K, prefetch_next, [&](int64_t b, int64_t k, __m512 v0, __m512 v1) {
     const __m512bh w = bf16_pairs(v0, v1, interleave);
     for (int64_t r = 0; r < R; ++r) {
-      int32_t pair;
-      __builtin_memcpy(&pair, x + r * a.x_row_stride + k, sizeof(pair));
-      acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)_mm512_set1_epi32(pair), w);
+      acc[r][b] = _mm512_dpbf16_ps(acc[r][b], bcast_pair(x + r * a.x_row_stride + k), w);
     }
   });
   store_bf16(acc, scale, bias, static_cast<uint16_t*>(a.y) + n0, a.N, cols);

@@ -17,21 +17,10 @@
 
 #include <immintrin.h>
 
+#include "cpu/bf16_pairs.h"
+
 namespace vllm_lite::cpu {
 namespace {
-
-// lane 2c <- c (from the low vector), 2c + 1 <- 16 + c (the high one): the pair layout of
-// _mm512_cvtne2ps_pbh(high, low)'s output.
-VLLM_LITE_INLINE __m512i varlen_pair_interleave() {
-  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-}
-
-VLLM_LITE_INLINE __m512bh bcast_pair(const uint16_t* p) {
-  int32_t pair;
-  __builtin_memcpy(&pair, p, sizeof(pair));
-  return (__m512bh)_mm512_set1_epi32(pair);
-}
 
 // pt[t + i, r..] = scale * sum_d k[t + i, d] q[r.., d] for i < 4 and NR row vectors from r;
 // qb: [dp / 2, rp, 2] bf16, k: [token, dp] bf16.
@@ -149,7 +138,7 @@ void varlen_task_bf16dp(const VarlenParams& p, int64_t task, float* scratch) {
   for (int64_t i = 0; i < C * Dp; ++i) k[i] = 0;
   for (int64_t i = 0; i < Dp * C; ++i) v[i] = 0;
   const float* slopes = p.alibi_slopes;
-  const __m512i interleave = varlen_pair_interleave();
+  const __m512i interleave = pair_interleave();
 
   for (int64_t c0 = 0; c0 < ctx_end; c0 += C) {
     const int64_t cnt = ctx_end - c0 < C ? ctx_end - c0 : C;
@@ -227,8 +216,7 @@ void varlen_task_bf16dp(const VarlenParams& p, int64_t task, float* scratch) {
       for (int64_t r = 0; r < rp; r += 16) {
         const __m512 lo = _mm512_loadu_ps(pt + 2 * tp * rp + r);
         const __m512 hi = odd ? _mm512_setzero_ps() : _mm512_loadu_ps(pt + (2 * tp + 1) * rp + r);
-        _mm512_storeu_si512(pb + (tp * rp + r) * 2,
-                            _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+        _mm512_storeu_si512(pb + (tp * rp + r) * 2, (__m512i)bf16_pairs(lo, hi, interleave));
       }
     }
     if (pv_end % 2 == 1) {
