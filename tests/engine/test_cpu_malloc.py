@@ -137,3 +137,57 @@ for k, v in llm.llm_engine.cache_engine.gpu_cache:
 print(json.dumps({{"flags": flags}}))
 """)
     assert got["flags"] and all(got["flags"]), got
+
+
+def test_copy_to_huge_pages_copies_into_one_advised_buffer() -> None:
+    got = _run(SMAPS + """
+import json, torch
+from vllm_lite.worker.cpu_malloc import copy_to_huge_pages
+g = torch.Generator().manual_seed(7)
+ts = [torch.randn(1000, 1537, generator=g).to(torch.bfloat16),  # 3 MB, odd row length
+      torch.randn(3, 5, generator=g),
+      torch.randn(600, 1200, generator=g)]
+moved = copy_to_huge_pages(ts)
+small = [torch.randn(4, 4, generator=g)]
+kept = copy_to_huge_pages(small)
+print(json.dumps({
+    "equal": [bool(torch.equal(a, b)) for a, b in zip(ts, moved)],
+    "meta": [[a.dtype == b.dtype, a.shape == b.shape, b.is_contiguous()] for a, b in zip(ts, moved)],
+    "copies": [a.data_ptr() != b.data_ptr() for a, b in zip(ts, moved)],
+    "storages": len({m.untyped_storage().data_ptr() for m in moved}),
+    "aligned": [m.data_ptr() % 4096 == 0 for m in moved],
+    "hg": "hg" in mapping_of(moved[0].data_ptr() + (2 << 20))["flags"],
+    "small_kept": kept[0] is small[0]}))
+""")
+    assert all(got["equal"]) and all(all(m) for m in got["meta"]), got
+    assert all(got["copies"]) and got["storages"] == 1 and all(got["aligned"]), got
+    assert got["hg"], got
+    assert got["small_kept"], got  # no whole huge page to advise: the tensor itself
+
+
+def test_cpu_worker_relocates_the_packed_weights(model_dir: Path) -> None:
+    """The worker hands every packed projection weight to copy_to_huge_pages once and the
+    model runs on what it returns (here clones, recorded)."""
+    got = _run(f"""
+import json
+from pathlib import Path
+from vllm_lite import SamplingParams
+from vllm_lite.models.llama import Linear
+from vllm_lite.worker import worker
+returned = []
+def copy(ts):
+    returned.extend(t.clone() for t in ts)
+    return list(returned)
+worker.copy_to_huge_pages = copy
+from entrypoints.utils import make_llm
+llm = make_llm(Path({str(model_dir)!r}))
+model = llm.llm_engine.executor.worker.model
+packed = [m._own_packed for m in model.modules() if isinstance(m, Linear) and m._own_packed is not None]
+out = llm.generate([{{"prompt_token_ids": [5, 6, 7, 8]}}], use_tqdm=False,
+                   sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+print(json.dumps({{"returned": len(returned), "packed": len(packed),
+                   "same": all(any(p is r for r in returned) for p in packed),
+                   "tokens": len(out[0].outputs[0].token_ids)}}))
+""")
+    assert got["returned"] == got["packed"] and got["same"], got
+    assert got["tokens"] == 4, got

@@ -15,7 +15,7 @@ The variants differ only in config-driven details (:class:`LayerOptions`): QKV b
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -499,6 +499,17 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.prepare_for_cpu(copy_float32=module is not self.lm_head)
         self.model._decode_key = self.model._decode_args = None  # new packed weights
+
+    def relocate_packed_weights(self, copy: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+                                ) -> int:
+        """Replaces the projections' packed CPU weights (:meth:`prepare_for_cpu`'s) by
+        ``copy(their list)``, the same values elsewhere in memory: the CPU worker moves them
+        into huge pages (worker/cpu_malloc.copy_to_huge_pages). Returns how many moved."""
+        packed = [m for m in self.modules() if isinstance(m, Linear) and m._own_packed is not None]
+        for module, moved in zip(packed, copy([m._own_packed for m in packed]), strict=True):
+            module._own_packed = moved
+        self.model._decode_key = self.model._decode_args = None
+        return len(packed)
 
     def _rank_part(self, name: str, shard: str | int | None, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor (all of it with one rank): its vocabulary

@@ -112,6 +112,34 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     return length
 
 
+def copy_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of CPU ``tensors`` in one fresh buffer advised for huge pages
+    (:func:`advise_huge_pages`), each starting on a 4 KiB boundary, in order; the tensors
+    themselves where no whole huge page could be advised (small, not Linux, THP refused).
+
+    For the packed projection weights of a CPU model (the worker passes it to
+    LlamaForCausalLM.relocate_packed_weights): a decode step streams all of them from memory, and with 4 KiB pages every 64 cache
+    lines cost a TLB miss. Measured on the project's AMD EPYC VM (bf16, the default model's
+    30 layers x 4 projections, 208 MiB, 2 threads): 4 rows 5.9 / 7.6 -> 5.2 / 6.8 ms, 16
+    rows 10.0 / 10.7 -> 9.7 / 9.8 ms, 32 rows 18.1 / 18.0 -> 17.7 / 17.1 ms."""
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return list(tensors)
+    page = 4096
+    spans = [(t.numel() * t.element_size() + page - 1) // page * page for t in tensors]
+    arena = torch.empty(sum(spans) + page, dtype=torch.uint8)
+    if advise_huge_pages(arena) == 0:
+        return list(tensors)
+    offset = -arena.data_ptr() % page
+    out = []
+    for t, span in zip(tensors, spans):
+        nbytes = t.numel() * t.element_size()
+        view = arena[offset:offset + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+        offset += span
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL | None:
     """The C library the process runs on (any libc: madvise), loaded once."""

@@ -20,7 +20,7 @@ from vllm_lite.distributed.group import TensorParallelGroup
 from vllm_lite.layers.sampler import RngSnapshot, Sampler
 from vllm_lite.worker.cache_engine import (
     CacheEngine, cache_block_bytes, num_blocks_for_cpu, profile_num_gpu_blocks)
-from vllm_lite.worker.cpu_malloc import keep_freed_memory
+from vllm_lite.worker.cpu_malloc import copy_to_huge_pages, keep_freed_memory
 from vllm_lite.worker import step_broadcast
 from vllm_lite.worker.model_runner import ModelInput, ModelRunner, RunnerOutput
 from vllm_lite.worker.step_broadcast import Command
@@ -72,6 +72,9 @@ class Worker:
             n = quantize_model(model, mc.quantization, skip=(model.lm_head,),
                                group_size=mc.quantization_group_size, kept_weights=kept_weights)
             logger.info("quantized %d projections to %s", n, mc.quantization)
+        if torch.device(self.device).type == "cpu" and hasattr(model, "relocate_packed_weights"):
+            # A decode step streams every projection's weights: huge pages spare the TLB.
+            model.relocate_packed_weights(copy_to_huge_pages)
         self.model = model
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self.kv_cache_dtype = config.cache_config.cache_dtype
