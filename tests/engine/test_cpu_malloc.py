@@ -165,9 +165,10 @@ print(json.dumps({
     assert got["small_kept"], got  # no whole huge page to advise: the tensor itself
 
 
-def test_cpu_worker_relocates_the_packed_weights(model_dir: Path) -> None:
-    """The worker hands every packed projection weight to copy_to_huge_pages once and the
-    model runs on what it returns (here clones, recorded)."""
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_cpu_worker_relocates_the_packed_weights(model_dir: Path, quantization: str | None) -> None:
+    """The worker hands every packed projection weight (a quantized layer's qweight) to
+    copy_to_huge_pages once and the model runs on what it returns (here clones, recorded)."""
     got = _run(f"""
 import json
 from pathlib import Path
@@ -180,14 +181,17 @@ def copy(ts):
     return list(returned)
 worker.copy_to_huge_pages = copy
 from entrypoints.utils import make_llm
-llm = make_llm(Path({str(model_dir)!r}))
+llm = make_llm(Path({str(model_dir)!r}), quantization={quantization!r})
 model = llm.llm_engine.executor.worker.model
 packed = [m._own_packed for m in model.modules() if isinstance(m, Linear) and m._own_packed is not None]
+qweights = [m.qweight for m in model.modules() if hasattr(m, "qweight")]
+packed += qweights
 out = llm.generate([{{"prompt_token_ids": [5, 6, 7, 8]}}], use_tqdm=False,
                    sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-print(json.dumps({{"returned": len(returned), "packed": len(packed),
+print(json.dumps({{"returned": len(returned), "packed": len(packed), "qweights": len(qweights),
                    "same": all(any(p is r for r in returned) for p in packed),
                    "tokens": len(out[0].outputs[0].token_ids)}}))
 """)
     assert got["returned"] == got["packed"] and got["same"], got
+    assert (got["qweights"] > 0) == (quantization is not None), got
     assert got["tokens"] == 4, got

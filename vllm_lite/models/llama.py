@@ -502,14 +502,22 @@ class LlamaForCausalLM(nn.Module):
 
     def relocate_packed_weights(self, copy: Callable[[list[torch.Tensor]], list[torch.Tensor]]
                                 ) -> int:
-        """Replaces the projections' packed CPU weights (:meth:`prepare_for_cpu`'s) by
+        """Replaces the projections' packed CPU weights (:meth:`prepare_for_cpu`'s, and the
+        ``qweight`` buffers of the CPU quantized layers, layers/quantization.py) by
         ``copy(their list)``, the same values elsewhere in memory: the CPU worker moves them
         into huge pages (worker/cpu_malloc.copy_to_huge_pages). Returns how many moved."""
-        packed = [m for m in self.modules() if isinstance(m, Linear) and m._own_packed is not None]
-        for module, moved in zip(packed, copy([m._own_packed for m in packed]), strict=True):
-            module._own_packed = moved
+        slots = []
+        for m in self.modules():
+            if isinstance(m, Linear) and m._own_packed is not None:
+                slots.append((m, "_own_packed"))
+            elif (getattr(m, "on_cpu", False) and isinstance(getattr(m, "qweight", None), torch.Tensor)
+                  and m.qweight.is_contiguous()):
+                slots.append((m, "qweight"))
+        moved = copy([getattr(m, name) for m, name in slots])
+        for (module, name), tensor in zip(slots, moved, strict=True):
+            setattr(module, name, tensor)
         self.model._decode_key = self.model._decode_args = None
-        return len(packed)
+        return len(slots)
 
     def _rank_part(self, name: str, shard: str | int | None, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor (all of it with one rank): its vocabulary
