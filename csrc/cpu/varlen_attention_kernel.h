@@ -86,105 +86,82 @@ VLLM_LITE_INLINE void convert_run(const typename E::T* src, int64_t n, float* ds
   for (; i < n; ++i) dst[i] = E::to_float(src[i]);
 }
 
-template <KvDType DT>
-void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
-  using E = Elem<DT>;
-  using T = typename E::T;
-  constexpr int64_t X = 16 / sizeof(T);
-  constexpr int64_t CW = X < VW ? X : VW;
-  constexpr int64_t C = kVarlenKvChunk;
+// One task's tile: its sequence, KV head, query rows and visible context, and its
+// scratch sections (varlen_scratch_floats: qt | k | v | pt | acct | m | l | alpha | qpos |
+// row), shared by varlen_task and the AVX512-BF16 build's bf16 task (which keeps bf16 in
+// the first sections).
+struct VarlenTile {
+  int64_t kh, s, q_first, n, j0, nq, G, h0, D, Dp, bs, rows, rp, pos0, ctx_end, block_stride;
+  const int32_t* table;
+  float *qt, *k, *v, *pt, *acct, *m, *l, *alpha, *qpos, *row;
 
-  const int64_t tile = task / p.num_kv_heads, kh = task % p.num_kv_heads;
-  const int64_t s = p.tile_seq[tile];
-  const int64_t q_first = p.query_start_loc[s];
-  const int64_t n = p.query_start_loc[s + 1] - q_first;  // the sequence's query tokens
-  const int64_t j0 = p.tile_start[tile];
-  const int64_t nq = n - j0 < p.query_tile ? n - j0 : p.query_tile;
-  const int64_t L = p.seq_lens[s];
-  const int64_t G = p.num_heads / p.num_kv_heads, h0 = kh * G;
-  const int64_t D = p.head_size, Dp = padded_head_size(D), bs = p.block_size;
-  const int64_t rows = nq * G;
-  const int64_t rp = (rows + VW - 1) / VW * VW;  // <= varlen_rows_padded(p)
-  const int64_t pos0 = L - n + j0;    // position of the tile's first query token
-  const int64_t ctx_end = pos0 + nq;  // the tile sees positions [0, ctx_end)
-  const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
-  const int64_t block_stride = p.num_kv_heads * D * bs;
-  const T* kc = static_cast<const T*>(p.key_cache) + kh * D * bs;
-  const T* vc = static_cast<const T*>(p.value_cache) + kh * D * bs;
+  VarlenTile(const VarlenParams& p, int64_t task, float* scratch) {
+    const int64_t tile = task / p.num_kv_heads;
+    kh = task % p.num_kv_heads;
+    s = p.tile_seq[tile];
+    q_first = p.query_start_loc[s];
+    n = p.query_start_loc[s + 1] - q_first;  // the sequence's query tokens
+    j0 = p.tile_start[tile];
+    nq = n - j0 < p.query_tile ? n - j0 : p.query_tile;
+    G = p.num_heads / p.num_kv_heads;
+    h0 = kh * G;
+    D = p.head_size;
+    Dp = padded_head_size(D);
+    bs = p.block_size;
+    rows = nq * G;
+    rp = (rows + VW - 1) / VW * VW;  // <= varlen_rows_padded(p)
+    pos0 = p.seq_lens[s] - n + j0;   // position of the tile's first query token
+    ctx_end = pos0 + nq;             // the tile sees positions [0, ctx_end)
+    table = p.block_tables + s * p.max_blocks_per_seq;
+    block_stride = p.num_kv_heads * D * bs;
+    const int64_t rmax = varlen_rows_padded(p), C = kVarlenKvChunk;
+    qt = scratch;
+    k = qt + Dp * rmax;
+    v = k + C * Dp;
+    pt = v + Dp * C;
+    acct = pt + C * rmax;
+    m = acct + Dp * rmax;
+    l = m + rmax;
+    alpha = l + rmax;
+    qpos = alpha + rmax;
+    row = qpos + rmax;
+  }
 
-  // Scratch (varlen_scratch_floats): qt | k | v | pt | acct | m | l | alpha | qpos | row.
-  const int64_t rmax = varlen_rows_padded(p);
-  float* qt = scratch;
-  float* k = qt + Dp * rmax;
-  float* v = k + C * Dp;
-  float* pt = v + Dp * C;
-  float* acct = pt + C * rmax;
-  float* m = acct + Dp * rmax;
-  float* l = m + rmax;
-  float* alpha = l + rmax;
-  float* qpos = alpha + rmax;
-  float* row = qpos + rmax;
+  // Row r's query token (flat over sequences) and query head.
+  int64_t token(int64_t r) const { return q_first + j0 + r / G; }
+  int64_t head(int64_t r) const { return h0 + r % G; }
 
-  // q^T scaled; padding lanes get zero queries and the last row's position, so their
-  // (discarded) lanes stay finite.
-  const int64_t q_elem = p.q_dtype == KvDType::kFloat32 ? 4 : 2;
-  for (int64_t r = 0; r < rp; ++r) {
-    if (r < rows) {
-      const int64_t tok = q_first + j0 + r / G, h = h0 + r % G;
-      const int64_t off = tok * p.q_stride_token + h * p.q_stride_head;
-      load_query_row(p.q_dtype, static_cast<const char*>(p.query) + off * q_elem, D, p.scale,
-                     row);
-    }
-    for (int64_t d = 0; d < Dp; ++d) qt[d * rp + r] = r < rows && d < D ? row[d] : 0.0f;
+  // Row r's running state before the first chunk: position (padding rows: the last
+  // row's, so their discarded lanes stay finite), max, sum, accumulator.
+  void init_row(int64_t r) {
     for (int64_t d = 0; d < Dp; ++d) acct[d * rp + r] = 0.0f;
     qpos[r] = static_cast<float>(pos0 + (r < rows ? r : rows - 1) / G);
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
-  // Head-dim padding of K and V stays zero. Token rows of K past a short last chunk hold
-  // the previous chunk's finite values (or zeros): their scores are masked out.
-  for (int64_t i = 0; i < C * Dp; ++i) k[i] = 0.0f;
-  for (int64_t i = 0; i < Dp * C; ++i) v[i] = 0.0f;
-  const float* slopes = p.alibi_slopes;
 
-  for (int64_t c0 = 0; c0 < ctx_end; c0 += C) {
-    const int64_t cnt = ctx_end - c0 < C ? ctx_end - c0 : C;
-    // 1. Convert the chunk, block run by block run.
+  // fn(element offset of the block in a cache, first token's offset in the block, its index
+  // in the chunk, tokens) for each block run of the chunk at c0 (cnt tokens).
+  template <typename Fn>
+  void for_each_run(int64_t c0, int64_t cnt, Fn&& fn) const {
     for (int64_t t = 0; t < cnt;) {
-      const int64_t pos = c0 + t;
-      const int64_t block = table[pos / bs], off = pos % bs;
+      const int64_t pos = c0 + t, off = pos % bs;
       const int64_t run = bs - off < cnt - t ? bs - off : cnt - t;
-      const T* kb = kc + block * block_stride;
-      const T* vb = vc + block * block_stride;
-      for (int64_t i = 0; i < run; ++i) {
-        float* kr = k + (t + i) * Dp;
-        for (int64_t c = 0; c < D / X; ++c) {
-          const T* src = kb + (c * bs + off + i) * X;
-          for (int64_t j = 0; j < X; j += CW) {
-            store_vec(kr + c * X + j, E::template load<CW>(src + j));
-          }
-        }
-      }
-      for (int64_t d = 0; d < D; ++d) convert_run<E>(vb + d * bs + off, run, v + d * C + t);
+      fn(table[pos / bs] * block_stride, off, t, run);
       t += run;
     }
-    const int64_t ntok = (cnt + kBlock4 - 1) / kBlock4 * kBlock4;
+  }
 
-    // 2. Scores P^T [token, row].
-    for (int64_t t = 0; t < ntok; t += kBlock4) {
-      int64_t r = 0;
-      for (; r + kRowVecs * VW <= rp; r += kRowVecs * VW) {
-        scores_block<kRowVecs>(k, qt, Dp, rp, pt, t, r);
-      }
-      for (; r < rp; r += VW) scores_block<1>(k, qt, Dp, rp, pt, t, r);
-    }
+  // Tokens of the chunk at c0 (cnt of them) that any row sees.
+  int64_t visible(int64_t c0, int64_t cnt) const {
+    const int64_t last = static_cast<int64_t>(qpos[rp - 1]) + 1 - c0;
+    return last < cnt ? last : cnt;
+  }
 
-    // 3. Online softmax, lane-wise. A lane's token t counts iff c0 + t <= its position.
-    int64_t pv_end = 0;  // tokens of the chunk any row sees
-    {
-      const int64_t last = static_cast<int64_t>(qpos[rp - 1]) + 1 - c0;
-      pv_end = last < cnt ? last : cnt;
-    }
+  // Step 3 on the scores P^T [token, row] of the chunk at c0 (pv_end tokens): ALiBi, the
+  // causal limit per lane (a row's position), running max, rescale factor (alpha),
+  // probabilities in place and running sum, all lane-wise.
+  void online_softmax(const float* slopes, int64_t c0, int64_t pv_end) {
     for (int64_t r = 0; r < rp; r += VW) {
       const FV pos = load_vec<FV>(qpos + r);
       FV slope = {};
@@ -216,23 +193,96 @@ void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
       store_vec(alpha + r, a);
       store_vec(l + r, load_vec<FV>(l + r) * a + sum);
     }
+  }
+
+  // Output: acc^T / sum * v_scale, transposed into out (float32).
+  void write_out(const VarlenParams& p) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = p.out + (token(r) * p.num_heads + head(r)) * D;
+      const float f = p.v_scale / l[r];
+      for (int64_t d = 0; d < D; ++d) o[d] = acct[d * rp + r] * f;
+    }
+  }
+};
+
+template <KvDType DT>
+void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
+  using E = Elem<DT>;
+  using T = typename E::T;
+  constexpr int64_t X = 16 / sizeof(T);
+  constexpr int64_t CW = X < VW ? X : VW;
+  constexpr int64_t C = kVarlenKvChunk;
+
+  VarlenTile g(p, task, scratch);
+  const int64_t D = g.D, Dp = g.Dp, bs = g.bs, rows = g.rows, rp = g.rp;
+  const T* kc = static_cast<const T*>(p.key_cache) + g.kh * D * bs;
+  const T* vc = static_cast<const T*>(p.value_cache) + g.kh * D * bs;
+  float* qt = g.qt;
+  float* k = g.k;
+  float* v = g.v;
+  float* pt = g.pt;
+  float* row = g.row;
+
+  // q^T scaled; padding lanes get zero queries and the last row's position, so their
+  // (discarded) lanes stay finite.
+  const int64_t q_elem = p.q_dtype == KvDType::kFloat32 ? 4 : 2;
+  for (int64_t r = 0; r < rp; ++r) {
+    if (r < rows) {
+      const int64_t off = g.token(r) * p.q_stride_token + g.head(r) * p.q_stride_head;
+      load_query_row(p.q_dtype, static_cast<const char*>(p.query) + off * q_elem, D, p.scale,
+                     row);
+    }
+    for (int64_t d = 0; d < Dp; ++d) qt[d * rp + r] = r < rows && d < D ? row[d] : 0.0f;
+    g.init_row(r);
+  }
+  // Head-dim padding of K and V stays zero. Token rows of K past a short last chunk hold
+  // the previous chunk's finite values (or zeros): their scores are masked out.
+  for (int64_t i = 0; i < C * Dp; ++i) k[i] = 0.0f;
+  for (int64_t i = 0; i < Dp * C; ++i) v[i] = 0.0f;
+
+  for (int64_t c0 = 0; c0 < g.ctx_end; c0 += C) {
+    const int64_t cnt = g.ctx_end - c0 < C ? g.ctx_end - c0 : C;
+    // 1. Convert the chunk, block run by block run.
+    g.for_each_run(c0, cnt, [&](int64_t at, int64_t off, int64_t t, int64_t run) {
+      const T* kb = kc + at;
+      const T* vb = vc + at;
+      for (int64_t i = 0; i < run; ++i) {
+        float* kr = k + (t + i) * Dp;
+        for (int64_t c = 0; c < D / X; ++c) {
+          const T* src = kb + (c * bs + off + i) * X;
+          for (int64_t j = 0; j < X; j += CW) {
+            store_vec(kr + c * X + j, E::template load<CW>(src + j));
+          }
+        }
+      }
+      for (int64_t d = 0; d < D; ++d) convert_run<E>(vb + d * bs + off, run, v + d * C + t);
+    });
+    const int64_t ntok = (cnt + kBlock4 - 1) / kBlock4 * kBlock4;
+
+    // 2. Scores P^T [token, row].
+    for (int64_t t = 0; t < ntok; t += kBlock4) {
+      int64_t r = 0;
+      for (; r + kRowVecs * VW <= rp; r += kRowVecs * VW) {
+        scores_block<kRowVecs>(k, qt, Dp, rp, pt, t, r);
+      }
+      for (; r < rp; r += VW) scores_block<1>(k, qt, Dp, rp, pt, t, r);
+    }
+
+    // 3. Online softmax, lane-wise. A lane's token t counts iff c0 + t <= its position.
+    const int64_t pv_end = g.visible(c0, cnt);
+    g.online_softmax(p.alibi_slopes, c0, pv_end);
 
     // 4. acc^T = acc^T * alpha + V P^T.
     for (int64_t d = 0; d < Dp; d += kBlock4) {
       int64_t r = 0;
       for (; r + kRowVecs * VW <= rp; r += kRowVecs * VW) {
-        values_block<kRowVecs>(v, pt, alpha, rp, pv_end, acct, d, r);
+        values_block<kRowVecs>(v, pt, g.alpha, rp, pv_end, g.acct, d, r);
       }
-      for (; r < rp; r += VW) values_block<1>(v, pt, alpha, rp, pv_end, acct, d, r);
+      for (; r < rp; r += VW) values_block<1>(v, pt, g.alpha, rp, pv_end, g.acct, d, r);
     }
   }
 
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = q_first + j0 + r / G, h = h0 + r % G;
-    float* o = p.out + (tok * p.num_heads + h) * D;
-    const float f = p.v_scale / l[r];
-    for (int64_t d = 0; d < D; ++d) o[d] = acct[d * rp + r] * f;
-  }
+  g.write_out(p);
 }
 
 }  // namespace

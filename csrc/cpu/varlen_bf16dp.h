@@ -84,71 +84,41 @@ void varlen_task_bf16dp(const VarlenParams& p, int64_t task, float* scratch) {
   constexpr int64_t C = kVarlenKvChunk;
   static_assert(C % 2 == 0 && VW == 16, "token pairs; 16-lane row vectors");
 
-  const int64_t tile = task / p.num_kv_heads, kh = task % p.num_kv_heads;
-  const int64_t s = p.tile_seq[tile];
-  const int64_t q_first = p.query_start_loc[s];
-  const int64_t n = p.query_start_loc[s + 1] - q_first;
-  const int64_t j0 = p.tile_start[tile];
-  const int64_t nq = n - j0 < p.query_tile ? n - j0 : p.query_tile;
-  const int64_t L = p.seq_lens[s];
-  const int64_t G = p.num_heads / p.num_kv_heads, h0 = kh * G;
-  const int64_t D = p.head_size, Dp = padded_head_size(D), bs = p.block_size;
-  const int64_t rows = nq * G;
-  const int64_t rp = (rows + 15) / 16 * 16;
-  const int64_t pos0 = L - n + j0;
-  const int64_t ctx_end = pos0 + nq;
-  const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
-  const int64_t block_stride = p.num_kv_heads * D * bs;
-  const uint16_t* kc = static_cast<const uint16_t*>(p.key_cache) + kh * D * bs;
-  const uint16_t* vc = static_cast<const uint16_t*>(p.value_cache) + kh * D * bs;
-
-  // varlen_task's scratch sections (varlen_scratch_floats), each used at half its size or
-  // less: qb [Dp / 2, rmax, 2] bf16 in q^T's, K [C, Dp] and V [Dp, C] bf16 in theirs, P^T
-  // float32 and then its bf16 pairs in P^T's.
-  const int64_t rmax = varlen_rows_padded(p);
-  float* qt = scratch;
-  float* kf = qt + Dp * rmax;
-  float* vf = kf + C * Dp;
-  float* pt = vf + Dp * C;
-  float* acct = pt + C * rmax;
-  float* m = acct + Dp * rmax;
-  float* l = m + rmax;
-  float* alpha = l + rmax;
-  float* qpos = alpha + rmax;
-  uint16_t* qb = reinterpret_cast<uint16_t*>(qt);
-  uint16_t* k = reinterpret_cast<uint16_t*>(kf);
-  uint16_t* v = reinterpret_cast<uint16_t*>(vf);
+  // The scratch sections of varlen_task, each used at half its size or less: qb
+  // [Dp / 2, rp, 2] bf16 in q^T's, K [C, Dp] and V [Dp, C] bf16 in theirs, P^T float32
+  // and then its bf16 pairs in P^T's.
+  VarlenTile g(p, task, scratch);
+  const int64_t D = g.D, Dp = g.Dp, bs = g.bs, rows = g.rows, rp = g.rp;
+  const uint16_t* kc = static_cast<const uint16_t*>(p.key_cache) + g.kh * D * bs;
+  const uint16_t* vc = static_cast<const uint16_t*>(p.value_cache) + g.kh * D * bs;
+  uint16_t* qb = reinterpret_cast<uint16_t*>(g.qt);
+  uint16_t* k = reinterpret_cast<uint16_t*>(g.k);
+  uint16_t* v = reinterpret_cast<uint16_t*>(g.v);
+  float* pt = g.pt;
   uint16_t* pb = reinterpret_cast<uint16_t*>(pt);
 
   for (int64_t r = 0; r < rp; ++r) {
     const uint16_t* qrow = nullptr;
     if (r < rows) {
-      const int64_t tok = q_first + j0 + r / G, h = h0 + r % G;
-      qrow = static_cast<const uint16_t*>(p.query) + tok * p.q_stride_token + h * p.q_stride_head;
+      qrow = static_cast<const uint16_t*>(p.query) + g.token(r) * p.q_stride_token +
+             g.head(r) * p.q_stride_head;
     }
     for (int64_t d = 0; d < Dp; ++d) {
       qb[(d / 2 * rp + r) * 2 + d % 2] = qrow != nullptr && d < D ? qrow[d] : 0;
-      acct[d * rp + r] = 0.0f;
     }
-    qpos[r] = static_cast<float>(pos0 + (r < rows ? r : rows - 1) / G);
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
+    g.init_row(r);
   }
   // Zero padding: head dims past D of K and V, and tokens past a chunk's end start finite.
   for (int64_t i = 0; i < C * Dp; ++i) k[i] = 0;
   for (int64_t i = 0; i < Dp * C; ++i) v[i] = 0;
-  const float* slopes = p.alibi_slopes;
   const __m512i interleave = pair_interleave();
 
-  for (int64_t c0 = 0; c0 < ctx_end; c0 += C) {
-    const int64_t cnt = ctx_end - c0 < C ? ctx_end - c0 : C;
+  for (int64_t c0 = 0; c0 < g.ctx_end; c0 += C) {
+    const int64_t cnt = g.ctx_end - c0 < C ? g.ctx_end - c0 : C;
     // 1. Copy the chunk, block run by block run.
-    for (int64_t t = 0; t < cnt;) {
-      const int64_t pos = c0 + t;
-      const int64_t block = table[pos / bs], off = pos % bs;
-      const int64_t run = bs - off < cnt - t ? bs - off : cnt - t;
-      const uint16_t* kb = kc + block * block_stride;
-      const uint16_t* vb = vc + block * block_stride;
+    g.for_each_run(c0, cnt, [&](int64_t at, int64_t off, int64_t t, int64_t run) {
+      const uint16_t* kb = kc + at;
+      const uint16_t* vb = vc + at;
       for (int64_t i = 0; i < run; ++i) {
         uint16_t* kr = k + (t + i) * Dp;
         for (int64_t c = 0; c < D / X; ++c) {
@@ -158,8 +128,7 @@ void varlen_task_bf16dp(const VarlenParams& p, int64_t task, float* scratch) {
       for (int64_t d = 0; d < D; ++d) {
         std::memcpy(v + d * C + t, vb + d * bs + off, run * sizeof(uint16_t));
       }
-      t += run;
-    }
+    });
     const int64_t ntok = (cnt + kBlock4 - 1) / kBlock4 * kBlock4;
 
     // 2. Scores P^T [token, row], scaled.
@@ -169,42 +138,9 @@ void varlen_task_bf16dp(const VarlenParams& p, int64_t task, float* scratch) {
       for (; r < rp; r += 16) scores_block_bf16<1>(k, qb, Dp, rp, p.scale, pt, t, r);
     }
 
-    // 3. Online softmax, lane-wise, as varlen_task.
-    int64_t pv_end = 0;
-    {
-      const int64_t last = static_cast<int64_t>(qpos[rp - 1]) + 1 - c0;
-      pv_end = last < cnt ? last : cnt;
-    }
-    for (int64_t r = 0; r < rp; r += VW) {
-      const FV pos = load_vec<FV>(qpos + r);
-      FV slope = {};
-      if (slopes != nullptr) {
-        for (int64_t i = 0; i < VW; ++i) slope[i] = r + i < rows ? slopes[h0 + (r + i) % G] : 0.0f;
-      }
-      FV cm = FV{} - INFINITY;
-      for (int64_t t = 0; t < pv_end; ++t) {
-        const float tp = static_cast<float>(c0 + t);
-        FV x = load_vec<FV>(pt + t * rp + r);
-        if (slopes != nullptr) x += slope * (tp - pos);
-        x = tp <= pos ? x : FV{} - INFINITY;
-        store_vec(pt + t * rp + r, x);
-        cm = x > cm ? x : cm;
-      }
-      const FV mo = load_vec<FV>(m + r);
-      const FV mn = cm > mo ? cm : mo;
-      const FV a = exp_nonpositive<FV, Vec<int32_t, VW>>(mo - mn);
-      FV sum = {};
-      for (int64_t t = 0; t < pv_end; ++t) {
-        const float tp = static_cast<float>(c0 + t);
-        const FV e = exp_nonpositive<FV, Vec<int32_t, VW>>(load_vec<FV>(pt + t * rp + r) - mn);
-        const FV pr = tp <= pos ? e : FV{};
-        store_vec(pt + t * rp + r, pr);
-        sum += pr;
-      }
-      store_vec(m + r, mn);
-      store_vec(alpha + r, a);
-      store_vec(l + r, load_vec<FV>(l + r) * a + sum);
-    }
+    // 3. The online softmax of varlen_task.
+    const int64_t pv_end = g.visible(c0, cnt);
+    g.online_softmax(p.alibi_slopes, c0, pv_end);
 
     // 4. The probabilities as bf16 token pairs, in place: pair row tp overwrites P^T row
     // tp's bytes after rows 2 tp and 2 tp + 1 (>= tp) are read. An odd last token pairs
@@ -226,17 +162,14 @@ void varlen_task_bf16dp(const VarlenParams& p, int64_t task, float* scratch) {
     // 5. acc^T = acc^T * alpha + V P^T.
     for (int64_t d = 0; d < Dp; d += kBlock4) {
       int64_t r = 0;
-      for (; r + 4 * 16 <= rp; r += 4 * 16) values_block_bf16<4>(v, pb, alpha, rp, npairs, acct, d, r);
-      for (; r < rp; r += 16) values_block_bf16<1>(v, pb, alpha, rp, npairs, acct, d, r);
+      for (; r + 4 * 16 <= rp; r += 4 * 16) {
+        values_block_bf16<4>(v, pb, g.alpha, rp, npairs, g.acct, d, r);
+      }
+      for (; r < rp; r += 16) values_block_bf16<1>(v, pb, g.alpha, rp, npairs, g.acct, d, r);
     }
   }
 
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = q_first + j0 + r / G, h = h0 + r % G;
-    float* o = p.out + (tok * p.num_heads + h) * D;
-    const float f = p.v_scale / l[r];
-    for (int64_t d = 0; d < D; ++d) o[d] = acct[d * rp + r] * f;
-  }
+  g.write_out(p);
 }
 
 }  // namespace
