@@ -110,6 +110,7 @@ inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelO
   const int64_t block = packed_row_block(a.K, sizeof(T));
   for (int64_t m0 = 0; m0 < a.M; m0 += block) {
     const int64_t m1 = std::min(a.M, m0 + block);
+    const bool prefetch = m1 - m0 <= kPackedTileRows;  // a single tile (see above)
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPackedPanelCols;
       const int64_t cols = std::min(kPackedPanelCols, a.N - n0);
@@ -120,7 +121,7 @@ inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelO
         tile_of<Kernel, kPackedTileRows>(std::min(kPackedTileRows, m1 - m),
                                          x + m * a.x_row_stride, a.x_row_stride, w.w, a.K,
                                          scale, bias, y + m * a.N + n0, a.N, cols,
-                                         m == m0 && m1 - m0 <= kPackedTileRows ? w.next : nullptr);
+                                         prefetch ? w.next : nullptr);
       }
     }
   }
