@@ -123,17 +123,44 @@ print(json.dumps({"advised": advised, "small": small, "unit": HUGE_PAGE_BYTES,
         assert got["huge_kb"] >= 16 << 10, got  # most of the 64 MiB is in huge pages
 
 
-def test_cpu_engine_advises_its_kv_pool(model_dir: Path) -> None:
+def test_empty_huge_pages_is_advised_from_its_first_byte() -> None:
+    got = _run(SMAPS + """
+import json, torch
+from vllm_lite.worker.cpu_malloc import HUGE_PAGE_BYTES, empty_huge_pages
+out = {}
+for name, shape, dtype in (("odd", (3, 1000, 777), torch.bfloat16), ("tiny", (5,), torch.float32)):
+    t = empty_huge_pages(shape, dtype)
+    t.fill_(1)  # first touch
+    first, last = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size() - 1
+    out[name] = {"shape": list(t.shape), "dtype": str(t.dtype), "contiguous": t.is_contiguous(),
+                 "aligned": first % HUGE_PAGE_BYTES == 0, "ones": bool((t == 1).all()),
+                 "hg": ["hg" in mapping_of(a)["flags"] for a in (first, last)],
+                 "huge_kb": mapping_of(first)["huge_kb"]}
+print(json.dumps(out))
+""")
+    odd, tiny = got["odd"], got["tiny"]
+    assert odd["shape"] == [3, 1000, 777] and odd["dtype"] == "torch.bfloat16", got
+    assert tiny["shape"] == [5] and tiny["dtype"] == "torch.float32", got
+    for t in (odd, tiny):
+        # A plain torch.empty leaves up to 2 MiB before its first huge-page boundary
+        # unadvised; this one starts on the boundary, advised to its last byte.
+        assert t["contiguous"] and t["aligned"] and t["ones"] and all(t["hg"]), got
+    if _thp_mode() in ("always", "madvise"):
+        assert odd["huge_kb"] >= 2 << 10, got
+
+
+def test_cpu_engine_keeps_its_kv_pool_in_huge_pages(model_dir: Path) -> None:
     got = _run(SMAPS + f"""
 import json
 from pathlib import Path
 from entrypoints.utils import make_llm
+from vllm_lite.worker.cpu_malloc import HUGE_PAGE_BYTES
 llm = make_llm(Path({str(model_dir)!r}), kv_cache_space=0.25)
 flags = []
 for k, v in llm.llm_engine.cache_engine.gpu_cache:
     for t in (k, v):
-        mid = t.data_ptr() + t.numel() * t.element_size() // 2
-        flags.append("hg" in mapping_of(mid)["flags"])
+        # Block 0 (the pool's first bytes) is handed out like any other.
+        flags.append(t.data_ptr() % HUGE_PAGE_BYTES == 0 and "hg" in mapping_of(t.data_ptr())["flags"])
 print(json.dumps({{"flags": flags}}))
 """)
     assert got["flags"] and all(got["flags"]), got

@@ -485,8 +485,12 @@ class Bench:
         num_blocks = max(1, math.ceil(pool_bytes / block_bytes))
         kshape, vshape = ops.kv_cache_shapes(num_blocks, heads.kv, heads.size, bs, tdt)
         t0 = time.perf_counter()
-        kc = torch.empty(kshape, dtype=tdt, device=self.dev)
-        vc = torch.empty(vshape, dtype=tdt, device=self.dev)
+        if self.device == "cpu":  # as the engine's CPU pools (worker/cache_engine.py)
+            from vllm_lite.worker.cpu_malloc import empty_huge_pages
+            kc, vc = empty_huge_pages(kshape, tdt), empty_huge_pages(vshape, tdt)
+        else:
+            kc = torch.empty(kshape, dtype=tdt, device=self.dev)
+            vc = torch.empty(vshape, dtype=tdt, device=self.dev)
         fill_random_(torch, kc, self.gen)
         fill_random_(torch, vc, self.gen)
         if self.device == "cuda":
