@@ -35,6 +35,7 @@ namespace {
 constexpr int64_t EW = VLLM_LITE_VEC_WIDTH;
 using EF = Vec<float, EW>;
 using EU = Vec<uint32_t, EW>;
+using EI = Vec<int32_t, EW>;
 
 // Element storage per dtype: load W elements as floats, store W floats rounded to it.
 template <KvDType DT>
@@ -69,12 +70,7 @@ struct Lanes<KvDType::kBFloat16> {
   VLLM_LITE_INLINE static EF load(const T* p) {
     return (EF)(__builtin_convertvector(load_vec<Vec<uint16_t, EW>>(p), EU) << 16);
   }
-  // Nearest even on the top 16 bits; a NaN keeps its sign and becomes quiet (as torch).
-  VLLM_LITE_INLINE static EU bits(EF v) {
-    const EU b = (EU)v;
-    const EU rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-    return (b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : rounded;
-  }
+  VLLM_LITE_INLINE static EU bits(EF v) { return bf16_bits<EU>(v); }
   VLLM_LITE_INLINE static void store(T* p, EF v) {
     store_vec(p, __builtin_convertvector(bits(v), Vec<uint16_t, EW>));
   }
@@ -177,17 +173,6 @@ void rms_norm_rows(const RmsNormArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
-// silu(x) = x / (1 + exp(-x)) through e = exp(-|x|) <= 1 (the polynomial's domain):
-// x >= 0: x / (1 + e); x < 0: exp(-x) = 1 / e, so x * e / (1 + e). e is h * h with
-// h = exp(-|x| / 2), so that for x below -87 (where exp_nonpositive flushes) x * h * h
-// still underflows gradually to the right tiny value, as torch's silu does.
-VLLM_LITE_INLINE EF silu(EF x) {
-  const EF neg_abs = x < 0.f ? x : -x;
-  const EF h = exp_nonpositive<EF, Vec<int32_t, EW>>(neg_abs * 0.5f);
-  const EF num = x < 0.f ? (x * h) * h : x;
-  return num / (1.0f + h * h);
-}
-
 template <KvDType DT>
 void silu_and_mul_rows(const SiluAndMulArgs& a, int64_t r0, int64_t r1) {
   using L = Lanes<DT>;
@@ -202,17 +187,17 @@ void silu_and_mul_rows(const SiluAndMulArgs& a, int64_t r0, int64_t r1) {
     // Two vectors per step: the exp polynomial and the division are one long dependency
     // chain per vector, so a second independent one keeps the FP units busy.
     for (; i + 2 * EW <= full; i += 2 * EW) {
-      const EF a = silu(L::load(g + i));
-      const EF b = silu(L::load(g + i + EW));
+      const EF a = silu<EF, EI>(L::load(g + i));
+      const EF b = silu<EF, EI>(L::load(g + i + EW));
       L::store(out + i, L::round(a) * L::load(u + i));
       L::store(out + i + EW, L::round(b) * L::load(u + i + EW));
     }
     for (; i < full; i += EW) {
-      L::store(out + i, L::round(silu(L::load(g + i))) * L::load(u + i));
+      L::store(out + i, L::round(silu<EF, EI>(L::load(g + i))) * L::load(u + i));
     }
     if (full < D) {
       const int64_t n = D - full;
-      store_part<DT>(out + full, L::round(silu(load_part<DT>(g + full, n))) * load_part<DT>(u + full, n), n);
+      store_part<DT>(out + full, L::round(silu<EF, EI>(load_part<DT>(g + full, n))) * load_part<DT>(u + full, n), n);
     }
   }
 }
@@ -318,7 +303,6 @@ template <KvDType DT>
 void greedy_rows(const GreedySampleArgs& a, int64_t r0, int64_t r1) {
   using L = Lanes<DT>;
   using T = typename L::T;
-  using EI = Vec<int32_t, EW>;
   const int64_t V = a.vocab;
   const int64_t full = V - V % EW;
   EI lane;

@@ -114,5 +114,29 @@ VLLM_LITE_INLINE V exp_nonpositive(V x) {
   return p * (V)e;
 }
 
+
+// silu(x) = x / (1 + exp(-x)) through e = exp(-|x|) <= 1 (the polynomial's domain):
+// x >= 0: x / (1 + e); x < 0: exp(-x) = 1 / e, so x * e / (1 + e). e is h * h with
+// h = exp(-|x| / 2), so that for x below -87 (where exp_nonpositive flushes) x * h * h
+// still underflows gradually to the right tiny value, as torch's silu does. V a float
+// vector, I the int32 vector of its width. (silu_and_mul's kernel and the gated packed GEMM's
+// epilogue share it, so the fused and unfused MLPs agree bit for bit.)
+template <typename V, typename I>
+VLLM_LITE_INLINE V silu(V x) {
+  const V neg_abs = x < 0.f ? x : -x;
+  const V h = exp_nonpositive<V, I>(neg_abs * 0.5f);
+  const V num = x < 0.f ? (x * h) * h : x;
+  return num / (1.0f + h * h);
+}
+
+// float32 lanes -> their bfloat16 bit patterns (in the low half of U's 32-bit lanes),
+// nearest even; a NaN keeps its sign and becomes quiet (as torch's cast). V a float vector.
+template <typename U, typename V>
+VLLM_LITE_INLINE U bf16_bits(V v) {
+  const U b = (U)v;
+  const U rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  return (b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : rounded;
+}
+
 }  // namespace
 }  // namespace vllm_lite::cpu
