@@ -102,6 +102,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
+// packed_gated_linear(x [..., K], packed_weight, bias, I) -> [..., I]: silu(gate) * up of a
+// SwiGLU MLP's gate and up projections in one GEMM, the same bits as silu_and_mul of
+// packed_linear's [gate | up] output where the kernel runs. packed_weight: pack_linear_weight of the [2I, K]
+// weight's rows put in gated panel order (ops.gated_panel_rows: per panel, kGatedPanelCols
+// gate rows then the same outputs' up rows, zero rows past I); bias float32 in that order
+// or none. CPU only; where packed_linear has no kernel, the same math through at::linear.
+at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                               const std::optional<at::Tensor>& bias, int64_t intermediate_size);
 bool packed_linear_kernel_selected(at::ScalarType dtype);
 // Greedy sampling: per row of logits [rows, vocab] (float, half or bfloat16), token_ids[r]
 // = the lowest id among the row's maxima (torch.argmax) and logprobs[r] = its
@@ -118,7 +126,7 @@ at::Tensor llama_decode_layers(
     const std::vector<at::Tensor>& norm_weights, const std::vector<at::Tensor>& weights,
     const std::vector<std::optional<at::Tensor>>& scales,
     const std::vector<std::optional<at::Tensor>>& zeros, const std::vector<int64_t>& group_sizes,
-    const std::vector<std::optional<at::Tensor>>& biases, int64_t intermediate_size,
+    const std::vector<std::optional<at::Tensor>>& biases, int64_t intermediate_size, bool gated_mlp,
     const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
     const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,

@@ -49,11 +49,12 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.def("greedy_sample(Tensor logits, Tensor! token_ids, Tensor! logprobs) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("packed_gated_linear(Tensor x, Tensor packed_weight, Tensor? bias, int intermediate_size) -> Tensor");
   m.def(
       "llama_decode_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, "
       "Tensor[] norm_weights, Tensor[] weights, Tensor?[] scales, "
       "Tensor?[] zeros, int[] group_sizes, Tensor?[] biases, "
-      "int intermediate_size, Tensor(c!)[] key_caches, Tensor(d!)[] value_caches, "
+      "int intermediate_size, bool gated_mlp, Tensor(c!)[] key_caches, Tensor(d!)[] value_caches, "
       "Tensor cos_sin_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "int block_size, int max_seq_len, int num_kv_heads, float scale, str kv_cache_dtype, "
       "float k_scale, float v_scale, Tensor(e!) attn_out, Tensor(f!)? exp_sums, "
@@ -81,6 +82,7 @@ TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   m.impl("int4_linear", &vllm_lite::cpu::int4_linear);  // CPU only (ops.h)
   m.impl("pack_linear_weight", &vllm_lite::cpu::pack_linear_weight);  // CPU only (ops.h)
   m.impl("packed_linear", &vllm_lite::cpu::packed_linear);            // CPU only (ops.h)
+  m.impl("packed_gated_linear", &vllm_lite::cpu::packed_gated_linear);  // CPU only (ops.h)
   m.impl("llama_decode_layers", &vllm_lite::cpu::llama_decode_layers);  // CPU only (ops.h)
   m.impl("greedy_sample", &vllm_lite::cpu::greedy_sample);              // CPU only (ops.h)
 }

@@ -577,8 +577,9 @@ void check_pack_linear_weight(const at::Tensor& weight) {
 
 void check_packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features,
-                         int64_t panel_cols) {
-  const char* op = "packed_linear";
+                         int64_t panel_cols, bool gated) {
+  const char* op = gated ? "packed_gated_linear" : "packed_linear";
+  const char* out_name = gated ? "intermediate_size" : "out_features";
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be Float or BFloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., K], got a scalar");
@@ -600,14 +601,18 @@ void check_packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
               ", got shape ", packed_weight.sizes());
   TORCH_CHECK(x.size(-1) == k, op, ": x's last dimension (", x.size(-1),
               ") must equal packed_weight's K (", k, ")");
-  TORCH_CHECK(out_features >= 1 && (out_features + panel_cols - 1) / panel_cols == panels, op,
-              ": out_features ", out_features, " does not match packed_weight's ", panels,
-              " panels of ", panel_cols, " columns");
+  // A gated panel holds half its columns' worth of outputs (gate and up features).
+  const int64_t outputs_per_panel = gated ? panel_cols / 2 : panel_cols;
+  TORCH_CHECK(out_features >= 1 && (out_features + outputs_per_panel - 1) / outputs_per_panel == panels,
+              op, ": ", out_name, " ", out_features, " does not match packed_weight's ", panels,
+              " panels of ", outputs_per_panel, gated ? " outputs" : " columns");
   if (bias.has_value()) {
+    // A gated weight's bias is in its column order (ops.gated_panel_rows), every panel full.
+    const int64_t bias_len = gated ? panels * panel_cols : out_features;
     check_dtype(op, *bias, "bias", at::kFloat);
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, op,
-                ": bias must be [out_features] = [", out_features, "], got shape ",
-                bias->sizes());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == bias_len, op, ": bias must be [",
+                gated ? "panels * panel columns" : "out_features", "] = [", bias_len,
+                "], got shape ", bias->sizes());
     check_contiguous(op, *bias, "bias");
     check_same_device(op, *bias, "bias", x, "x");
   }

@@ -130,10 +130,12 @@ void check_pack_linear_weight(const at::Tensor& weight);
 // packed_linear: x float32 or bfloat16 [..., K]; packed_weight pack_linear_weight's of the
 // same dtype (bfloat16 [panels, K / 2, panel columns, 2], float32 [panels, K, panel
 // columns]) contiguous, out_features N with panels = ceil(N / panel columns); bias float32
-// [N] contiguous or none; all on the CPU.
+// [N] contiguous or none; all on the CPU. gated (packed_gated_linear): out_features is
+// the intermediate size I, with panels = ceil(I / (panel columns / 2)), and bias is
+// [panels * panel columns] (the weight's column order).
 void check_packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features,
-                         int64_t panel_cols);
+                         int64_t panel_cols, bool gated = false);
 
 // Element-wise ops of the decoder layer (rms_norm, fused_add_rms_norm, silu_and_mul,
 // rotary_embedding). Float, half or bfloat16, every tensor of one op in one dtype (the

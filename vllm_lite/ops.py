@@ -304,6 +304,35 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return _ops.packed_linear(x, packed_weight, bias, out_features)
 
 
+def gated_panel_rows(t: torch.Tensor) -> torch.Tensor:
+    """The rows [gate (I) | up (I)] of ``t`` (a SwiGLU MLP's fused gate_up weight [2I, K],
+    or its bias [2I]) in the order :func:`packed_gated_linear`'s weight has them: per
+    panel of the packed layout, PACKED_PANEL_COLS / 2 gate rows then the same outputs' up
+    rows, zero rows past I; [panels * PACKED_PANEL_COLS, ...]. Pack the result with
+    :func:`pack_linear_weight`."""
+    if t.dim() not in (1, 2) or t.shape[0] % 2 or t.shape[0] == 0:
+        raise ValueError(f"gated_panel_rows: t must be [2I] or [2I, K] with I >= 1, got "
+                         f"shape {tuple(t.shape)}")
+    half = vllm_lite._C.PACKED_PANEL_COLS // 2  # kGatedPanelCols (packed_linear_params.h)
+    n = t.shape[0] // 2
+    panels = -(-n // half)
+    rows = t.new_zeros((2, panels * half, *t.shape[1:]))
+    rows[:, :n] = t.reshape(2, n, *t.shape[1:])
+    # [gate | up][panel, row] -> [panel][gate | up][row]
+    return rows.reshape(2, panels, half, *t.shape[1:]).transpose(0, 1).reshape(
+        panels * 2 * half, *t.shape[1:]).contiguous()
+
+
+def packed_gated_linear(x: torch.Tensor, packed_weight: torch.Tensor,
+                        bias: torch.Tensor | None, intermediate_size: int) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) [..., intermediate_size] in x's dtype, for a gate_up
+    weight [2 * intermediate_size, K] packed by ``pack_linear_weight(gated_panel_rows(w))``
+    and bias ``gated_panel_rows(b)`` float32 or None: one GEMM instead of
+    :func:`packed_linear` then :func:`silu_and_mul`, with the same bits where the kernel
+    runs (the gate and up outputs rounded to x's dtype first, as those ops do). CPU only (models.llama.Linear)."""
+    return _ops.packed_gated_linear(x, packed_weight, bias, intermediate_size)
+
+
 # One projection as llama_decode_layers takes it: (weight, scales, zeros, group_size,
 # float32 bias or None): packed_linear on a packed float weight (scales None), int8_linear
 # (zeros None), or int4_linear with group_size.
@@ -316,7 +345,7 @@ def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor,
                         weights: list[torch.Tensor], scales: list[torch.Tensor | None],
                         zeros: list[torch.Tensor | None], group_sizes: list[int],
                         biases: list[torch.Tensor | None], intermediate_size: int,
-                        key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                        gated_mlp: bool, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                         cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                         max_seq_len: int, num_heads: int, num_kv_heads: int, head_size: int,
@@ -329,13 +358,15 @@ def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor,
     neox rotary, the cache write and paged attention (v1 or v2 as :func:`paged_attention`
     picks) - the kernels models.llama's layers call, in their order, so the same bits.
     ``hidden`` [T, hidden_size] is overwritten; ``residual`` (same shape, contents ignored)
-    receives the residual stream, which the first layer starts from ``hidden``. Returns the
-    last layer's MLP output. CPU only (csrc/cpu/decode_layers.cpp)."""
+    receives the residual stream, which the first layer starts from ``hidden``.
+    ``gated_mlp``: every gate_up projection is a float weight packed gated (see
+    :func:`packed_gated_linear`), run as that op. Returns the last layer's MLP output. CPU
+    only (csrc/cpu/decode_layers.cpp)."""
     attn_out = hidden.new_empty((hidden.shape[0], num_heads, head_size))
     exp_sums, max_logits, tmp_out = v2_scratch(attn_out, max_seq_len) or (None, None, None)
     return _ops.llama_decode_layers(
         hidden, residual, positions, norm_weights, weights, scales, zeros, group_sizes, biases,
-        intermediate_size, key_caches, value_caches, cos_sin_cache, slot_mapping, block_tables,
+        intermediate_size, gated_mlp, key_caches, value_caches, cos_sin_cache, slot_mapping, block_tables,
         seq_lens, block_size, max_seq_len, num_kv_heads, scale, kv_cache_dtype, k_scale,
         v_scale, attn_out, exp_sums, max_logits, tmp_out, epsilon)
 
@@ -463,6 +494,12 @@ def _register_fakes() -> None:
     def _packed_linear_fake(x: torch.Tensor, packed_weight: torch.Tensor,
                             bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("vllm_lite::packed_gated_linear")
+    def _packed_gated_linear_fake(x: torch.Tensor, packed_weight: torch.Tensor,
+                                  bias: torch.Tensor | None,
+                                  intermediate_size: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], intermediate_size))
 
     @torch.library.register_fake("vllm_lite::llama_decode_layers")
     def _llama_decode_layers_fake(hidden: torch.Tensor, *args: object) -> torch.Tensor:

@@ -17,6 +17,8 @@
 //   hidden = projection 4l + 1 (attn_out)
 //   fused_add_rms_norm(hidden, residual)                              (norm_weights[2l + 1])
 //   hidden = projection 4l + 3 (silu_and_mul(projection 4l + 2 (hidden)))
+//     with gated_mlp, projection 4l + 2 is a float weight packed gated, and
+//     packed_gated_linear computes the silu_and_mul of it in one GEMM (the same bits)
 // Returns the last layer's MLP output; residual (a buffer the caller owns, [T, hidden], its
 // contents ignored) holds the stream before it. One token per sequence (T = number of sequences).
 #include <ATen/ATen.h>
@@ -42,7 +44,7 @@ at::Tensor llama_decode_layers(
     const std::vector<at::Tensor>& norm_weights, const std::vector<at::Tensor>& weights,
     const std::vector<std::optional<at::Tensor>>& scales,
     const std::vector<std::optional<at::Tensor>>& zeros, const std::vector<int64_t>& group_sizes,
-    const std::vector<std::optional<at::Tensor>>& biases, int64_t intermediate_size,
+    const std::vector<std::optional<at::Tensor>>& biases, int64_t intermediate_size, bool gated_mlp,
     const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
     const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
@@ -73,6 +75,10 @@ at::Tensor llama_decode_layers(
   TORCH_CHECK(attn_out.dim() == 3 && attn_out.size(0) == hidden.size(0),
               "llama_decode_layers: attn_out must be [T, num_heads, head_size] with T = ",
               hidden.size(0), ", got ", attn_out.sizes());
+  for (int64_t l = 0; gated_mlp && l < layers; ++l) {
+    TORCH_CHECK(!scales[4 * l + 2].has_value(), "llama_decode_layers: gated_mlp needs float "
+                "gate_up weights (packed gated), but layer ", l, "'s has scales (quantized)");
+  }
   const bool v2 = exp_sums.has_value();
   TORCH_CHECK(v2 == max_logits.has_value() && v2 == tmp_out.has_value(),
               "llama_decode_layers: exp_sums, max_logits and tmp_out (paged attention v2's "
@@ -114,9 +120,14 @@ at::Tensor llama_decode_layers(
     }
     x = proj(attn_out.view({T, q_size}), 4 * l + 1, width);
     fused_add_rms_norm(x, residual, norm_weights[2 * l + 1], epsilon);
-    const at::Tensor gate_up = proj(x, 4 * l + 2, 2 * intermediate_size);
-    at::Tensor act = at::empty({T, intermediate_size}, gate_up.options());
-    silu_and_mul(act, gate_up);
+    at::Tensor act;
+    if (gated_mlp) {
+      act = packed_gated_linear(x, weights[4 * l + 2], biases[4 * l + 2], intermediate_size);
+    } else {
+      const at::Tensor gate_up = proj(x, 4 * l + 2, 2 * intermediate_size);
+      act = at::empty({T, intermediate_size}, gate_up.options());
+      silu_and_mul(act, gate_up);
+    }
     x = proj(act, 4 * l + 3, width);
   }
   return x;

@@ -77,27 +77,63 @@ at::Tensor unpack_linear_weight(const at::Tensor& packed, int64_t N) {
   return t.reshape({packed.size(0) * kPackedPanelCols, K}).narrow(0, 0, N).contiguous();
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
-                         const std::optional<at::Tensor>& bias, int64_t out_features) {
-  check_packed_linear(x, packed_weight, bias, out_features, kPackedPanelCols);
-  const int64_t K = x.size(-1), N = out_features, panels = packed_weight.size(0);
+namespace {
+
+// y [..., N] = x W^T + bias through the selected kernel (N: out_features, or the
+// intermediate size of a gated weight: then silu(gate) * up); an undefined tensor where
+// the kernel is not selected for x's dtype.
+at::Tensor run_packed(const at::Tensor& x, const at::Tensor& packed_weight,
+                      const std::optional<at::Tensor>& bias, int64_t N, bool gated) {
+  const PackedLinearFn fn = selected_kernel(x.scalar_type());
+  if (fn == nullptr) return {};
+  const int64_t K = x.size(-1), panels = packed_weight.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  const PackedLinearFn fn = selected_kernel(x.scalar_type());
-  if (fn == nullptr) {
-    const at::Tensor w = unpack_linear_weight(packed_weight, N).to(at::kFloat);
-    return at::linear(x.to(at::kFloat), w, bias).to(x.scalar_type());
-  }
   const at::Tensor x2 = x.reshape({-1, K});
   const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
   const int64_t M = xc.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y.reshape(out_shape);
-  const PackedLinearArgs a{xc.data_ptr(), packed_weight.data_ptr(),
-                           bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr(),
-                           M, K, N, xc.stride(0)};
+  PackedLinearArgs a{xc.data_ptr(), packed_weight.data_ptr(),
+                     bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr(),
+                     M, K, N, xc.stride(0)};
+  a.gated = gated;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { fn(a, p0, p1); });
   return y.reshape(out_shape);
+}
+
+}  // namespace
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                         const std::optional<at::Tensor>& bias, int64_t out_features) {
+  check_packed_linear(x, packed_weight, bias, out_features, kPackedPanelCols);
+  at::Tensor y = run_packed(x, packed_weight, bias, out_features, /*gated=*/false);
+  if (y.defined()) return y;
+  const at::Tensor w = unpack_linear_weight(packed_weight, out_features).to(at::kFloat);
+  return at::linear(x.to(at::kFloat), w, bias).to(x.scalar_type());
+}
+
+at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                               const std::optional<at::Tensor>& bias,
+                               int64_t intermediate_size) {
+  check_packed_linear(x, packed_weight, bias, intermediate_size, kPackedPanelCols, /*gated=*/true);
+  at::Tensor y = run_packed(x, packed_weight, bias, intermediate_size, /*gated=*/true);
+  if (y.defined()) return y;
+  // No kernel for x's dtype: packed_linear's math on the unpacked weight, its [gate | up]
+  // columns put back in order, then silu_and_mul (so the same bits as the unfused ops).
+  const int64_t panels = packed_weight.size(0);
+  const at::Tensor w = unpack_linear_weight(packed_weight, panels * kPackedPanelCols).to(at::kFloat);
+  const at::Tensor both = at::linear(x.reshape({-1, x.size(-1)}).to(at::kFloat), w, bias)
+                              .to(x.scalar_type()).reshape({-1, panels, 2, kGatedPanelCols});
+  const auto half = [&](int64_t h) {
+    return both.select(2, h).reshape({-1, panels * kGatedPanelCols}).narrow(1, 0, intermediate_size);
+  };
+  const at::Tensor gate_up = at::cat({half(0), half(1)}, 1);
+  at::Tensor out = at::empty({gate_up.size(0), intermediate_size}, x.options());
+  silu_and_mul(out, gate_up);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = intermediate_size;
+  return out.reshape(out_shape);
 }
 
 }  // namespace vllm_lite::cpu

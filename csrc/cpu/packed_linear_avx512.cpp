@@ -32,11 +32,18 @@ namespace {
 
 constexpr int64_t NV = kPackedPanelVecs;
 
+// store_gated's rounding in float32: none.
+struct F32Round {
+  static __m512 output(__m512 v) { return v; }
+  static __m512 act(__m512 v) { return v; }
+};
+
 // Rows [0, R) of x times one panel w (see the bf16 kernel's tile).
 struct F32Tile {
   template <int64_t R>
   static void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* scale,
-                   const float* bias, float* y, int64_t N, int64_t cols, const float* next) {
+                   const float* bias, float* y, int64_t N, int64_t cols, const float* next,
+                   int64_t gated_cols) {
     __m512 acc[R][NV];
     init_acc(acc, scale, bias, cols);
     for (int64_t k = 0; k < K; ++k) {
@@ -54,9 +61,11 @@ struct F32Tile {
         for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
       }
     }
-    store_acc(acc, scale, bias, cols, [&](int64_t r, int64_t c0, __mmask16 m, __m512 v) {
+    const auto store = [&](int64_t r, int64_t c0, __mmask16 m, __m512 v) {
       _mm512_mask_storeu_ps(y + r * N + c0, m, v);
-    });
+    };
+    if (gated_cols > 0) return store_gated<F32Round>(acc, gated_cols, store);
+    store_acc(acc, scale, bias, cols, store);
   }
 };
 

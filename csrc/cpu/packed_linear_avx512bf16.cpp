@@ -59,11 +59,23 @@ void store_bf16(__m512 (&acc)[R][NV], const float* scale, const float* bias, uin
   });
 }
 
+// store_gated's rounding in bfloat16: the projection's output as store_bf16 rounds it
+// (vcvtneps2bf16), the silu as silu_and_mul rounds it (nearest even, bf16_bits).
+struct Bf16Round {
+  static __m512 output(__m512 v) {
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  }
+  static __m512 act(__m512 v) {
+    return (__m512)(bf16_bits<Vec<uint32_t, kPackedVecCols>>((Vec<float, kPackedVecCols>)v) << 16);
+  }
+};
+
 struct Bf16Tile {
   template <int64_t R>
   static void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
                    const float* scale, const float* bias, uint16_t* y, int64_t N,
-                   int64_t cols, const uint16_t* next) {
+                   int64_t cols, const uint16_t* next, int64_t gated_cols) {
     __m512 acc[R][NV];
     init_acc(acc, scale, bias, cols);
     const int64_t pairs = K / 2;
@@ -80,6 +92,13 @@ struct Bf16Tile {
         const __m512bh xv = bcast_pair(x + r * xs + 2 * j);
         for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
       }
+    }
+    if (gated_cols > 0) {
+      store_gated<Bf16Round>(acc, gated_cols, [&](int64_t r, int64_t c0, __mmask16 m, __m512 v) {
+        const auto bits = bf16_bits<Vec<uint32_t, kPackedVecCols>>((Vec<float, kPackedVecCols>)v);
+        _mm256_mask_storeu_epi16(y + r * N + c0, m, _mm512_cvtepi32_epi16((__m512i)bits));
+      });
+      return;
     }
     store_bf16(acc, scale, bias, y, N, cols);
   }

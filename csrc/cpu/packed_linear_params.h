@@ -20,6 +20,9 @@ namespace vllm_lite::cpu {
 constexpr int64_t kPackedVecCols = 16;
 constexpr int64_t kPackedPanelVecs = 3;
 constexpr int64_t kPackedPanelCols = kPackedVecCols * kPackedPanelVecs;
+// Outputs per panel of a gated weight (packed_gated_linear): half its columns are gate
+// features, half up (packed_tile.h's store_gated).
+constexpr int64_t kGatedPanelCols = kPackedPanelCols / 2;
 // Activation rows per register tile: kPackedTileRows x kPackedPanelVecs accumulators, the
 // panel's vectors and one broadcast fit AVX-512's 32 registers.
 constexpr int64_t kPackedTileRows = 8;
@@ -57,6 +60,10 @@ struct PackedLinearArgs {
   // [N] or nullptr: y = scale * (x W^T) + bias (int8_linear's per-channel scales, applied
   // to the exact sums of x times the int8 weights).
   const float* scale = nullptr;
+  // The weight is gated (packed_gated_linear): y [M, N] = silu(gate) * up, panel p's
+  // kGatedPanelCols outputs from its gate and up columns; bias (with the weight's
+  // columns, all panels full) as for a plain weight; no scale.
+  bool gated = false;
 };
 
 // A weight-only quantized weight packed by pack_linear_weight like a float32 weight (one
@@ -84,13 +91,17 @@ struct PackedQuantWeight {
 // without them, 12-24 rows of 576x960 and 1536x576 with the weights from memory took
 // 8-15% less (Zen 4 VM, 2 threads; 576x3072 and the LM head unchanged), while 1-8 rows
 // need them (576x3072 at 1 row: 98-104 us with, 107-120 without).
+// gated_cols: 0 for a plain weight; for a gated one (args.gated) the panel's outputs,
+// which the tile stores through store_gated (packed_tile.h) instead.
 template <typename Kernel, int64_t R, typename T>
 inline void tile_of(int64_t rows, const T* x, int64_t xs, const T* w, int64_t K,
                     const float* scale, const float* bias, T* y, int64_t N, int64_t cols,
-                    const T* next) {
+                    const T* next, int64_t gated_cols) {
   if constexpr (R > 0) {
-    if (rows == R) return Kernel::template tile<R>(x, xs, w, K, scale, bias, y, N, cols, next);
-    tile_of<Kernel, R - 1>(rows, x, xs, w, K, scale, bias, y, N, cols, next);
+    if (rows == R) {
+      return Kernel::template tile<R>(x, xs, w, K, scale, bias, y, N, cols, next, gated_cols);
+    }
+    tile_of<Kernel, R - 1>(rows, x, xs, w, K, scale, bias, y, N, cols, next, gated_cols);
   }
 }
 
@@ -112,16 +123,19 @@ inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelO
     const int64_t m1 = std::min(a.M, m0 + block);
     const bool prefetch = m1 - m0 <= kPackedTileRows;  // a single tile (see above)
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPackedPanelCols;
-      const int64_t cols = std::min(kPackedPanelCols, a.N - n0);
+      const int64_t n0 = p * kPackedPanelCols;  // the panel's first weight column
+      // Its first output column, and how many of its columns / outputs are stored.
+      const int64_t y0 = a.gated ? p * kGatedPanelCols : n0;
+      const int64_t out_cols = std::min(a.gated ? kGatedPanelCols : kPackedPanelCols, a.N - y0);
+      const int64_t cols = a.gated ? kPackedPanelCols : out_cols;
       const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
       const float* scale = a.scale != nullptr ? a.scale + n0 : nullptr;
       const PanelRef<T> w = panel_of(p);
       for (int64_t m = m0; m < m1; m += kPackedTileRows) {
         tile_of<Kernel, kPackedTileRows>(std::min(kPackedTileRows, m1 - m),
                                          x + m * a.x_row_stride, a.x_row_stride, w.w, a.K,
-                                         scale, bias, y + m * a.N + n0, a.N, cols,
-                                         prefetch ? w.next : nullptr);
+                                         scale, bias, y + m * a.N + y0, a.N, cols,
+                                         prefetch ? w.next : nullptr, a.gated ? out_cols : 0);
       }
     }
   }

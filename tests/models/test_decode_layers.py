@@ -70,6 +70,10 @@ def test_one_call_decode_matches_the_layers_bit_for_bit(
     rng = random.Random()
     prompts = [[rng.randrange(BASE["vocab_size"]) for _ in range(rng.randint(1, 40))]
                for _ in range(5)]
+    # Float weights: gate_up packed gated (packed_gated_linear on both paths); quantized
+    # ones: gate_up then silu_and_mul.
+    mlp = llm.llm_engine.model.model.layers[0].mlp
+    assert getattr(mlp.gate_up_proj, "gated_packed", False) == (quantization == "none")
     fused = _generate(llm, prompts, True, 12, counted)
     calls = counted[0]
     plain = _generate(llm, prompts, False, 12, counted)
@@ -117,7 +121,7 @@ def test_bad_lists_are_named_errors() -> None:
     hidden = torch.randn(t, width)
     kc, vc = (torch.zeros(s) for s in ops.kv_cache_shapes(4, kv_heads, head, 4, torch.float32))
     common = dict(positions=torch.zeros(t, dtype=torch.long),
-                  intermediate_size=8, cos_sin_cache=torch.zeros(16, head),
+                  intermediate_size=8, gated_mlp=False, cos_sin_cache=torch.zeros(16, head),
                   slot_mapping=torch.arange(t), block_tables=torch.zeros(t, 1, dtype=torch.int32),
                   seq_lens=torch.ones(t, dtype=torch.int32), block_size=4, max_seq_len=1,
                   num_heads=heads, num_kv_heads=kv_heads, head_size=head, scale=0.5,
@@ -131,10 +135,13 @@ def test_bad_lists_are_named_errors() -> None:
         cases.append(({**good, name: good[name][:3]}, f"{name} must hold 4 per layer"))
     cases += [({**good, "value_caches": []}, "value_caches has 0 layers"),
               ({name: [] for name in good}, "no layers")]
+    # gated_mlp with a quantized (scaled) gate_up projection
+    quant = {**good, "scales": [None, None, torch.ones(8), None]}
+    cases.append(({**quant, "gated_mlp": True}, "gated_mlp needs float gate_up weights"))
     for lists, message in cases:
         before = hidden.clone()
         with pytest.raises(RuntimeError, match=message):
-            ops.llama_decode_layers(hidden, torch.empty_like(hidden), **common, **lists)
+            ops.llama_decode_layers(hidden, torch.empty_like(hidden), **{**common, **lists})
         assert torch.equal(hidden, before)  # refused before anything ran
 
 

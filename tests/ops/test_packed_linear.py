@@ -176,3 +176,131 @@ def test_opcheck(dtype) -> None:
     packed = ops.pack_linear_weight(w)
     torch.library.opcheck(torch.ops.vllm_lite.packed_linear.default, (x, packed, b, 8),
                           test_utils=utils)
+
+
+# ---- packed_gated_linear: silu(gate) * up of a [gate | up] weight in one GEMM ----------
+
+def _gated_reference(x, w, b):
+    """float64 silu(x gate^T + b_gate) * (x up^T + b_up)."""
+    ref = _reference(x, w, b)
+    i = w.shape[0] // 2
+    return torch.nn.functional.silu(ref[:, :i]) * ref[:, i:]
+
+
+def _pack_gated(w, b):
+    return (ops.pack_linear_weight(ops.gated_panel_rows(w)),
+            ops.gated_panel_rows(b) if b is not None else None)
+
+
+# (rows, K, I): I = 24 a panel's outputs, I mid-panel (7, 40: the second vector's 8
+# lanes; 16 on its edge, 100), the default model's 576 x 1536; rows as SHAPES.
+GATED_SHAPES = [(1, 2, 1), (1, 64, 24), (2, 64, 7), (3, 96, 16), (4, 576, 40),
+                (5, 100, 100), (8, 34, 17), (9, 576, 1536), (17, 576, 96), (31, 64, 300),
+                (300, 96, 72), (700, 1536, 25)]
+
+
+@pytest.mark.parametrize("m,k,i", GATED_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gated_matches_float64_and_the_unfused_ops(isa: str, m: int, k: int, i: int, bias: bool,
+                                                   dtype) -> None:
+    """Within rounding of the float64 reference, and where the kernel runs the same bits
+    as packed_linear then silu_and_mul (what the layer ran before; it rounds the projection
+    first). Elsewhere both go through at::linear, on differently shaped weights."""
+    x, w, b = _case(m, k, 2 * i, seed=m * 1000 + i + k + 7, bias=bias, dtype=dtype)
+    packed, gb = _pack_gated(w, b)
+    y = ops.packed_gated_linear(x, packed, gb, i)
+    assert y.shape == (m, i) and y.dtype == dtype
+    ref = _gated_reference(x, w, b)
+    # Two roundings of the projection before the product in bf16 (the unfused ops' own).
+    tol = (2e-2 if dtype == torch.bfloat16 else 1e-5) * float(ref.abs().max()) + 1e-6
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=tol)
+    unfused = ops.silu_and_mul(ops.packed_linear(x, ops.pack_linear_weight(w), b, 2 * i))
+    if ops.packed_linear_kernel_selected(dtype):
+        assert torch.equal(y, unfused)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gated_extreme_values(isa: str, dtype) -> None:
+    """Gates far negative (silu underflows gradually), large, NaN and inf: the unfused ops'
+    values, NaN where they give NaN (one nonzero product per output: exact on any path)."""
+    k, i = 4, 30
+    w = torch.zeros(2 * i, k, dtype=dtype)
+    w[:i, 0] = torch.tensor([-200., -100., -88., -87., -20., -1e-3, 0., 1e-3, 3., 90., 1e4,
+                             -1e4, 5., -5., 0.5, -0.5, 1e30, -1e30, 7., -7., 1., -1., 2.,
+                             -2., 10., -10., 60., -60., 0.25, -0.25]).to(dtype)
+    w[i:, 1] = torch.linspace(-3, 3, i).to(dtype)
+    x = torch.tensor([[1., 1., 0., 0.], [float("nan"), 1., 0., 0.], [float("inf"), 1., 0., 0.],
+                      [1., float("-inf"), 0., 0.]]).to(dtype)
+    packed, _ = _pack_gated(w, None)
+    y = ops.packed_gated_linear(x, packed, None, i)
+    unfused = ops.silu_and_mul(ops.packed_linear(x, ops.pack_linear_weight(w), None, 2 * i))
+    torch.testing.assert_close(y, unfused, rtol=0, atol=0, equal_nan=True)
+
+
+def test_gated_panel_rows_order() -> None:
+    """Per panel: 24 gate rows then the same outputs' up rows, zero rows past I."""
+    i = 30
+    w = torch.arange(2 * i * 3, dtype=torch.float32).reshape(2 * i, 3) + 1
+    rows = ops.gated_panel_rows(w)
+    assert rows.shape == (96, 3)
+    for p in range(2):
+        for c in range(24):
+            j = 24 * p + c
+            gate, up = rows[48 * p + c], rows[48 * p + 24 + c]
+            if j < i:
+                assert torch.equal(gate, w[j]) and torch.equal(up, w[i + j])
+            else:
+                assert not gate.any() and not up.any()
+    assert torch.equal(ops.gated_panel_rows(w[:, 0]), rows[:, 0])  # a bias the same way
+    with pytest.raises(ValueError, match="t must be"):
+        ops.gated_panel_rows(w[:-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gated_linear_layer(dtype) -> None:
+    """models.llama.Linear(gated=True) packs in gated order where the kernel is selected and
+    forward(x, silu_and_mul=True) is the op; plain forward still the projection."""
+    from vllm_lite.models.llama import Linear
+
+    torch.manual_seed(8)
+    lin = Linear(64, 80, bias=True, gated=True).to(dtype)
+    lin.prepare_for_cpu()
+    x = torch.randn(3, 64).to(dtype)
+    with torch.no_grad():
+        act, plain = lin(x, silu_and_mul=True), lin(x)
+    w, b = lin.weight.detach(), lin.bias.detach().float()
+    ref = _reference(x, w, b)
+    torch.testing.assert_close(plain.double(), ref, rtol=0, atol=2e-2 * float(ref.abs().max()))
+    gated_ref = _gated_reference(x, w, b)
+    torch.testing.assert_close(act.double(), gated_ref, rtol=0,
+                               atol=2e-2 * float(gated_ref.abs().max()))
+    assert lin.gated_packed == ops.packed_linear_kernel_selected(dtype)
+    if lin.gated_packed:  # the op on the gated copy: the unfused packed ops' bits
+        unfused = ops.silu_and_mul(ops.packed_linear(x, ops.pack_linear_weight(w), b, 80))
+        assert torch.equal(act, unfused)
+    with pytest.raises(ValueError, match="even out_features"):
+        Linear(64, 81, gated=True)
+
+
+@pytest.mark.parametrize("what,args,match", [
+    ("I", lambda x, p, b, i: (x, p, b, i + 24), "intermediate_size"),
+    ("I 0", lambda x, p, b, i: (x, p, None, 0), "intermediate_size"),
+    ("bias shape", lambda x, p, b, i: (x, p, b[:-1], i), r"bias must be \[panels"),
+    ("bias unpermuted", lambda x, p, b, i: (x, p, b[:2 * i], i), r"bias must be \[panels"),
+    ("K", lambda x, p, b, i: (x[:, :-2], p, b, i), "packed_gated_linear: x's last dimension"),
+    ("packed dtype", lambda x, p, b, i: (x, p.float(), b, i), "packed_weight must be BFloat16"),
+])
+def test_gated_bad_arguments(what: str, args, match: str) -> None:
+    x, w, b = _case(4, 16, 2 * 20, seed=2, bias=True, dtype=torch.bfloat16)
+    packed, gb = _pack_gated(w, b)
+    with pytest.raises(RuntimeError, match=match):
+        ops.packed_gated_linear(*args(x, packed, gb, 20))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gated_opcheck(dtype) -> None:
+    x, w, b = _case(3, 16, 2 * 10, seed=3, bias=True, dtype=dtype)
+    packed, gb = _pack_gated(w, b)
+    torch.library.opcheck(torch.ops.vllm_lite.packed_gated_linear.default, (x, packed, gb, 10),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

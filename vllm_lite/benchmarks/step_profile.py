@@ -7,10 +7,11 @@ engine's own functions and forward hooks on the model's modules:
 - ``schedule``: the scheduler and block manager (``Scheduler.schedule``);
 - ``prepare inputs``: building the step's tensors and metadata (``ModelRunner.prepare_input``);
 - ``linear``: the decoder's projections (qkv, o, gate_up, down: every ``nn.Linear`` /
-  quantized layer but the LM head);
+  quantized layer but the LM head), with the MLP's activation where gate_up computes it
+  in its GEMM (a gated-packed ``Linear``: ``ops.packed_gated_linear``);
 - ``attention``: the attention layers (cache write, the paged kernel or SDPA);
-- ``other model ops``: the rest of the forward (embedding, norms, rotary, activations,
-  residuals);
+- ``other model ops``: the rest of the forward (embedding, norms, rotary, unfused
+  activations, residuals);
 - ``lm_head``: the logits of the sampled rows;
 - ``sampler``: ``Sampler``;
 - ``output processing``: appending tokens, stop checks, detokenizing, outputs;
