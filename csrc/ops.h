@@ -104,10 +104,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
 // packed_gated_linear(x [..., K], packed_weight, bias, I) -> [..., I]: silu(gate) * up of a
 // SwiGLU MLP's gate and up projections in one GEMM, the same bits as silu_and_mul of
-// packed_linear's [gate | up] output where the kernel runs. packed_weight: pack_linear_weight of the [2I, K]
-// weight's rows put in gated panel order (ops.gated_panel_rows: per panel, kGatedPanelCols
-// gate rows then the same outputs' up rows, zero rows past I); bias float32 in that order
-// or none. CPU only; where packed_linear has no kernel, the same math through at::linear.
+// packed_linear's [gate | up] output where the kernel runs. packed_weight:
+// pack_linear_weight of the [2I, K] weight's rows put in gated panel order
+// (ops.gated_panel_rows: per panel, kGatedPanelCols gate rows then the same outputs' up
+// rows, zero rows past I); bias float32 in that order or none. CPU only; where
+// packed_linear has no kernel, the same math through at::linear.
 at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                                const std::optional<at::Tensor>& bias, int64_t intermediate_size);
 bool packed_linear_kernel_selected(at::ScalarType dtype);

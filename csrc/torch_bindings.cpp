@@ -49,7 +49,9 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.def("greedy_sample(Tensor logits, Tensor! token_ids, Tensor! logprobs) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
-  m.def("packed_gated_linear(Tensor x, Tensor packed_weight, Tensor? bias, int intermediate_size) -> Tensor");
+  m.def(
+      "packed_gated_linear(Tensor x, Tensor packed_weight, Tensor? bias, int intermediate_size) "
+      "-> Tensor");
   m.def(
       "llama_decode_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, "
       "Tensor[] norm_weights, Tensor[] weights, Tensor?[] scales, "

@@ -603,9 +603,10 @@ void check_packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
               ") must equal packed_weight's K (", k, ")");
   // A gated panel holds half its columns' worth of outputs (gate and up features).
   const int64_t outputs_per_panel = gated ? panel_cols / 2 : panel_cols;
-  TORCH_CHECK(out_features >= 1 && (out_features + outputs_per_panel - 1) / outputs_per_panel == panels,
-              op, ": ", out_name, " ", out_features, " does not match packed_weight's ", panels,
-              " panels of ", outputs_per_panel, gated ? " outputs" : " columns");
+  const int64_t needed = (out_features + outputs_per_panel - 1) / outputs_per_panel;
+  TORCH_CHECK(out_features >= 1 && needed == panels, op, ": ", out_name, " ", out_features,
+              " does not match packed_weight's ", panels, " panels of ", outputs_per_panel,
+              gated ? " outputs" : " columns");
   if (bias.has_value()) {
     // A gated weight's bias is in its column order (ops.gated_panel_rows), every panel full.
     const int64_t bias_len = gated ? panels * panel_cols : out_features;

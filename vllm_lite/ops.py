@@ -329,7 +329,8 @@ def packed_gated_linear(x: torch.Tensor, packed_weight: torch.Tensor,
     weight [2 * intermediate_size, K] packed by ``pack_linear_weight(gated_panel_rows(w))``
     and bias ``gated_panel_rows(b)`` float32 or None: one GEMM instead of
     :func:`packed_linear` then :func:`silu_and_mul`, with the same bits where the kernel
-    runs (the gate and up outputs rounded to x's dtype first, as those ops do). CPU only (models.llama.Linear)."""
+    runs (the gate and up outputs rounded to x's dtype first, as those ops do). CPU only
+    (models.llama.Linear)."""
     return _ops.packed_gated_linear(x, packed_weight, bias, intermediate_size)
 
 
@@ -345,7 +346,8 @@ def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor,
                         weights: list[torch.Tensor], scales: list[torch.Tensor | None],
                         zeros: list[torch.Tensor | None], group_sizes: list[int],
                         biases: list[torch.Tensor | None], intermediate_size: int,
-                        gated_mlp: bool, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                        gated_mlp: bool, key_caches: list[torch.Tensor],
+                        value_caches: list[torch.Tensor],
                         cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                         max_seq_len: int, num_heads: int, num_kv_heads: int, head_size: int,
@@ -366,9 +368,9 @@ def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor,
     exp_sums, max_logits, tmp_out = v2_scratch(attn_out, max_seq_len) or (None, None, None)
     return _ops.llama_decode_layers(
         hidden, residual, positions, norm_weights, weights, scales, zeros, group_sizes, biases,
-        intermediate_size, gated_mlp, key_caches, value_caches, cos_sin_cache, slot_mapping, block_tables,
-        seq_lens, block_size, max_seq_len, num_kv_heads, scale, kv_cache_dtype, k_scale,
-        v_scale, attn_out, exp_sums, max_logits, tmp_out, epsilon)
+        intermediate_size, gated_mlp, key_caches, value_caches, cos_sin_cache, slot_mapping,
+        block_tables, seq_lens, block_size, max_seq_len, num_kv_heads, scale, kv_cache_dtype,
+        k_scale, v_scale, attn_out, exp_sums, max_logits, tmp_out, epsilon)
 
 
 def packed_linear_kernel_selected(dtype: torch.dtype) -> bool:

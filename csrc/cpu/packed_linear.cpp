@@ -122,11 +122,13 @@ at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed_wei
   // No kernel for x's dtype: packed_linear's math on the unpacked weight, its [gate | up]
   // columns put back in order, then silu_and_mul (so the same bits as the unfused ops).
   const int64_t panels = packed_weight.size(0);
-  const at::Tensor w = unpack_linear_weight(packed_weight, panels * kPackedPanelCols).to(at::kFloat);
+  const at::Tensor w =
+      unpack_linear_weight(packed_weight, panels * kPackedPanelCols).to(at::kFloat);
   const at::Tensor both = at::linear(x.reshape({-1, x.size(-1)}).to(at::kFloat), w, bias)
                               .to(x.scalar_type()).reshape({-1, panels, 2, kGatedPanelCols});
   const auto half = [&](int64_t h) {
-    return both.select(2, h).reshape({-1, panels * kGatedPanelCols}).narrow(1, 0, intermediate_size);
+    return both.select(2, h).reshape({-1, panels * kGatedPanelCols})
+        .narrow(1, 0, intermediate_size);
   };
   const at::Tensor gate_up = at::cat({half(0), half(1)}, 1);
   at::Tensor out = at::empty({gate_up.size(0), intermediate_size}, x.options());

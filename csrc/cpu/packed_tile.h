@@ -48,7 +48,6 @@ inline void store_acc(__m512 (&acc)[R][NV], const float* scale, const float* bia
   }
 }
 
-
 // A gated panel (packed_gated_linear; rows ordered by ops.gated_panel_rows): columns
 // [0, kGatedPanelCols) are the gate features of kGatedPanelCols outputs and the next
 // kGatedPanelCols their up features, so vector 1 holds the last 8 gate columns and the

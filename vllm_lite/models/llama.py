@@ -79,7 +79,6 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None  # oneDNN's packed weight (or the plain one)
     _own_packed: torch.Tensor | None = None  # ops.pack_linear_weight's
     _bias_f32: torch.Tensor | None = None  # packed_linear's bias
-    _gated_packed = False  # _own_packed holds the rows in gated order (ops.gated_panel_rows)
     # oneDNN picks the packed layout for this many rows; 16 served 1..2048 rows well.
     PACK_ROWS_HINT = 16
 
@@ -97,7 +96,6 @@ class Linear(nn.Linear):
         shared with another module)."""
         w = self.weight
         self._packed = self._own_packed = self._bias_f32 = None
-        self._gated_packed = False
         if (w.device.type != "cpu" or w.dim() != 2
                 or w.dtype not in (torch.float32, torch.bfloat16)):
             return
@@ -109,7 +107,6 @@ class Linear(nn.Linear):
                 self._own_packed = ops.pack_linear_weight(order(w.detach()))
                 if self.bias is not None:
                     self._bias_f32 = order(self.bias.detach().float())
-                self._gated_packed = self.gated
                 return
             if not torch.backends.mkldnn.is_available():
                 return
@@ -123,9 +120,9 @@ class Linear(nn.Linear):
 
     @property
     def gated_packed(self) -> bool:
-        """Whether the CPU packed weight is in gated order (forward with silu_and_mul=True
-        is ``ops.packed_gated_linear`` on it)."""
-        return self._gated_packed
+        """Whether the CPU packed weight is in gated order (ops.gated_panel_rows; forward
+        with silu_and_mul=True is ``ops.packed_gated_linear`` on it)."""
+        return self.gated and self._own_packed is not None
 
     def decode_form(self, dtype: torch.dtype) -> ops.DecodeForm | None:
         """What forward passes to ``ops.packed_linear`` (``ops.packed_gated_linear`` where
@@ -138,21 +135,24 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
         """x @ W.T + b; ``silu_and_mul=True``: ``ops.silu_and_mul`` of it (the rows being
         [gate | up]), [..., out_features / 2], in one GEMM where the layer is packed gated."""
-        if x.device.type == "cpu" and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
-            if self._own_packed is not None and self._gated_packed:
-                if silu_and_mul:
-                    return ops.packed_gated_linear(x, self._own_packed, self._bias_f32,
-                                                   self.out_features // 2)
-                # The plain projection of a gated packed weight: nothing in the model
-                # asks for it; F.linear below.
-            elif self._own_packed is not None:
-                y = ops.packed_linear(x, self._own_packed, self._bias_f32, self.out_features)
-                return ops.silu_and_mul(y) if silu_and_mul else y
-            elif self._packed is not None:
-                y = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-                return ops.silu_and_mul(y) if silu_and_mul else y
-        y = F.linear(x, self.weight, self.bias)
+        fast = (x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and not torch.is_grad_enabled())
+        if fast and silu_and_mul and self.gated_packed:
+            return ops.packed_gated_linear(x, self._own_packed, self._bias_f32,
+                                           self.out_features // 2)
+        y = self._project(x, fast)
         return ops.silu_and_mul(y) if silu_and_mul else y
+
+    def _project(self, x: torch.Tensor, fast: bool) -> torch.Tensor:
+        """x @ W.T + b through the packed copy where ``fast`` allows one (a gated packed
+        copy serves only the fused activation: F.linear)."""
+        if fast and not self.gated_packed:
+            if self._own_packed is not None:
+                return ops.packed_linear(x, self._own_packed, self._bias_f32, self.out_features)
+            if self._packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none",
+                                                          [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 class LlamaAttention(nn.Module):
