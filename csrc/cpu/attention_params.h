@@ -76,7 +76,10 @@ struct VarlenParams {
   const int32_t* tile_seq;
   const int32_t* tile_start;
   int64_t num_tiles;
-  float* out;  // [num_tokens, num_heads, head_size], float32, contiguous
+  // [num_tokens, num_heads, head_size], contiguous: float32 (out), or bfloat16 bits
+  // (out_bf16, rounded to nearest even as torch's cast) where that is not null.
+  float* out;
+  uint16_t* out_bf16;
 };
 
 // Query rows of a task padded to whole vectors of any build (16 floats): the kernel keeps
