@@ -24,6 +24,12 @@
 namespace vllm_lite::cpu {
 namespace {
 
+// The first n of 16 lanes (all 16 for n >= 16): the masked loads and stores of a
+// run's tail.
+VLLM_LITE_INLINE __mmask16 first_lanes16(int64_t n) {
+  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u);
+}
+
 // Token order of bf16_key_dots' folded sums: lane 4j + u holds token 4u + j.
 VLLM_LITE_INLINE __m512i key_dot_order() {
   return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -57,7 +63,7 @@ VLLM_LITE_INLINE void bf16_key_dots(const uint16_t* kt, int64_t chunk_stride, in
       }
     }
   }
-  const __mmask16 out_mask = rem >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << rem) - 1u);
+  const __mmask16 out_mask = first_lanes16(rem);
   for (int64_t g = 0; g < NG; ++g) {
     // Per 128-bit lane j: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of accumulators a, b.
     const __m512 s01 = _mm512_add_ps(_mm512_shuffle_ps(acc[0][g], acc[1][g], 0x88),
@@ -97,7 +103,7 @@ VLLM_LITE_INLINE void bf16_value_pass(const Runs<uint16_t>& runs, int64_t bs, in
       const uint16_t* pr = pb + runs.first[r];
       const int64_t len = runs.len[r];
       for (int64_t i = 0; i < len; i += 16) {
-        const __mmask16 m = len - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - i)) - 1u);
+        const __mmask16 m = first_lanes16(len - i);
         __m256i pv[NG];
         for (int64_t g = 0; g < NG; ++g) pv[g] = _mm256_maskz_loadu_epi16(m, pr + g * P + i);
         for (int64_t k = 0; k < KD; ++k) {
@@ -173,7 +179,7 @@ void attention_task_bf16dp(const AttentionParams& p, int64_t task, float* scratc
   for (int64_t g = 0; g < G; ++g) {
     const float* lg = probs[g];
     for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1u);
+      const __mmask16 m = first_lanes16(n - i);
       _mm256_mask_storeu_epi16(pb + g * P + i, m,
                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, lg + i)));
     }

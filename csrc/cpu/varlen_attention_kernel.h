@@ -22,8 +22,8 @@
 //      probabilities and running sum, all lane-wise;
 //   4. acc^T [head dim, row] = acc^T * rescale + V P^T: 4 dims x a few row vectors.
 // Output: acc^T / sum * v_scale, transposed into out: bfloat16 rounded as torch's cast, or
-// float32 (a float16 caller casts it). Limits as paged attention (attention_limits.h); rows per task <=
-// kVarlenRows (attention_params.h).
+// float32 (a float16 caller casts it). Limits as paged attention (attention_limits.h);
+// rows per task <= kVarlenRows (attention_params.h).
 #pragma once
 
 namespace vllm_lite::cpu {

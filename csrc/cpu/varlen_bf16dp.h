@@ -137,7 +137,7 @@ void varlen_task_bf16dp(const VarlenParams& p, int64_t task, float* scratch) {
       // A value row's run: one masked 16-token load and store (a memcpy call per row and
       // run was ~5% of the task).
       for (int64_t i = 0; i < run; i += 16) {
-        const __mmask16 m = run - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (run - i)) - 1u);
+        const __mmask16 m = first_lanes16(run - i);  // attention_bf16dp.h
         for (int64_t d = 0; d < D; ++d) {
           _mm256_mask_storeu_epi16(v + d * C + t + i, m,
                                    _mm256_maskz_loadu_epi16(m, vb + d * bs + off + i));
