@@ -13,11 +13,17 @@
 #include <memory>
 #include <mutex>
 
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include "cpu/attention_params.h"
 #include "cpu/cpu_isa.h"
+#include "cpu/packed_linear_params.h"
 #include "ops.h"
 #include "validate.h"
 
@@ -30,9 +36,26 @@ struct IsaBuild {
   VarlenTaskFn varlen;
 };
 
+// Linux hands out AMX's tile state only to a process that asks for it (else the first
+// tile instruction raises SIGILL): asked once, process-wide, before the build is listed.
+bool amx_permitted() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
 bool cpu_supports(const char* name) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   const std::string n(name);
+  if (n == "amxbf16") {
+    return cpu_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+           __builtin_cpu_supports("amx-bf16") && packed_linear_bf16_amx() != nullptr &&
+           amx_permitted();
+  }
   if (n == "avx512bf16") {
     return cpu_supports("avx512") && __builtin_cpu_supports("avx512bf16");
   }
@@ -51,6 +74,7 @@ bool cpu_supports(const char* name) {
 const std::vector<IsaBuild>& available_builds() {
   static const std::vector<IsaBuild> builds = [] {
     std::vector<IsaBuild> all{
+        {"amxbf16", attention_task_avx512bf16(), varlen_task_avx512bf16()},
         {"avx512bf16", attention_task_avx512bf16(), varlen_task_avx512bf16()},
         {"avx512", attention_task_avx512(), varlen_task_avx512()},
         {"avx2", attention_task_avx2(), varlen_task_avx2()},
@@ -274,6 +298,18 @@ VarlenTaskFn selected_varlen_task() { return selected_build().varlen; }
 
 void set_cpu_isa(const std::string& name) {
   g_selected.store(find_build(name), std::memory_order_relaxed);
+}
+
+bool cpu_isa_includes(const std::string& name) {
+  // Widest first; each x86 build implies those after it (cpu_isa.h).
+  static const char* const kOrder[] = {"amxbf16", "avx512bf16", "avx512", "avx2", "generic"};
+  const std::string selected = cpu_isa();
+  bool reached = false;
+  for (const char* n : kOrder) {
+    reached = reached || selected == n;
+    if (name == n) return reached;
+  }
+  return false;
 }
 
 void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,

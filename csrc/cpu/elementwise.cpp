@@ -27,10 +27,8 @@ const ElementwiseFns& kernels() {
   static const ElementwiseFns avx512 = elementwise_avx512();
   static const ElementwiseFns avx2 = elementwise_avx2();
   static const ElementwiseFns generic = elementwise_generic();
-  const std::string isa = cpu_isa();
-  if (isa.rfind("avx512", 0) == 0 && avx512.rms_norm != nullptr) return avx512;
-  // Every x86 build but "generic" implies AVX2 + FMA (cpu_isa.h).
-  if (isa != "generic" && avx2.rms_norm != nullptr) return avx2;
+  if (cpu_isa_includes("avx512") && avx512.rms_norm != nullptr) return avx512;
+  if (cpu_isa_includes("avx2") && avx2.rms_norm != nullptr) return avx2;
   return generic;
 }
 

@@ -35,7 +35,7 @@ namespace {
 // switch selects every CPU build; every x86 build but "generic" implies AVX2 + FMA.
 template <typename Fn>
 Fn select_kernel(Fn avx2, Fn generic) {
-  return avx2 != nullptr && cpu_isa() != "generic" ? avx2 : generic;
+  return avx2 != nullptr && cpu_isa_includes("avx2") ? avx2 : generic;
 }
 
 // Runs fn(n0, n1, wbuf) over tasks of kInt8ChannelsPerTask output channels in parallel;
@@ -88,7 +88,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   }
   if (x.scalar_type() == at::kBFloat16) {
     const Int8LinearBf16BlockFn bf16 =
-        cpu_isa() == "avx512bf16" ? int8_linear_bf16_avx512bf16() : nullptr;
+        cpu_isa_includes("avx512bf16") ? int8_linear_bf16_avx512bf16() : nullptr;
     if (bf16 == nullptr) {
       // No bf16 dot products in the selected build: the float32 kernel, rounded once.
       return int8_linear(x.to(at::kFloat), qweight, scales, bias).to(at::kBFloat16);
@@ -146,7 +146,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   }
   if (x.scalar_type() == at::kBFloat16) {
     const Int4LinearBf16BlockFn bf16 =
-        cpu_isa() == "avx512bf16" ? int4_linear_bf16_avx512bf16() : nullptr;
+        cpu_isa_includes("avx512bf16") ? int4_linear_bf16_avx512bf16() : nullptr;
     if (bf16 == nullptr) {
       return int4_linear(x.to(at::kFloat), qweight, scales, zeros, group_size, bias)
           .to(at::kBFloat16);

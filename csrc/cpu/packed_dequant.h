@@ -30,8 +30,9 @@ namespace {
 
 // This thread's buffer of at least n elements, 64-byte aligned (so each 16-column vector of
 // a panel row is one cache line), kept for the thread's next calls: no allocation (and no
-// page faults of a fresh mapping) per call.
-template <typename T>
+// page faults of a fresh mapping) per call. Slot: another buffer of the same type, used
+// alongside (packed_linear_amx.cpp's copy of x's last rows).
+template <typename T, int Slot = 0>
 T* panel_buffer(int64_t n) {
   thread_local std::vector<T> buf;
   constexpr int64_t kAlign = 64 / sizeof(T);

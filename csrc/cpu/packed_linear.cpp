@@ -16,17 +16,20 @@
 namespace vllm_lite::cpu {
 namespace {
 
-// The selected build's kernel for dtype (cpu_isa.h): bfloat16 on "avx512bf16", float32 on
-// "avx512" and "avx512bf16"; nullptr elsewhere.
+// The selected build's kernel for dtype (cpu_isa.h): bfloat16 on "amxbf16" (amx, AMX
+// tiles) and "avx512bf16", float32 on every build with AVX-512; nullptr elsewhere.
 template <typename Fn>
-Fn select_for(at::ScalarType dtype, Fn bf16, Fn f32) {
-  const std::string isa = cpu_isa();
-  if (dtype == at::kBFloat16) return isa == "avx512bf16" ? bf16 : nullptr;
-  return isa == "avx512bf16" || isa == "avx512" ? f32 : nullptr;
+Fn select_for(at::ScalarType dtype, Fn amx, Fn bf16, Fn f32) {
+  if (dtype == at::kBFloat16) {
+    if (cpu_isa_includes("amxbf16")) return amx;
+    return cpu_isa_includes("avx512bf16") ? bf16 : nullptr;
+  }
+  return cpu_isa_includes("avx512") ? f32 : nullptr;
 }
 
 PackedLinearFn selected_kernel(at::ScalarType dtype) {
-  return select_for(dtype, packed_linear_bf16_avx512bf16(), packed_linear_f32_avx512());
+  return select_for(dtype, packed_linear_bf16_amx(), packed_linear_bf16_avx512bf16(),
+                    packed_linear_f32_avx512());
 }
 
 }  // namespace
@@ -35,8 +38,9 @@ bool packed_linear_kernel_selected(at::ScalarType dtype) { return selected_kerne
 
 at::Tensor packed_quant_linear(const at::Tensor& x2, const PackedQuantWeight& qw, int64_t N,
                                const float* scale, const std::optional<at::Tensor>& bias) {
-  const PackedQuantLinearFn fn = select_for(x2.scalar_type(), packed_quant_linear_bf16_avx512bf16(),
-                                            packed_quant_linear_f32_avx512());
+  const PackedQuantLinearFn fn =
+      select_for(x2.scalar_type(), packed_quant_linear_bf16_amx(),
+                 packed_quant_linear_bf16_avx512bf16(), packed_quant_linear_f32_avx512());
   if (fn == nullptr) return {};
   at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
   // The bf16 layout pairs k: an odd K gets one zero column of x (its weights dequantize to

@@ -39,38 +39,14 @@
 #include "cpu/bf16_pairs.h"
 #include "cpu/packed_dequant.h"
 #include "cpu/packed_tile.h"
+#include "cpu/packed_tile_bf16.h"
 
 namespace vllm_lite::cpu {
 namespace {
 
-constexpr int64_t NV = kPackedPanelVecs;
-constexpr int64_t kPairStride = kPackedPanelCols * 2;  // bf16 per k pair of a panel
-constexpr int64_t kVecPairs = kPackedVecCols * 2;      // bf16 per 64-byte row (16 columns)
-
 // Rows [0, R) of x (row stride xs) times one panel w; y's rows have stride N and this
 // panel's columns start at y; `cols` of them are stored (< kPackedPanelCols in the last
 // panel). next: the panel to prefetch into L2 meanwhile (nullptr: none).
-// y = bf16(acc) (nearest even), rows of stride N, the panel's `cols` columns.
-template <int64_t R>
-void store_bf16(__m512 (&acc)[R][NV], const float* scale, const float* bias, uint16_t* y,
-                int64_t N, int64_t cols) {
-  store_acc(acc, scale, bias, cols, [&](int64_t r, int64_t c0, __mmask16 m, __m512 v) {
-    _mm256_mask_storeu_epi16(y + r * N + c0, m, (__m256i)_mm512_cvtneps_pbh(v));
-  });
-}
-
-// store_gated's rounding in bfloat16: the projection's output as store_bf16 rounds it
-// (vcvtneps2bf16), the silu as silu_and_mul rounds it (nearest even, bf16_bits).
-struct Bf16Round {
-  static __m512 output(__m512 v) {
-    const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-  }
-  static __m512 act(__m512 v) {
-    return (__m512)(bf16_bits<Vec<uint32_t, kPackedVecCols>>((Vec<float, kPackedVecCols>)v) << 16);
-  }
-};
-
 struct Bf16Tile {
   template <int64_t R>
   static void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
@@ -93,30 +69,12 @@ struct Bf16Tile {
         for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
       }
     }
-    if (gated_cols > 0) {
-      store_gated<Bf16Round>(acc, gated_cols, [&](int64_t r, int64_t c0, __mmask16 m, __m512 v) {
-        const auto bits = bf16_bits<Vec<uint32_t, kPackedVecCols>>((Vec<float, kPackedVecCols>)v);
-        _mm256_mask_storeu_epi16(y + r * N + c0, m, _mm512_cvtepi32_epi16((__m512i)bits));
-      });
-      return;
-    }
-    store_bf16(acc, scale, bias, y, N, cols);
+    store_bf16_tile(acc, scale, bias, y, N, cols, gated_cols);
   }
 };
 
 void bf16_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
   run_packed_panels<Bf16Tile, uint16_t>(a, p0, p1, (a.K / 2) * kPairStride);
-}
-
-// Panel p of a quantized weight, dequantized into buf in the bf16 packed layout (K even,
-// the caller's: x padded by one zero column when q's K is odd, whose weights are zero).
-void dequant_bf16_panel(const PackedQuantWeight& qw, int64_t K, int64_t N, int64_t p,
-                        uint16_t* buf, bool prefetch_next) {
-  const __m512i interleave = pair_interleave();
-  dequant_panel(qw, p, N, K, prefetch_next, [&](int64_t b, int64_t k, __m512 v0, __m512 v1) {
-    _mm512_store_si512(buf + k / 2 * kPairStride + b * kVecPairs,
-                       (__m512i)bf16_pairs(v0, v1, interleave));
-  });
 }
 
 // Rows [0, R) of x (R <= kQuantFusedRows) times panel p of a quantized weight, each packed

@@ -166,8 +166,10 @@ using PackedQuantLinearFn = void (*)(const PackedLinearArgs&, const PackedQuantW
 
 // Each build's kernels; nullptr where they were compiled out (another architecture).
 PackedLinearFn packed_linear_bf16_avx512bf16();
+PackedLinearFn packed_linear_bf16_amx();
 PackedLinearFn packed_linear_f32_avx512();
 PackedQuantLinearFn packed_quant_linear_bf16_avx512bf16();
+PackedQuantLinearFn packed_quant_linear_bf16_amx();
 PackedQuantLinearFn packed_quant_linear_f32_avx512();
 
 }  // namespace vllm_lite::cpu

@@ -85,7 +85,7 @@ def test_bfloat16_matches_float64(isa: str, m: int, k: int, n: int, group: int,
     xb = x.bfloat16()
     y = ops.int4_linear(xb, _weight(packed, in_panels), scales, zeros, group, b)
     assert y.shape == (m, n)
-    ref = _reference(xb, packed, scales, zeros, group, b, weight_bf16=isa == "avx512bf16")
+    ref = _reference(xb, packed, scales, zeros, group, b, weight_bf16=isa in ("amxbf16", "avx512bf16"))
     assert_rounded_once_to_bf16(y, ref, RTOL)
 
 
@@ -96,7 +96,7 @@ def test_bfloat16_strided_rows(isa: str, in_panels: bool) -> None:
     wide = torch.full((6, 100), float("nan"), dtype=torch.bfloat16)
     wide[:, 30:94] = xb
     y = ops.int4_linear(wide[:, 30:94], _weight(packed, in_panels), scales, zeros, 32, b)
-    ref = _reference(xb, packed, scales, zeros, 32, b, weight_bf16=isa == "avx512bf16")
+    ref = _reference(xb, packed, scales, zeros, 32, b, weight_bf16=isa in ("amxbf16", "avx512bf16"))
     assert_rounded_once_to_bf16(y, ref, RTOL)
 
 

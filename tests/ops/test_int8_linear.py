@@ -153,7 +153,7 @@ def test_group_scales_match_float64(isa: str, m: int, k: int, n: int, group: int
         torch.testing.assert_close(y.double(), ref, rtol=0,
                                    atol=RTOL * float(ref.abs().max()) + 1e-7)
     else:
-        ref = _group_reference(xd, q, scales, b, weight_bf16=isa == "avx512bf16")
+        ref = _group_reference(xd, q, scales, b, weight_bf16=isa in ("amxbf16", "avx512bf16"))
         assert_rounded_once_to_bf16(y, ref, RTOL)
 
 

@@ -41,11 +41,15 @@ def _check(y: torch.Tensor, ref: torch.Tensor) -> None:
                                    atol=RTOL * float(ref.abs().max()) + 1e-7)
 
 
-# (rows, K, N): rows 1..9 and 15, 17, 31 leave each tail of the 8-row tile; N = 48 panels,
-# N mid-panel (mid-vector or on a vector edge: 7, 16, 40, 100, 130, 1000) and many panels.
+# (rows, K, N): rows 1..9 and 15, 17, 31 leave each tail of the 8-row tile (and of the AMX
+# build's 16-row tiles, which start at 3 rows; 16, 48: whole tiles); K past the AMX tiles'
+# 32 (34, 100, 200: 2-8 k left to the vector epilogue; 2, 16: no tile at all); N = 48
+# panels, N mid-panel (mid-vector or on a vector edge: 7, 16, 40, 100, 130, 1000) and many
+# panels.
 SHAPES = [(1, 2, 1), (1, 64, 48), (2, 64, 7), (3, 96, 16), (4, 576, 40), (5, 100, 100),
           (6, 32, 130), (7, 576, 960), (8, 64, 49), (9, 1536, 576), (15, 128, 1000),
-          (17, 576, 96), (31, 576, 3072), (64, 200, 50), (300, 96, 144),
+          (16, 34, 130), (17, 576, 96), (20, 16, 40), (31, 576, 3072), (48, 2, 7),
+          (48, 576, 1000), (64, 200, 50), (300, 96, 144),
           (700, 1536, 50)]  # several row blocks (packed_row_block), the last one short
 
 
@@ -195,7 +199,8 @@ def _pack_gated(w, b):
 # (rows, K, I): I = 24 a panel's outputs, I mid-panel (7, 40: the second vector's 8
 # lanes; 16 on its edge, 100), the default model's 576 x 1536; rows as SHAPES.
 GATED_SHAPES = [(1, 2, 1), (1, 64, 24), (2, 64, 7), (3, 96, 16), (4, 576, 40),
-                (5, 100, 100), (8, 34, 17), (9, 576, 1536), (17, 576, 96), (31, 64, 300),
+                (5, 100, 100), (8, 34, 17), (9, 576, 1536), (16, 34, 40), (17, 576, 96),
+                (31, 64, 300),
                 (300, 96, 72), (700, 1536, 25)]
 
 
@@ -220,18 +225,20 @@ def test_gated_matches_float64_and_the_unfused_ops(isa: str, m: int, k: int, i: 
         assert torch.equal(y, unfused)
 
 
+@pytest.mark.parametrize("k", [4, 64])  # 64: through the AMX build's tiles too
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-def test_gated_extreme_values(isa: str, dtype) -> None:
+def test_gated_extreme_values(isa: str, dtype, k: int) -> None:
     """Gates far negative (silu underflows gradually), large, NaN and inf: the unfused ops'
     values, NaN where they give NaN (one nonzero product per output: exact on any path)."""
-    k, i = 4, 30
+    i = 30
     w = torch.zeros(2 * i, k, dtype=dtype)
     w[:i, 0] = torch.tensor([-200., -100., -88., -87., -20., -1e-3, 0., 1e-3, 3., 90., 1e4,
                              -1e4, 5., -5., 0.5, -0.5, 1e30, -1e30, 7., -7., 1., -1., 2.,
                              -2., 10., -10., 60., -60., 0.25, -0.25]).to(dtype)
     w[i:, 1] = torch.linspace(-3, 3, i).to(dtype)
-    x = torch.tensor([[1., 1., 0., 0.], [float("nan"), 1., 0., 0.], [float("inf"), 1., 0., 0.],
-                      [1., float("-inf"), 0., 0.]]).to(dtype)
+    x = torch.zeros(4, k)
+    x[:, :2] = torch.tensor([[1., 1.], [float("nan"), 1.], [float("inf"), 1.], [1., float("-inf")]])
+    x = x.to(dtype)
     packed, _ = _pack_gated(w, None)
     y = ops.packed_gated_linear(x, packed, None, i)
     unfused = ops.silu_and_mul(ops.packed_linear(x, ops.pack_linear_weight(w), None, 2 * i))

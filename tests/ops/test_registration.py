@@ -107,7 +107,7 @@ def test_cpu_isa_selection():
     """cpu_isas() lists what this CPU runs (widest first, always "generic"); set_cpu_isa
     switches and rejects names it cannot run."""
     isas = ops.cpu_isas()
-    assert isas and isas[-1] == "generic" and set(isas) <= {"avx512bf16", "avx512", "avx2", "generic"}
+    assert isas and isas[-1] == "generic" and set(isas) <= {"amxbf16", "avx512bf16", "avx512", "avx2", "generic"}
     before = ops.cpu_isa()
     assert before in isas
     try:
