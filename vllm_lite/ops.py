@@ -375,8 +375,8 @@ def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor,
 
 def packed_linear_kernel_selected(dtype: torch.dtype) -> bool:
     """Whether packed_linear runs its own kernel for ``dtype`` in the selected CPU build
-    (float32: "avx512" / "avx512bf16"; bfloat16: "avx512bf16"); elsewhere it computes
-    through at::linear, correct but no faster."""
+    (float32: every build with AVX-512; bfloat16: "avx512bf16", and "amxbf16" on AMX tiles);
+    elsewhere it computes through at::linear, correct but no faster."""
     if dtype not in (torch.float32, torch.bfloat16):
         return False
     return bool(vllm_lite._C.packed_linear_kernel(str(dtype).removeprefix("torch.")))
@@ -518,16 +518,16 @@ _register_fakes()
 
 
 def cpu_isas() -> list[str]:
-    """Builds of the CPU attention kernel this CPU can run, widest first
-    (a subset of "avx512", "avx2", "generic")."""
+    """Builds of the CPU kernels this CPU can run, widest first (a subset of "amxbf16",
+    "avx512bf16", "avx512", "avx2", "generic"; each implies those after it)."""
     return list(vllm_lite._C.cpu_isas())
 
 
 def cpu_isa() -> str:
-    """The build of the CPU attention kernel in use (VLLM_LITE_CPU_ISA picks it at load)."""
+    """The build of the CPU kernels in use (VLLM_LITE_CPU_ISA picks it at load)."""
     return str(vllm_lite._C.cpu_isa())
 
 
 def set_cpu_isa(name: str) -> None:
-    """Selects a build of the CPU attention kernel; ValueError if this CPU can't run it."""
+    """Selects a build of the CPU kernels; ValueError if this CPU can't run it."""
     vllm_lite._C.set_cpu_isa(name)

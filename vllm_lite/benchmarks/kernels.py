@@ -135,8 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory the benchmark may use (pool + contiguous copy + buffers); "
                    "default: 75%% of MemAvailable on CPU, 85%% of free GPU memory on CUDA")
     p.add_argument("--cpu-isa", default=None,
-                   help="CPU kernel build to use (vllm_lite.ops.set_cpu_isa: avx512, avx2, "
-                   "generic); default: the one loaded")
+                   help="CPU kernel build to use (vllm_lite.ops.set_cpu_isa: amxbf16, avx512bf16, "
+                   "avx512, avx2, generic); default: the one loaded")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
     p.add_argument("--target-s", type=float, default=None,

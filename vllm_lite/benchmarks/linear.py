@@ -120,7 +120,11 @@ def run(args: argparse.Namespace) -> str:
     with torch.inference_mode():
         for k, n in shapes:
             elem = torch.empty((), dtype=dtype).element_size()
-            copies = math.ceil(4 * llc / (n * k * elem)) if args.cold else 1
+            copies = min(math.ceil(4 * llc / (n * k * elem)), MAX_COLD_COPIES) if args.cold else 1
+            if copies * n * k * elem < 4 * llc:
+                log.warning("%dx%d: %d copies of the weight (%.0f MiB) do not reach 4x the "
+                            "last-level cache (%.0f MiB): its --cold cells are partly cached",
+                            k, n, copies, copies * n * k * elem / 2**20, llc / 2**20)
             w = torch.randn(n, k, generator=gen) * 0.05
             lins, dnn, plain, q8 = [], [], [], []
             for _ in range(copies):
@@ -169,6 +173,12 @@ def run(args: argparse.Namespace) -> str:
               "the largest output, against float64 on the same (rounded) x and weight; bf16 "
               "outputs carry their own rounding (2^-9)."]
     return "\n".join(lines) + "\n"
+
+
+# --cold's copies of one weight at most: each copy is a Linear and three more tensors, so on
+# a 480 MiB last-level cache a 64x32 weight would need 250,000 of them (tens of GB of
+# Python objects); weights under 4x the cache / this many bytes stay partly cached.
+MAX_COLD_COPIES = 1024
 
 
 def main(argv: list[str] | None = None) -> int:
