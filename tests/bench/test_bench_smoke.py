@@ -340,3 +340,50 @@ def test_llama_server_erase_slots_empties_their_cache(tmp_path: Path) -> None:
         assert max(cached()) >= len(prompt)
         server.erase_slots(60)
         assert cached() == [0, 0]
+
+
+def _crashing_server(bin_dir: Path, calls: Path, then: str) -> None:
+    """A llama-server stand-in in bin_dir that logs its arguments to calls, kills itself
+    with SIGSEGV (as ggml's AMX kernels do while loading on some CPUs) unless given
+    --no-repack, and then runs `then`."""
+    bin_dir.mkdir()
+    script = bin_dir / "llama-server"
+    script.write_text("#!/bin/sh\n"
+                      f'echo "$@" >> "{calls}"\n'
+                      'case " $* " in *" --no-repack "*) ;; *) kill -SEGV $$ ;; esac\n'
+                      f"{then}\n")
+    script.chmod(0o755)
+
+
+def test_llama_server_crash_while_loading_retried_once_with_no_repack(tmp_path: Path) -> None:
+    """A server killed by a signal before /health answers is started once more with
+    --no-repack; a second failure (here exit status 3) is raised, not retried again."""
+    from vllm_lite.benchmarks import llama_cpp
+
+    calls = tmp_path / "calls"
+    _crashing_server(tmp_path / "bin", calls, "exit 3")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    requests = make_workload(WorkloadConfig(2, (4, 8), (2, 3), seed=1), 100)
+    with pytest.raises(llama_cpp.ServerExited, match="exited with 3") as err:
+        llama_cpp.run_llama_cpp(tmp_path / "bin", gguf, requests, threads=1, slots=2,
+                                log_path=tmp_path / "server.log")
+    assert err.value.returncode == 3
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2 and "--no-repack" not in lines[0].split()
+    assert lines[1].split()[-1] == "--no-repack"
+
+
+@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
+def test_llama_server_run_after_a_crash_says_so(tmp_path: Path) -> None:
+    """The restarted real server runs the workload, and the result names the flag."""
+    from vllm_lite.benchmarks import llama_cpp
+
+    real = _llama_build()
+    _crashing_server(tmp_path / "bin", tmp_path / "calls", f'exec "{real}/llama-server" "$@"')
+    gguf = llama_cpp.model_file(real, "float32")
+    requests = make_workload(WorkloadConfig(3, (4, 12), (2, 5), seed=3), 49152)
+    res = llama_cpp.run_llama_cpp(tmp_path / "bin", gguf, requests, threads=1, slots=3,
+                                  log_path=tmp_path / "server.log", precision="float32")
+    assert res.ok and res.output_lens == [r.output_len for r in requests]
+    assert res.settings["extra_args"] == ["--no-repack"] and "--no-repack" in res.note

@@ -91,11 +91,21 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
+class ServerExited(RuntimeError):
+    """llama-server ended before it answered /health; ``returncode`` is its exit status
+    (negative: the signal that killed it)."""
+
+    def __init__(self, message: str, returncode: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
 class LlamaServer:
-    """A llama-server process on a free loopback port (a context manager)."""
+    """A llama-server process on a free loopback port (a context manager); ``extra_args``
+    are added to its command line."""
 
     def __init__(self, bin_dir: Path, gguf: Path, slots: int, ctx_tokens: int, threads: int,
-                 log_path: Path) -> None:
+                 log_path: Path, extra_args: Sequence[str] = ()) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.slots = slots
@@ -104,7 +114,7 @@ class LlamaServer:
         self.cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
                     "--port", str(self.port), "-np", str(slots), "-kvu", "-c", str(ctx_tokens),
                     "-t", str(threads), "-tb", str(threads), "-ngl", "0", "--no-webui",
-                    "--slot-save-path", self.slot_dir]
+                    "--slot-save-path", self.slot_dir, *extra_args]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
@@ -114,8 +124,9 @@ class LlamaServer:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; "
-                                   f"see {self.log_path}")
+                self.__exit__(None, None, None)
+                raise ServerExited(f"llama-server exited with {self.proc.returncode}; "
+                                   f"see {self.log_path}", self.proc.returncode)
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -169,7 +180,21 @@ def run_llama_cpp(bin_dir: Path, gguf: Path, requests: Sequence[BenchRequest], t
     # The unified cache holds every slot's sequence at once (a slot's context is this too).
     ctx = max(longest, sum(sorted((r.prompt_len + r.output_len for r in requests),
                                   reverse=True)[:slots]))
-    with LlamaServer(bin_dir, gguf, slots, ctx, threads, log_path) as server:
+    extra: list[str] = []
+    try:
+        server = LlamaServer(bin_dir, gguf, slots, ctx, threads, log_path).__enter__()
+    except ServerExited as e:
+        if e.returncode >= 0:
+            raise
+        # Killed by a signal while loading: ggml's AMX kernels for quantized weights (an
+        # "extra buffer type", like the repacked layouts) segfault on some CPUs, e.g. the
+        # default model's Q8_0 and Q4_1 on this project's Xeon VM. --no-repack turns the
+        # extra buffer types off; the run says so in its note.
+        logger.warning("llama-server died while loading (%s); starting it again with "
+                    "--no-repack", e)
+        extra = ["--no-repack"]
+        server = LlamaServer(bin_dir, gguf, slots, ctx, threads, log_path, extra).__enter__()
+    with server:
         warm = BenchRequest(list(requests[0].prompt_token_ids[:8]), 4)
         server.complete(warm, timeout_s)
 
@@ -198,12 +223,16 @@ def run_llama_cpp(bin_dir: Path, gguf: Path, requests: Sequence[BenchRequest], t
                 output_tokens=sum(min(n, r.output_len) for n, r in zip(lens, requests)),
                 generated_tokens=sum(lens), output_lens=lens, cpu_share=share,
                 settings={"precision": precision, "gguf": gguf.name, "slots": slots,
-                          "ctx_tokens": ctx, "threads": threads, "unified_kv": True},
+                          "ctx_tokens": ctx, "threads": threads, "unified_kv": True,
+                          "extra_args": extra},
             )
 
         result = median_run(timed_run, repeats)
     lens = result.output_lens
     short = sum(1 for n, r in zip(lens, requests) if n < r.output_len)
-    if short:
-        result.note = f"{short} request(s) ended before their output length"
+    notes = [f"{short} request(s) ended before their output length"] if short else []
+    if extra:
+        notes.append(f"run with {' '.join(extra)}: the server died while loading without it")
+    if notes:
+        result.note = "; ".join(notes)
     return result
