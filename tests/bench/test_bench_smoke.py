@@ -383,7 +383,21 @@ def test_llama_server_run_after_a_crash_says_so(tmp_path: Path) -> None:
     _crashing_server(tmp_path / "bin", tmp_path / "calls", f'exec "{real}/llama-server" "$@"')
     gguf = llama_cpp.model_file(real, "float32")
     requests = make_workload(WorkloadConfig(3, (4, 12), (2, 5), seed=3), 49152)
+    before = _llama_server_pids()
     res = llama_cpp.run_llama_cpp(tmp_path / "bin", gguf, requests, threads=1, slots=3,
                                   log_path=tmp_path / "server.log", precision="float32")
     assert res.ok and res.output_lens == [r.output_len for r in requests]
     assert res.settings["extra_args"] == ["--no-repack"] and "--no-repack" in res.note
+    assert res.cpu_share is not None and res.cpu_share > 0  # read off the server that ran
+    assert _llama_server_pids() <= before  # the server it started is stopped
+
+
+def _llama_server_pids() -> set[int]:
+    pids = set()
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and b"llama-server" in (d / "cmdline").read_bytes():
+                pids.add(int(d.name))
+        except OSError:
+            pass
+    return pids

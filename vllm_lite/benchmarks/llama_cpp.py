@@ -23,6 +23,7 @@ default for a quantized GGUF model) -> the model's own GGUF file, the blocks vll
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -170,6 +171,26 @@ class LlamaServer:
         return int(out.get("tokens_predicted", 0))
 
 
+def _start(bin_dir: Path, gguf: Path, slots: int, ctx: int, threads: int,
+           log_path: Path) -> tuple[LlamaServer, list[str]]:
+    """A running server (entered: the caller exits it) and the extra flags it needed.
+
+    A server killed by a signal while loading is started once more with --no-repack:
+    ggml's AMX kernels for quantized weights (an "extra buffer type", like the repacked
+    layouts) segfault on some CPUs, e.g. the default model's Q8_0 and Q4_1 on this
+    project's Xeon VM, and --no-repack turns the extra buffer types off.
+    """
+    try:
+        return LlamaServer(bin_dir, gguf, slots, ctx, threads, log_path).__enter__(), []
+    except ServerExited as e:
+        if e.returncode >= 0:
+            raise
+        logger.warning("llama-server died while loading (%s); starting it again with "
+                       "--no-repack", e)
+        extra = ["--no-repack"]
+        return LlamaServer(bin_dir, gguf, slots, ctx, threads, log_path, extra).__enter__(), extra
+
+
 def run_llama_cpp(bin_dir: Path, gguf: Path, requests: Sequence[BenchRequest], threads: int,
                   slots: int, log_path: Path, progress: bool = False,
                   timeout_s: float = 3600.0, precision: str = "", repeats: int = 1) -> RunResult:
@@ -180,21 +201,9 @@ def run_llama_cpp(bin_dir: Path, gguf: Path, requests: Sequence[BenchRequest], t
     # The unified cache holds every slot's sequence at once (a slot's context is this too).
     ctx = max(longest, sum(sorted((r.prompt_len + r.output_len for r in requests),
                                   reverse=True)[:slots]))
-    extra: list[str] = []
-    try:
-        server = LlamaServer(bin_dir, gguf, slots, ctx, threads, log_path).__enter__()
-    except ServerExited as e:
-        if e.returncode >= 0:
-            raise
-        # Killed by a signal while loading: ggml's AMX kernels for quantized weights (an
-        # "extra buffer type", like the repacked layouts) segfault on some CPUs, e.g. the
-        # default model's Q8_0 and Q4_1 on this project's Xeon VM. --no-repack turns the
-        # extra buffer types off; the run says so in its note.
-        logger.warning("llama-server died while loading (%s); starting it again with "
-                    "--no-repack", e)
-        extra = ["--no-repack"]
-        server = LlamaServer(bin_dir, gguf, slots, ctx, threads, log_path, extra).__enter__()
-    with server:
+    with contextlib.ExitStack() as stack:
+        server, extra = _start(bin_dir, gguf, slots, ctx, threads, log_path)
+        stack.push(server)  # its __exit__ stops it
         warm = BenchRequest(list(requests[0].prompt_token_ids[:8]), 4)
         server.complete(warm, timeout_s)
 
