@@ -69,7 +69,10 @@ inline void configure_tiles() {
     c.rows[t] = kTileRows;
     c.colsb[t] = kTileBytes;
   }
-  _tile_loadconfig(&c);
+  // Not _tile_loadconfig: GCC 12's names only the operand's first 8 bytes as read, so the
+  // compiler may drop the stores to the rest (a garbage configuration: SIGSEGV); here the
+  // whole struct is the asm's input.
+  asm volatile("ldtilecfg %0" ::"m"(c));
 }
 
 // c [16, kPackedPanelCols] float32 = rows [0, 16) of x (row stride xs) times the panel w's
@@ -169,12 +172,7 @@ void run_amx_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelOf&&
     const int64_t m1 = std::min(a.M, m0 + block);
     const bool prefetch = m1 - m0 <= kTileRows;  // a single tile (run_panels says why)
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPackedPanelCols;
-      const int64_t y0 = a.gated ? p * kGatedPanelCols : n0;
-      const int64_t out_cols = std::min(a.gated ? kGatedPanelCols : kPackedPanelCols, a.N - y0);
-      const int64_t cols = a.gated ? kPackedPanelCols : out_cols;
-      const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
-      const float* scale = a.scale != nullptr ? a.scale + n0 : nullptr;
+      const PanelOut o = panel_out(a, p);
       const PanelRef<uint16_t> w = panel_of(p);
       for (int64_t m = m0; m < m1; m += kTileRows) {
         const int64_t rows = std::min(kTileRows, m1 - m);
@@ -183,8 +181,8 @@ void run_amx_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelOf&&
         if (chunks > 0) tile_sums(xt, xs, w.w, chunks, c, prefetch ? w.next : nullptr);
         for (int64_t r = 0; r < rows; r += kPackedTileRows) {
           finish_of<kPackedTileRows>(std::min(kPackedTileRows, rows - r), c + r * kPackedPanelCols,
-                                     xt + r * xs, xs, w.w, k0, a.K, scale, bias,
-                                     y + (m + r) * a.N + y0, a.N, cols, a.gated ? out_cols : 0);
+                                     xt + r * xs, xs, w.w, k0, a.K, o.scale, o.bias,
+                                     y + (m + r) * a.N + o.y0, a.N, o.cols, o.gated_cols);
         }
       }
     }

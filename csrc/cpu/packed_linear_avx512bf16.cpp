@@ -84,19 +84,17 @@ template <int64_t R>
 void quant_tile(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p,
                 bool prefetch_next) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  const int64_t n0 = p * kPackedPanelCols, cols = std::min(kPackedPanelCols, a.N - n0);
-  const float* scale = a.scale != nullptr ? a.scale + n0 : nullptr;
-  const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
+  const PanelOut o = panel_out(a, p);  // a quantized weight is never gated
   const __m512i interleave = pair_interleave();
   __m512 acc[R][NV];
-  init_acc(acc, scale, bias, cols);
+  init_acc(acc, o.scale, o.bias, o.cols);
   dequant_panel(qw, p, a.N, a.K, prefetch_next, [&](int64_t b, int64_t k, __m512 v0, __m512 v1) {
     const __m512bh w = bf16_pairs(v0, v1, interleave);
     for (int64_t r = 0; r < R; ++r) {
       acc[r][b] = _mm512_dpbf16_ps(acc[r][b], bcast_pair(x + r * a.x_row_stride + k), w);
     }
   });
-  store_bf16(acc, scale, bias, static_cast<uint16_t*>(a.y) + n0, a.N, cols);
+  store_bf16(acc, o.scale, o.bias, static_cast<uint16_t*>(a.y) + o.y0, a.N, o.cols);
 }
 
 // quant_tile<rows> for 1 <= rows <= R.

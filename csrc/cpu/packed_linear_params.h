@@ -112,6 +112,23 @@ struct PanelRef {
   const T* next;
 };
 
+// Where panel p's results go: its first weight column n0 (bias and scale start there), its
+// first output column y0, the columns a tile computes (cols) and, for a gated weight, the
+// outputs it stores (gated_cols; 0 for a plain weight, whose tile stores `cols`).
+struct PanelOut {
+  int64_t n0, y0, cols, gated_cols;
+  const float* bias;   // or nullptr
+  const float* scale;  // or nullptr
+};
+
+inline PanelOut panel_out(const PackedLinearArgs& a, int64_t p) {
+  const int64_t n0 = p * kPackedPanelCols;
+  const int64_t y0 = a.gated ? p * kGatedPanelCols : n0;
+  const int64_t out_cols = std::min(a.gated ? kGatedPanelCols : kPackedPanelCols, a.N - y0);
+  return {n0, y0, a.gated ? kPackedPanelCols : out_cols, a.gated ? out_cols : 0,
+          a.bias != nullptr ? a.bias + n0 : nullptr, a.scale != nullptr ? a.scale + n0 : nullptr};
+}
+
 // panel_of(p) -> PanelRef<T>: the packed weight (PanelRef{w + p * panel, ...}) or a panel
 // dequantized into a buffer (packed_dequant.h).
 template <typename Kernel, typename T, typename PanelOf>
@@ -123,19 +140,13 @@ inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelO
     const int64_t m1 = std::min(a.M, m0 + block);
     const bool prefetch = m1 - m0 <= kPackedTileRows;  // a single tile (see above)
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPackedPanelCols;  // the panel's first weight column
-      // Its first output column, and how many of its columns / outputs are stored.
-      const int64_t y0 = a.gated ? p * kGatedPanelCols : n0;
-      const int64_t out_cols = std::min(a.gated ? kGatedPanelCols : kPackedPanelCols, a.N - y0);
-      const int64_t cols = a.gated ? kPackedPanelCols : out_cols;
-      const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
-      const float* scale = a.scale != nullptr ? a.scale + n0 : nullptr;
+      const PanelOut o = panel_out(a, p);
       const PanelRef<T> w = panel_of(p);
       for (int64_t m = m0; m < m1; m += kPackedTileRows) {
         tile_of<Kernel, kPackedTileRows>(std::min(kPackedTileRows, m1 - m),
                                          x + m * a.x_row_stride, a.x_row_stride, w.w, a.K,
-                                         scale, bias, y + m * a.N + y0, a.N, cols,
-                                         prefetch ? w.next : nullptr, a.gated ? out_cols : 0);
+                                         o.scale, o.bias, y + m * a.N + o.y0, a.N, o.cols,
+                                         prefetch ? w.next : nullptr, o.gated_cols);
       }
     }
   }
