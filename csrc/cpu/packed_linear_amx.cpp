@@ -117,16 +117,7 @@ void finish_rows(const float* c, const uint16_t* x, int64_t xs, const uint16_t* 
       acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_load_ps(c + r * kPackedPanelCols + b * kPackedVecCols));
     }
   }
-  for (int64_t j = k0 / 2; j < K / 2; ++j) {
-    __m512bh wv[NV];
-    for (int64_t b = 0; b < NV; ++b) {
-      wv[b] = (__m512bh)_mm512_loadu_si512(w + j * kPairStride + b * kVecPairs);
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512bh xv = bcast_pair(x + r * xs + 2 * j);
-      for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
-    }
-  }
+  dot_pairs(acc, x, xs, w, k0 / 2, K / 2, nullptr);
   store_bf16_tile(acc, scale, bias, y, N, cols, gated_cols);
 }
 
@@ -157,10 +148,11 @@ void run_amx_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelOf&&
   const uint16_t* last = nullptr;
   if (full < a.M) {
     uint16_t* buf = panel_buffer<uint16_t, 1>(kTileRows * a.K);
-    std::memset(buf, 0, sizeof(uint16_t) * kTileRows * a.K);
-    for (int64_t r = full; r < a.M; ++r) {
-      std::memcpy(buf + (r - full) * a.K, x + r * a.x_row_stride, sizeof(uint16_t) * a.K);
+    const int64_t rows = a.M - full;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(buf + r * a.K, x + (full + r) * a.x_row_stride, sizeof(uint16_t) * a.K);
     }
+    std::memset(buf + rows * a.K, 0, sizeof(uint16_t) * (kTileRows - rows) * a.K);
     asm volatile("" ::: "memory");  // the tile loads' asm does not name the memory it reads
     last = buf;
   }

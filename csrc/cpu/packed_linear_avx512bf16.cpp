@@ -54,21 +54,7 @@ struct Bf16Tile {
                    int64_t cols, const uint16_t* next, int64_t gated_cols) {
     __m512 acc[R][NV];
     init_acc(acc, scale, bias, cols);
-    const int64_t pairs = K / 2;
-    for (int64_t j = 0; j < pairs; ++j) {
-      const uint16_t* wj = w + j * kPairStride;
-      if (next != nullptr) {
-        for (int64_t b = 0; b < NV; ++b) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + j * kPairStride + b * kVecPairs), _MM_HINT_T1);
-        }
-      }
-      __m512bh wv[NV];
-      for (int64_t b = 0; b < NV; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wj + b * kVecPairs);
-      for (int64_t r = 0; r < R; ++r) {
-        const __m512bh xv = bcast_pair(x + r * xs + 2 * j);
-        for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
-      }
-    }
+    dot_pairs(acc, x, xs, w, 0, K / 2, next);
     store_bf16_tile(acc, scale, bias, y, N, cols, gated_cols);
   }
 };

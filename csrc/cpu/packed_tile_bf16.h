@@ -1,7 +1,7 @@
 // The bfloat16 side of the packed GEMM tiles, shared by the AVX512-BF16 kernel
-// (packed_linear_avx512bf16.cpp) and the AMX one (packed_linear_amx.cpp): the rounding of
-// a tile's float32 accumulators into y, plain or gated, and a quantized panel dequantized
-// into the bf16 packed layout. Included after packed_tile.h, under an AVX512-BF16 target.
+// (packed_linear_avx512bf16.cpp) and the AMX one (packed_linear_amx.cpp): the vdpbf16ps
+// loop over a panel's k pairs, the rounding of a tile's float32 accumulators into y, plain
+// or gated, and a quantized panel dequantized into the bf16 packed layout. Included after packed_tile.h, under an AVX512-BF16 target.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +18,29 @@ namespace {
 constexpr int64_t NV = kPackedPanelVecs;
 constexpr int64_t kPairStride = kPackedPanelCols * 2;  // bf16 per k pair of a panel
 constexpr int64_t kVecPairs = kPackedVecCols * 2;      // bf16 per 64-byte row (16 columns)
+
+// acc[r] += row r of x (rows [0, R), stride xs) times the panel w's k pairs [j0, j1): per
+// pair, the panel's 3 weight vectors (16 columns x a pair of k each) and per row a
+// broadcast pair into vdpbf16ps. next: a panel whose same rows are prefetched into L2
+// meanwhile (nullptr: none).
+template <int64_t R>
+inline void dot_pairs(__m512 (&acc)[R][NV], const uint16_t* x, int64_t xs, const uint16_t* w,
+                      int64_t j0, int64_t j1, const uint16_t* next) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint16_t* wj = w + j * kPairStride;
+    if (next != nullptr) {
+      for (int64_t b = 0; b < NV; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + j * kPairStride + b * kVecPairs), _MM_HINT_T1);
+      }
+    }
+    __m512bh wv[NV];
+    for (int64_t b = 0; b < NV; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wj + b * kVecPairs);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh xv = bcast_pair(x + r * xs + 2 * j);
+      for (int64_t b = 0; b < NV; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+    }
+  }
+}
 
 // y = bf16(acc) (nearest even), rows of stride N, the panel's `cols` columns.
 template <int64_t R>

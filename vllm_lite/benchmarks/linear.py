@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 DEFAULT_SHAPES = ("576x960", "576x576", "576x3072", "1536x576")
 DEFAULT_ROWS = (1, 4, 8, 16, 32, 64, 256)
 QUICK_ROWS = (1, 8, 32)
+# --cold's copies of one weight at most: each copy is a Linear and three more tensors, so on
+# a 480 MiB last-level cache a 64x32 weight would need 250,000 of them (tens of GB of
+# Python objects); weights under 4x the cache / this many bytes stay partly cached.
+MAX_COLD_COPIES = 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -173,12 +177,6 @@ def run(args: argparse.Namespace) -> str:
               "the largest output, against float64 on the same (rounded) x and weight; bf16 "
               "outputs carry their own rounding (2^-9)."]
     return "\n".join(lines) + "\n"
-
-
-# --cold's copies of one weight at most: each copy is a Linear and three more tensors, so on
-# a 480 MiB last-level cache a 64x32 weight would need 250,000 of them (tens of GB of
-# Python objects); weights under 4x the cache / this many bytes stay partly cached.
-MAX_COLD_COPIES = 1024
 
 
 def main(argv: list[str] | None = None) -> int:
