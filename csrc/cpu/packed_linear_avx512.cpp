@@ -42,18 +42,14 @@ struct F32Round {
 struct F32Tile {
   template <int64_t R>
   static void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* scale,
-                   const float* bias, float* y, int64_t N, int64_t cols, const float* next,
+                   const float* bias, float* y, int64_t N, int64_t cols, PanelPrefetch next,
                    int64_t gated_cols) {
     __m512 acc[R][NV];
     init_acc(acc, scale, bias, cols);
+    PanelPrefetcher<kPackedRowBytes> pf(next);
     for (int64_t k = 0; k < K; ++k) {
       const float* wk = w + k * kPackedPanelCols;
-      if (next != nullptr) {
-        for (int64_t b = 0; b < NV; ++b) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + k * kPackedPanelCols + b * kPackedVecCols),
-                       _MM_HINT_T1);
-        }
-      }
+      pf.step();
       __m512 wv[NV];
       for (int64_t b = 0; b < NV; ++b) wv[b] = _mm512_loadu_ps(wk + b * kPackedVecCols);
       for (int64_t r = 0; r < R; ++r) {

@@ -11,9 +11,9 @@
 // row's 3 accumulators: 3 weight loads and rows broadcasts per 3 x rows products, no
 // horizontal sums, outputs rounded once (vcvtneps2bf16, nearest even).
 // Weights stream from memory once per call (the panel stays in L1/L2 for its row tiles),
-// so a block of one row tile prefetches the next panel into L2: at decode sizes the
-// weights, not the arithmetic, are most of the time, and oneDNN's packed GEMM did not
-// hide them (README "Linear-layer benchmark").
+// so a block's row tiles prefetch the next panel into L2 meanwhile (run_panels): at decode
+// sizes the weights, not the arithmetic, are most of the time, and oneDNN's packed GEMM
+// did not hide them (README "Linear-layer benchmark").
 // Limits: K even (the pairs), rows of x contiguous within themselves; any M and N (the
 // last panel's columns past N are zero in the weight and not stored).
 // Standard headers come before the target pragma, under the default target: GCC 13 refuses
@@ -51,7 +51,7 @@ struct Bf16Tile {
   template <int64_t R>
   static void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
                    const float* scale, const float* bias, uint16_t* y, int64_t N,
-                   int64_t cols, const uint16_t* next, int64_t gated_cols) {
+                   int64_t cols, PanelPrefetch next, int64_t gated_cols) {
     __m512 acc[R][NV];
     init_acc(acc, scale, bias, cols);
     dot_pairs(acc, x, xs, w, 0, K / 2, next);

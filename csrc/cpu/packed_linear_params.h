@@ -32,7 +32,10 @@ static_assert(kPackedTileRows * kPackedPanelVecs + kPackedPanelVecs + 1 <= 32);
 // block's row tiles from L1/L2; the weights are read once per block, from L3 after the
 // first). Without blocks a 4096-row x streams from L3 once per panel; the blocks took a
 // decoder layer's four GEMMs at 1381-4096 rows from 1.01-1.10x oneDNN's time to 0.97-1.06x
-// (Zen 4 VM, 2 threads; small, but the same direction in every run).
+// (Zen 4 VM, 2 threads; small, but the same direction in every run). Groups of panels
+// kept in L2 across the blocks (x then read from L3 once per group) were slower on the
+// Intel AMX VM at 4336 rows: float32 576x3072 203-205 against 229-238 GFLOP/s, 576x960
+// 280 against 311-314.
 constexpr int64_t kPackedRowBlockBytes = 256 * 1024;
 
 // The lanes of vector c0 / kPackedVecCols (its first column c0) that hold one of a panel's
@@ -81,22 +84,60 @@ struct PackedQuantWeight {
   bool int4;
 };
 
+// Bytes of one step of a tile through its panel: one k of a float32 panel, one k pair of a
+// bfloat16 one (kPackedPanelCols columns x 4 bytes either way), three cache lines.
+constexpr int64_t kPackedRowBytes = kPackedPanelCols * 4;
+
+// The share of the next panel that one row tile prefetches into L2 while it runs (see
+// run_panels): tile t of a block's T takes the next panel's steps from t S / T on (S steps
+// of step_bytes), one every T of its own S steps, so the block's tiles together stream the
+// whole next panel at an even rate over the current panel's compute.
+struct PanelPrefetch {
+  const char* at = nullptr;  // the first step to prefetch; nullptr: none
+  int64_t every = 1;
+
+  static PanelPrefetch part(const void* next, int64_t steps, int64_t step_bytes, int64_t t,
+                            int64_t tiles) {
+    if (next == nullptr) return {};
+    return {static_cast<const char*>(next) + t * steps / tiles * step_bytes, tiles};
+  }
+};
+
+// A tile loop's prefetcher: step() once per step of StepBytes. The loop keeps the state in
+// these locals: stepping PanelPrefetch's own fields (passed by value), or a second copy of
+// the loop without prefetches, made the float32 tile 10-25% slower at every size (Intel AMX
+// VM, 576x960 at 224-4336 rows), though the hot loop's instructions looked the same.
+template <int64_t StepBytes>
+struct PanelPrefetcher {
+  const char* at;
+  int64_t every, countdown = 1;
+  explicit PanelPrefetcher(const PanelPrefetch& p) : at(p.at), every(p.every) {}
+  inline void step() {
+    if (at == nullptr || --countdown > 0) return;
+    countdown = every;
+    for (int64_t l = 0; l < StepBytes; l += 64) __builtin_prefetch(at + l, 0, 2);  // T1: L2
+    at += StepBytes;
+  }
+};
+
 // The loop nest of both kernels, built under each kernel file's target: per block of rows
 // (packed_row_block), per panel of [p0, p1), the block's tiles of kPackedTileRows rows and
 // one tile of the rest, Kernel::tile<R> computing R rows of one panel (T = the element
-// type). When the block is a single tile (at most kPackedTileRows rows: a small decode
-// step), that tile is given the next panel to prefetch meanwhile. With more tiles, the
-// panel's compute takes long enough for the hardware prefetcher to stream the next
-// (contiguous) panel, and the first tile's burst of software prefetches only stalled it:
-// without them, 12-24 rows of 576x960 and 1536x576 with the weights from memory took
-// 8-15% less (Zen 4 VM, 2 threads; 576x3072 and the LM head unchanged), while 1-8 rows
-// need them (576x3072 at 1 row: 98-104 us with, 107-120 without).
+// type). The block's tiles prefetch the next panel into L2 meanwhile, shared between them
+// (PanelPrefetch): at decode sizes the weights stream from memory, and with the single
+// tile of 1-8 rows prefetching alone, as before, 12 rows of float32 576x3072 took 1.5x the
+// time of 8 (487 vs 326 us) and 32 rows 692 us; shared, 372 and 471-485 us (Intel AMX VM,
+// 2 threads, weights from memory). At prefill sizes (14 tiles a block) the shared
+// prefetches cost nothing measurable (4336 rows: 576x960 14.1 ms either way, 1536x576
+// 21.3-21.5 against 22.2-22.9 without). The Zen 4 VM's tuning had found the first tile's
+// burst of prefetches stalling 12-24 rows (8-15% slower than none); the shares come one
+// row at a time.
 // gated_cols: 0 for a plain weight; for a gated one (args.gated) the panel's outputs,
 // which the tile stores through store_gated (packed_tile.h) instead.
 template <typename Kernel, int64_t R, typename T>
 inline void tile_of(int64_t rows, const T* x, int64_t xs, const T* w, int64_t K,
                     const float* scale, const float* bias, T* y, int64_t N, int64_t cols,
-                    const T* next, int64_t gated_cols) {
+                    PanelPrefetch next, int64_t gated_cols) {
   if constexpr (R > 0) {
     if (rows == R) {
       return Kernel::template tile<R>(x, xs, w, K, scale, bias, y, N, cols, next, gated_cols);
@@ -136,17 +177,19 @@ inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelO
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
   const int64_t block = packed_row_block(a.K, sizeof(T));
+  const int64_t steps = a.K * static_cast<int64_t>(sizeof(T)) * kPackedPanelCols / kPackedRowBytes;
   for (int64_t m0 = 0; m0 < a.M; m0 += block) {
     const int64_t m1 = std::min(a.M, m0 + block);
-    const bool prefetch = m1 - m0 <= kPackedTileRows;  // a single tile (see above)
+    const int64_t tiles = (m1 - m0 + kPackedTileRows - 1) / kPackedTileRows;
     for (int64_t p = p0; p < p1; ++p) {
       const PanelOut o = panel_out(a, p);
       const PanelRef<T> w = panel_of(p);
-      for (int64_t m = m0; m < m1; m += kPackedTileRows) {
+      for (int64_t m = m0, t = 0; m < m1; m += kPackedTileRows, ++t) {
         tile_of<Kernel, kPackedTileRows>(std::min(kPackedTileRows, m1 - m),
                                          x + m * a.x_row_stride, a.x_row_stride, w.w, a.K,
                                          o.scale, o.bias, y + m * a.N + o.y0, a.N, o.cols,
-                                         prefetch ? w.next : nullptr, o.gated_cols);
+                                         PanelPrefetch::part(w.next, steps, kPackedRowBytes, t, tiles),
+                                         o.gated_cols);
       }
     }
   }

@@ -21,18 +21,14 @@ constexpr int64_t kVecPairs = kPackedVecCols * 2;      // bf16 per 64-byte row (
 
 // acc[r] += row r of x (rows [0, R), stride xs) times the panel w's k pairs [j0, j1): per
 // pair, the panel's 3 weight vectors (16 columns x a pair of k each) and per row a
-// broadcast pair into vdpbf16ps. next: a panel whose same rows are prefetched into L2
-// meanwhile (nullptr: none).
+// broadcast pair into vdpbf16ps. next: what to prefetch into L2 meanwhile, a step per pair.
 template <int64_t R>
 inline void dot_pairs(__m512 (&acc)[R][NV], const uint16_t* x, int64_t xs, const uint16_t* w,
-                      int64_t j0, int64_t j1, const uint16_t* next) {
+                      int64_t j0, int64_t j1, const PanelPrefetch& next) {
+  PanelPrefetcher<kPackedRowBytes> pf(next);
   for (int64_t j = j0; j < j1; ++j) {
     const uint16_t* wj = w + j * kPairStride;
-    if (next != nullptr) {
-      for (int64_t b = 0; b < NV; ++b) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + j * kPairStride + b * kVecPairs), _MM_HINT_T1);
-      }
-    }
+    pf.step();
     __m512bh wv[NV];
     for (int64_t b = 0; b < NV; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wj + b * kVecPairs);
     for (int64_t r = 0; r < R; ++r) {
