@@ -1,5 +1,5 @@
 """models.llama.Linear's CPU weight forms (oneDNN-prepacked float32 and bfloat16, the
-packed_linear-packed float32 / bfloat16 where vllm_lite's kernel is selected, the unpacked float32 head) against a float64 matmul / plain F.linear on the original weight,
+packed_linear-packed float32 / bfloat16 where vllm_lite's kernel is selected) against a float64 matmul / plain F.linear on the original weight,
 on fresh random inputs."""
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ def _linear(dtype: torch.dtype, bias: bool, seed: int) -> tuple[Linear, torch.Te
     return lin, lin.weight.detach().clone()
 
 
-@pytest.mark.parametrize("copy_float32", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_onednn_weight(bias: bool, copy_float32: bool) -> None:
+def test_float32_onednn_weight(bias: bool) -> None:
     lin, ref_w = _linear(torch.float32, bias, seed=1)
-    lin.prepare_for_cpu(copy_float32=copy_float32)
-    if copy_float32 and ops.packed_linear_kernel_selected(torch.float32):
+    lin.prepare_for_cpu()
+    if ops.packed_linear_kernel_selected(torch.float32):
         # vllm_lite's own kernel (tests/ops/test_packed_linear.py), no oneDNN copy
         assert lin._own_packed is not None and lin._packed is None
     elif not torch.backends.mkldnn.is_available():
@@ -31,11 +30,8 @@ def test_float32_onednn_weight(bias: bool, copy_float32: bool) -> None:
         pytest.skip("torch without oneDNN: Linear keeps F.linear")
     else:
         assert lin._packed is not None and lin._own_packed is None
-    # The parameter itself is untouched (state_dict, TP loading and tied embeddings read it);
-    # without a copy the oneDNN path reads the parameter's own storage.
+    # The parameter itself is untouched (state_dict, TP loading and tied embeddings read it).
     assert torch.equal(lin.weight, ref_w) and lin.weight.is_contiguous()
-    if not copy_float32:
-        assert lin._packed.data_ptr() == lin.weight.data_ptr()
     b64 = lin.bias.double() if bias else None
     with torch.no_grad():
         for rows in (1, 8, 33, 300):
