@@ -177,6 +177,7 @@ inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelO
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
   const int64_t block = packed_row_block(a.K, sizeof(T));
+  // The panel's steps of kPackedRowBytes (K float32 rows, K / 2 bfloat16 pair rows).
   const int64_t steps = a.K * static_cast<int64_t>(sizeof(T)) * kPackedPanelCols / kPackedRowBytes;
   for (int64_t m0 = 0; m0 < a.M; m0 += block) {
     const int64_t m1 = std::min(a.M, m0 + block);
@@ -185,10 +186,10 @@ inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelO
       const PanelOut o = panel_out(a, p);
       const PanelRef<T> w = panel_of(p);
       for (int64_t m = m0, t = 0; m < m1; m += kPackedTileRows, ++t) {
+        const PanelPrefetch share = PanelPrefetch::part(w.next, steps, kPackedRowBytes, t, tiles);
         tile_of<Kernel, kPackedTileRows>(std::min(kPackedTileRows, m1 - m),
                                          x + m * a.x_row_stride, a.x_row_stride, w.w, a.K,
-                                         o.scale, o.bias, y + m * a.N + o.y0, a.N, o.cols,
-                                         PanelPrefetch::part(w.next, steps, kPackedRowBytes, t, tiles),
+                                         o.scale, o.bias, y + m * a.N + o.y0, a.N, o.cols, share,
                                          o.gated_cols);
       }
     }

@@ -1,7 +1,8 @@
 // The bfloat16 side of the packed GEMM tiles, shared by the AVX512-BF16 kernel
 // (packed_linear_avx512bf16.cpp) and the AMX one (packed_linear_amx.cpp): the vdpbf16ps
 // loop over a panel's k pairs, the rounding of a tile's float32 accumulators into y, plain
-// or gated, and a quantized panel dequantized into the bf16 packed layout. Included after packed_tile.h, under an AVX512-BF16 target.
+// or gated, and a quantized panel dequantized into the bf16 packed layout. Included after
+// packed_tile.h, under an AVX512-BF16 target.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 """models.llama.Linear's CPU weight forms (oneDNN-prepacked float32 and bfloat16, the
-packed_linear-packed float32 / bfloat16 where vllm_lite's kernel is selected) against a float64 matmul / plain F.linear on the original weight,
-on fresh random inputs."""
+packed_linear-packed float32 / bfloat16 where vllm_lite's kernel is selected) against a
+float64 matmul / plain F.linear on the original weight, on fresh random inputs."""
 
 from __future__ import annotations
 
