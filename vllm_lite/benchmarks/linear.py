@@ -8,7 +8,9 @@ and each row count (tokens in the step), one run times, on the CPU:
   bfloat16 on AVX512_BF16, else oneDNN on its prepacked weight): the reference of the
   ratios;
 - ``oneDNN``: ``mkldnn._linear_pointwise`` on a weight prepacked by
-  ``mkldnn._reorder_linear_weight`` (what the engine used before packed_linear; the peer);
+  ``mkldnn._reorder_linear_weight`` (what the engine used before packed_linear; the peer).
+  torch's bf16 prepacking needs AVX512BW/VL/DQ or AVX-NE-CONVERT: on other CPUs (AVX2-only
+  x86, aarch64) the column is n/a and the report says why;
 - ``torch``: ``F.linear`` on the plain weight (MKL's sgemm for float32 in the official
   builds, oneDNN unpacked for bf16);
 - ``vllm_lite int8``: ``torch.ops.vllm_lite.int8_linear`` (quantization="int8") on the
@@ -81,6 +83,29 @@ def _parse_shape(s: str) -> tuple[int, int]:
     return k, n
 
 
+def _onednn_pack(w: Any) -> Any:
+    """oneDNN's prepacked form of weight ``w`` (what the oneDNN column multiplies)."""
+    import torch
+
+    from vllm_lite.models.llama import Linear
+
+    return torch.ops.mkldnn._reorder_linear_weight(w, Linear.PACK_ROWS_HINT)
+
+
+def onednn_unavailable(dtype: Any) -> str | None:
+    """Why torch's oneDNN prepacked GEMM cannot run ``dtype`` on this CPU (its error), or
+    None where it runs. The bf16 path depends on the CPU's ISA extensions."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN (torch.backends.mkldnn.is_available() is False)"
+    try:
+        _onednn_pack(torch.zeros(4, 8, dtype=dtype))
+    except (RuntimeError, AttributeError) as e:
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None
+
+
 def _cycle(items: list[Any]) -> Callable[[], Any]:
     """A function returning the items in turn (one copy of a weight per call)."""
     it = itertools.cycle(items)
@@ -106,8 +131,14 @@ def run(args: argparse.Namespace) -> str:
     gen = torch.Generator().manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     d = "fp32" if dtype == torch.float32 else "bf16"
-    engine = ("packed_linear" if ops.packed_linear_kernel_selected(dtype) else "oneDNN")
     llc = llc_bytes_cpu()
+    no_onednn = onednn_unavailable(dtype)
+    # Linear.prepare_for_cpu's choice: its own kernel, else oneDNN prepacked where torch
+    # can prepack this dtype here, else F.linear.
+    engine = ("packed_linear" if ops.packed_linear_kernel_selected(dtype) else
+              "oneDNN" if no_onednn is None else "F.linear (oneDNN cannot prepack it here)")
+    if no_onednn:
+        log.warning("oneDNN %s column n/a: %s", args.dtype, no_onednn)
     lines = [
         f"# Linear layers on the CPU ({torch.get_num_threads()} threads, CPU ISA "
         f"{ops.cpu_isa()}, torch {torch.__version__}, {args.dtype}, weights "
@@ -137,8 +168,8 @@ def run(args: argparse.Namespace) -> str:
                 lin.prepare_for_cpu()
                 lins.append(lin)
                 plain.append(lin.weight.detach().clone())
-                dnn.append(torch.ops.mkldnn._reorder_linear_weight(plain[-1],
-                                                                  Linear.PACK_ROWS_HINT))
+                if not no_onednn:
+                    dnn.append(_onednn_pack(plain[-1]))
                 q, scale = quantize_int8(lin.weight)
                 q8.append((cpu_qweight(q), scale, q))  # the engine's form, and torch's
             scale_t = q8[0][1].to(dtype)  # torch's op wants the scales in x's dtype
@@ -149,8 +180,9 @@ def run(args: argparse.Namespace) -> str:
             for m in rows:
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 ours = time_us(lambda: nxt["lin"]()(x), target)
-                onednn = time_us(lambda: torch.ops.mkldnn._linear_pointwise(
-                    x, nxt["dnn"](), None, "none", [], ""), target)
+                onednn = None if no_onednn else time_us(
+                    lambda: torch.ops.mkldnn._linear_pointwise(x, nxt["dnn"](), None, "none",
+                                                               [], ""), target)
                 torch_mm = time_us(lambda: F.linear(x, nxt["plain"]()), target)
                 int8 = time_us(lambda: ops.int8_linear(x, *nxt["q8"]()[:2]), target)
                 # torch's bf16 int8 op crashes (SIGSEGV, torch 2.14) for K not a multiple
@@ -166,16 +198,20 @@ def run(args: argparse.Namespace) -> str:
                              / ref8.abs().max().clamp_min(1e-30))
                 theirs_cells = ("n/a", "n/a") if theirs is None else (f"{theirs:.1f}",
                                                                       f"{ours / theirs:.2f}")
-                lines.append(f"| {k} x {n} | {m} | {ours:.1f} | {onednn:.1f} | {torch_mm:.1f} | "
-                             f"{int8:.1f} | {theirs_cells[0]} | {ours / onednn:.2f} | "
+                dnn_cells = ("n/a", "n/a") if onednn is None else (f"{onednn:.1f}",
+                                                                   f"{ours / onednn:.2f}")
+                lines.append(f"| {k} x {n} | {m} | {ours:.1f} | {dnn_cells[0]} | {torch_mm:.1f} | "
+                             f"{int8:.1f} | {theirs_cells[0]} | {dnn_cells[1]} | "
                              f"{ours / torch_mm:.2f} | {ours / int8:.2f} | {theirs_cells[1]} | "
                              f"{err:.1e} | {err8:.1e} |")
-                log.info("%dx%d rows %d: engine %.1f us, oneDNN %.1f us, int8 %.1f us", k, n, m,
-                         ours, onednn, int8)
+                log.info("%dx%d rows %d: engine %.1f us, oneDNN %s us, int8 %.1f us", k, n, m,
+                         ours, dnn_cells[0], int8)
     lines += ["", f"Speedup: the engine's {d} time / that column's time (below 1: that "
               f"column is slower than the engine's {args.dtype} GEMM). Errors: relative to "
               "the largest output, against float64 on the same (rounded) x and weight; bf16 "
               "outputs carry their own rounding (2^-9)."]
+    if no_onednn:
+        lines += ["", f"oneDNN {d}: n/a on this CPU (torch: {no_onednn})."]
     return "\n".join(lines) + "\n"
 
 

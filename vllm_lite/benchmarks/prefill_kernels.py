@@ -57,13 +57,24 @@ def run(args: argparse.Namespace, timer_cls: Any) -> str:
                 rows.append(_run_shape(torch, F, ops, args, timer_cls, dev, dt, heads, prefix))
     head = ("| dtype | heads | seqs x new | prefix | varlen (ms) | sdpa/seq + gather (ms) | "
             "varlen / sdpa | flash_attn varlen (ms) | varlen / flash |")
-    lines = [head, "|" + "---|" * 9]
+    lines = [_machine_line(torch, ops, dev), "", head, "|" + "---|" * 9]
     for r in rows:
         lines.append(
             f"| {r['dtype']} | {r['heads']} | {r['seqs']} x {r['new']} | {r['prefix']} | "
             f"{_ms(r, 'varlen')} | {_ms(r, 'sdpa')} | {_ratio(r, 'varlen', 'sdpa')} | "
             f"{_ms(r, 'flash')} | {_ratio(r, 'varlen', 'flash')} |")
     return "\n".join(lines)
+
+
+def _machine_line(torch: Any, ops: Any, dev: str) -> str:
+    """What ran: the CPU or GPU, threads, and the CPU kernels' ISA build (the build decides
+    the CPU kernel's speed, so a table without it cannot be compared)."""
+    from vllm_lite.benchmarks.kernels import cpu_model
+
+    if dev == "cuda":
+        return f"- machine: {torch.cuda.get_device_name(0)}; torch {torch.__version__}"
+    return (f"- machine: {cpu_model()}; torch {torch.__version__}; threads "
+            f"{torch.get_num_threads()}; CPU ISA {ops.cpu_isa()}")
 
 
 def _ms(r: dict, k: str) -> str:
