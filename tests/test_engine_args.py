@@ -181,6 +181,7 @@ def _non_defaults(model_dir: Path) -> dict[str, Any]:
         "num_gpu_blocks_override": 12, "max_logprobs": 5, "quantization": "int4",
         "quantization_group_size": 32, "kv_cache_dtype": "fp8_e5m2",
         "tensor_parallel_size": 2, "distributed_timeout": 30.0, "cpu_threads_bind": "auto",
+        "chat_template_timeout": 2.5, "chat_template_max_chars": 4096,
     }
 
 
@@ -213,6 +214,7 @@ def test_serve_accepts_every_engine_option(model_dir: Path) -> None:
         4, 4096, 128, True, "swap", "priority")
     assert (mc.seed, mc.max_logprobs, mc.max_model_len, mc.quantization,
             mc.quantization_group_size) == (7, 5, 128, "int4", 32)
+    assert (mc.chat_template_timeout, mc.chat_template_max_chars) == (2.5, 4096)
     assert (config.kv_cache_space, config.num_gpu_blocks_override) == (0.01, 12)
     pc = config.parallel_config
     assert (pc.tensor_parallel_size, pc.distributed_timeout) == (2, 30.0)

@@ -199,6 +199,12 @@ class EngineArgs:
     distributed_timeout: float = _opt(
         300.0, "seconds a tensor-parallel collective may wait for a rank before the engine "
         "fails with an error naming it (a dead or hung worker)")
+    chat_template_timeout: float = _opt(
+        5.0, "seconds a chat template may take to render one conversation; past it the render "
+        "is stopped and the request fails (a 400 on the server) naming the template")
+    chat_template_max_chars: int = _opt(
+        8 * 2**20, "the most characters a chat template may write for one conversation; past "
+        "it the render is stopped and the request fails naming the template")
     cpu_threads_bind: str | None = _opt(
         None, "bind torch's threads one per CPU when the engine starts (vLLM's "
         "VLLM_CPU_OMP_THREADS_BIND): a list such as 0-3,8 (one thread per CPU listed; the "
@@ -229,7 +235,9 @@ class EngineArgs:
                                    dtype=self.dtype, max_model_len=self.max_model_len,
                                    seed=self.seed, max_logprobs=self.max_logprobs,
                                    quantization=self.quantization,
-                                   quantization_group_size=self.quantization_group_size)
+                                   quantization_group_size=self.quantization_group_size,
+                                   chat_template_timeout=self.chat_template_timeout,
+                                   chat_template_max_chars=self.chat_template_max_chars)
         # Checked here under the user's names: the cache and scheduler configs call them
         # swap_space_gib and policy.
         swap = check_number("swap_space", self.swap_space)
@@ -545,6 +553,10 @@ class ModelConfig:
     # Weight-only quantization applied at load (vllm_lite.layers.quantization), or None.
     quantization: str | None = EngineArgs.quantization
     quantization_group_size: int | None = EngineArgs.quantization_group_size
+    # What rendering one conversation's chat template may take (the model's template is
+    # code from the model file: vllm_lite.entrypoints.chat_template).
+    chat_template_timeout: float = EngineArgs.chat_template_timeout
+    chat_template_max_chars: int = EngineArgs.chat_template_max_chars
     hf_config: Any = field(default=None, repr=False)
     # The GGUF file the model was converted from (an alias or a .gguf path), else None:
     # quantization="gguf" reads its blocks.
@@ -555,6 +567,13 @@ class ModelConfig:
         from vllm_lite.models.loader import read_hf_config
 
         self.max_logprobs = check_int("max_logprobs", self.max_logprobs, 0)
+        self.chat_template_timeout = check_number("chat_template_timeout",
+                                                  self.chat_template_timeout)
+        if self.chat_template_timeout <= 0:
+            raise ValueError(f"chat_template_timeout must be > 0 seconds, "
+                             f"got {self.chat_template_timeout}")
+        self.chat_template_max_chars = check_int("chat_template_max_chars",
+                                                 self.chat_template_max_chars, 1)
         self.quantization = check_quantization(self.quantization)
         g = self.quantization_group_size
         if g is not None:

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 
 from vllm_lite.config import EngineArgs
 from vllm_lite.engine.llm_engine import EngineStepError, LLMEngine
+from vllm_lite.entrypoints.chat_template import ChatTemplateLimits, render_chat_template
 from vllm_lite.inputs import truncate_prompt
+from vllm_lite.models.loader import check_folder_links
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 
@@ -29,6 +31,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def _load_tokenizer(folder: str) -> Any:
     path = Path(folder)
+    check_folder_links(path)
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         logger.info("no tokenizer in %s: token-id prompts only, outputs carry no text", folder)
         return None
@@ -58,6 +61,9 @@ class LLM:
         model_config = self.config.model_config
         self.tokenizer = _load_tokenizer(model_config.tokenizer)
         self.llm_engine = LLMEngine(self.config, tokenizer=self.tokenizer)
+        self._template_limits = ChatTemplateLimits(model_config.chat_template_timeout,
+                                                   model_config.chat_template_max_chars)
+        self._template_name = model_config.tokenizer
         self._counter = itertools.count()
         # One caller at a time drives the engine: two threads stepping it at once would
         # mix their batches (and each would drop the other's finished outputs).
@@ -145,14 +151,20 @@ class LLM:
         tokenizer's chat template."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (none in the model folder)")
-        if not messages:
-            raise ValueError("no messages given")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
+                             "(or a list of such lists)")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for conv in conversations:
+            if not isinstance(conv, (list, tuple)) or not conv or \
+                    not all(isinstance(m, dict) for m in conv):
+                raise ValueError("each conversation must be a non-empty list of "
+                                 "{'role', 'content'} dicts")
         with self._lock:
             prompts = []
             for conv in conversations:
-                text = self.tokenizer.apply_chat_template(
-                    conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+                text = render_chat_template(self.tokenizer, conv, add_generation_prompt,
+                                            self._template_limits, self._template_name)
                 prompts.append((text, list(self.tokenizer.encode(text, add_special_tokens=False))))
             params = self._params_list(sampling_params, len(prompts))
             prompts = self._admit_prompts(prompts, params)

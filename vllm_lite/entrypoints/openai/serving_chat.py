@@ -8,6 +8,7 @@ from contextlib import aclosing
 from typing import Any
 from collections.abc import AsyncIterator
 
+from vllm_lite.entrypoints.chat_template import ChatTemplateLimits, render_chat_template
 from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 
@@ -57,18 +58,17 @@ def conversation(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam],
-                        add_generation_prompt: bool, add_special_tokens: bool) -> tuple[str, list[int]]:
-    """(prompt text, prompt ids); the same steps as LLM.chat."""
+                        add_generation_prompt: bool, add_special_tokens: bool,
+                        limits: ChatTemplateLimits, name: str) -> tuple[str, list[int]]:
+    """(prompt text, prompt ids); the same steps as LLM.chat, the template rendered within
+    ``limits`` (the server's chat_template_* options)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("the model's tokenizer has no chat template", param="messages")
     try:
-        text = tokenizer.apply_chat_template(conversation(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except RequestError:
-        raise
-    except Exception as e:  # noqa: BLE001  (a template may reject a role or an order)
-        raise RequestError(f"the chat template rejected the messages: {e}",
-                           param="messages") from None
+        text = render_chat_template(tokenizer, conversation(messages), add_generation_prompt,
+                                    limits, name)
+    except ValueError as e:  # the template failed, or passed a limit: the request's 400
+        raise RequestError(str(e), param="messages") from None
     return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
@@ -91,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_messages(req.messages)
         tok = self.need_tokenizer("chat")
         text, ids = apply_chat_template(tok, req.messages, req.add_generation_prompt,
-                                        req.add_special_tokens)
+                                        req.add_special_tokens, *self.chat_template_limits)
         # truncate_prompt_tokens first: a prompt cut to fit is admitted (as vLLM).
         truncated, ids = self.truncate(text, ids, req)
         text = truncated if truncated is not None else text

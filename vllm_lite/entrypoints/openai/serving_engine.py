@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from pydantic import BaseModel
 
 from vllm_lite.engine.async_engine import AsyncLLMEngine, EngineError
+from vllm_lite.entrypoints.chat_template import ChatTemplateLimits
 from vllm_lite.inputs import truncate_prompt
 from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.sampling_params import SamplingParams
@@ -98,6 +99,11 @@ class OpenAIServing:
         self.cache_tokens: int = cc.num_gpu_blocks * cc.block_size
         self.max_num_seqs: int = llm_engine.config.scheduler_config.max_num_seqs
         self.tokenizers = tokenizers
+        # (limits, the name errors give the template): what apply_chat_template takes.
+        self.chat_template_limits = (
+            ChatTemplateLimits(self.model_config.chat_template_timeout,
+                               self.model_config.chat_template_max_chars),
+            f"the model {served_model!r}")
         # A text longer than this can never tokenize into max_model_len tokens: refused
         # before the tokenizer spends time (and memory) on it.
         self.max_prompt_chars: int | None = None

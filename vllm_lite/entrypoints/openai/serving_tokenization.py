@@ -24,7 +24,8 @@ class OpenAIServingTokenization(OpenAIServing):
             self.check_messages(req.messages)
             # Chat prompts get no special tokens beyond the template's own (as chat does).
             special = bool(req.add_special_tokens)
-            _, ids = apply_chat_template(tok, req.messages, req.add_generation_prompt, special)
+            _, ids = apply_chat_template(tok, req.messages, req.add_generation_prompt, special,
+                                        *self.chat_template_limits)
         else:
             special = True if req.add_special_tokens is None else req.add_special_tokens
             self.check_text(req.prompt, "prompt")
