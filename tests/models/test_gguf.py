@@ -211,6 +211,7 @@ def test_failed_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.M
     cache = tmp_path / "cache"
     monkeypatch.setenv("VLLM_LITE_CACHE", str(cache))
     monkeypatch.setattr(gguf_mod, "_check_convert_deps", lambda: None)
+    monkeypatch.setattr(gguf_mod, "check_gguf", lambda path: None)  # the bytes are fake
     fake = tmp_path / "tiny.gguf"
     fake.write_bytes(b"GGUF not really")
 

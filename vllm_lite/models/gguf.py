@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_lite.models.gguf_file import GGUFModelSizes, check_model, read_header
+
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever the converted layout changes (invalidates old cache folders).
@@ -112,6 +114,20 @@ def _check_convert_deps() -> None:
         )
 
 
+def check_gguf(gguf_file: Path) -> GGUFModelSizes:
+    """Refuses (ValueError naming the problem) a GGUF file whose header is corrupt or lies,
+    whose model the engine does not run, or whose conversion would not fit the free memory,
+    before transformers builds anything from it (see :mod:`vllm_lite.models.gguf_file`)."""
+    import torch
+
+    from vllm_lite.models.loader import check_model_memory
+
+    sizes = check_model(read_header(gguf_file))
+    # The conversion holds the dequantized float32 tensors and the float32 model at once.
+    check_model_memory(sizes, torch.float32, torch.device("cpu"), copies=2)
+    return sizes
+
+
 def _read_gguf(gguf_file: Path) -> tuple[Any, Any]:
     """transformers' own GGUF loading: (float32 HF model, tokenizer). transformers
     dequantizes the tensors and un-permutes the GGUF Llama Q/K rows."""
@@ -176,11 +192,12 @@ def convert_gguf(gguf_file: str | Path) -> Path:
     gguf_file = Path(gguf_file).resolve()
     if not gguf_file.is_file():
         raise ValueError(f"GGUF file {gguf_file} does not exist")
+    _check_convert_deps()
+    check_gguf(gguf_file)
     target = cache_folder(gguf_file)
     if (target / "config.json").is_file():
         logger.info("using the converted %s from %s", gguf_file.name, target)
         return target
-    _check_convert_deps()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
     try:
@@ -235,6 +252,9 @@ def resolve_model(name_or_path: str | Path) -> Path:
             return path
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
+            from vllm_lite.models.loader import check_folder_links
+
+            check_folder_links(path)
             return convert_gguf(ggufs[0])
         if len(ggufs) > 1:
             raise ValueError(f"{path} holds several .gguf files; pass one: "

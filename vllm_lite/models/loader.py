@@ -21,7 +21,7 @@ from vllm_lite.models.gguf import resolve_model
 from vllm_lite.models.gptq_awq import dequantized_weights, read_spec
 from vllm_lite.models.registry import get_model_class
 
-__all__ = ["DEFAULT_MODEL", "check_model_memory", "estimate_model_bytes", "iterate_weights",
+__all__ = ["DEFAULT_MODEL", "check_folder_links", "check_model_memory", "estimate_model_bytes", "iterate_weights",
            "load_model", "read_hf_config", "resolve_dtype", "resolve_model"]
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,16 @@ def _positive_int(config_file: Path, key: str, value: Any) -> int:
     return value
 
 
+def _check_positive(config_file: Path, raw: dict, key: str, name: str | None = None) -> None:
+    """A physical constant (rope base, norm epsilon, scaling factor), when given, must be a
+    positive finite number: 0 or a negative one loads and then computes NaN or nonsense."""
+    value = raw.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value < math.inf):
+        raise ValueError(f"{config_file}: {name or key} must be a positive number, "
+                         f"got {value!r}")
+
+
 def _check_config_dict(config_file: Path, raw: Any) -> None:
     """The shape fields of a config.json, checked before transformers interprets them
     (it raises assorted errors, or divides by zero, on bad ones)."""
@@ -87,10 +97,21 @@ def _check_config_dict(config_file: Path, raw: Any) -> None:
     if raw.get("head_dim") is None and raw["hidden_size"] % heads:
         raise ValueError(f"{config_file}: hidden_size {raw['hidden_size']} is not divisible by "
                          f"num_attention_heads {heads} (and no head_dim is given)")
-    eps = raw.get("rms_norm_eps")
-    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
-                            or not 0 < eps < math.inf):
-        raise ValueError(f"{config_file}: rms_norm_eps must be a positive number, got {eps!r}")
+    _check_positive(config_file, raw, "rms_norm_eps")
+    _check_positive(config_file, raw, "rope_theta")
+    for group in ("rope_scaling", "rope_parameters"):
+        params = raw.get(group)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise ValueError(f"{config_file}: {group} must be an object, got {params!r}")
+        for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings"):
+            _check_positive(config_file, params, key, f"{group}.{key}")
+        low, high = params.get("low_freq_factor"), params.get("high_freq_factor")
+        if low is not None and low == high:
+            raise ValueError(f"{config_file}: {group}.low_freq_factor and high_freq_factor "
+                             f"must differ (both {low!r})")
 
 
 def read_hf_config(path: str | Path) -> Any:
@@ -98,6 +119,8 @@ def read_hf_config(path: str | Path) -> Any:
     every problem (unreadable or invalid JSON, a missing or non-positive size, heads that
     do not divide, a model type transformers does not know) is a ValueError."""
     config_file = Path(path) / "config.json"
+    if Path(path).is_dir():
+        check_folder_links(path)
     try:
         raw = json.loads(config_file.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -159,11 +182,13 @@ def _available_bytes(device: torch.device) -> int | None:
 
 
 def check_model_memory(config: Any, dtype: torch.dtype, device: torch.device,
-                       max_model_len: int | None = None, shards: int = 1) -> int:
+                       max_model_len: int | None = None, shards: int = 1,
+                       copies: int = 1) -> int:
     """Refuse (ValueError) a model whose weights cannot fit the memory ``device`` has free,
     before anything is allocated; returns the estimated bytes (one rank's, when the model
-    is split over ``shards`` tensor-parallel ranks)."""
-    need = estimate_model_bytes(config, dtype, max_model_len) // shards
+    is split over ``shards`` tensor-parallel ranks; ``copies`` times the weights where a
+    step holds them that often at once, as a GGUF conversion does)."""
+    need = estimate_model_bytes(config, dtype, max_model_len) * copies // shards
     have = _available_bytes(device)
     if have is not None and need > have:
         raise ValueError(
@@ -208,6 +233,38 @@ def _weight_files(folder: Path) -> tuple[list[Path], str]:
     raise ValueError(f"no weights in {folder}: expected *.safetensors or pytorch_model*.bin")
 
 
+def _allowed_roots(folder: Path) -> list[Path]:
+    """Where the files of ``folder`` may really live: the folder itself and, for a snapshot
+    of the Hugging Face hub cache (``models--org--name/snapshots/<rev>/``, whose files are
+    symlinks to ``../../blobs/<hash>``), that repository's blobs folder."""
+    root = folder.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    real = path.resolve()
+    return any(real == r or r in real.parents for r in roots)
+
+
+def check_folder_links(folder: str | Path) -> None:
+    """Refuses (ValueError) a model or tokenizer folder holding a symlink that leads out of
+    it: every file a load reads (config.json, weights, tokenizer files, chat template) is
+    then one of the folder's own."""
+    folder = Path(folder)
+    roots = _allowed_roots(folder)
+    try:
+        entries = list(folder.iterdir())
+    except OSError as e:
+        raise ValueError(f"cannot list the model folder {folder}: {e}") from None
+    for entry in entries:
+        if entry.is_symlink() and not _inside(entry, roots):
+            raise ValueError(f"{entry} is a symlink to a file outside the model folder "
+                             f"(to {entry.resolve()}); copy the file into the folder instead")
+
+
 def _indexed_files(folder: Path, index: Path) -> list[Path]:
     """The shard files an index's weight_map names, each a plain file inside ``folder``:
     an absolute path, a ``..`` or a symlink leading out of the folder is refused."""
@@ -219,11 +276,11 @@ def _indexed_files(folder: Path, index: Path) -> list[Path]:
     if not isinstance(weight_map, dict) or not all(
             isinstance(f, str) and f for f in weight_map.values()):
         raise ValueError(f"{index}: weight_map must map tensor names to file names")
-    root = folder.resolve()
+    roots = _allowed_roots(folder)
     files = []
     for name in sorted(set(weight_map.values())):
         shard = (folder / name).resolve()  # follows symlinks and ".."
-        if Path(name).is_absolute() or root not in shard.parents:
+        if Path(name).is_absolute() or not _inside(folder / name, roots):
             raise ValueError(f"{index}: weight file {name!r} lies outside the model folder")
         if not shard.is_file():
             raise ValueError(f"{index}: weight file {name!r} does not exist")
@@ -257,6 +314,20 @@ def iterate_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                     from None
             yield from state.items()
             del state
+
+
+def _floating_point(weights: Iterator[tuple[str, torch.Tensor]]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights, each checked to be floating point: an integer or bool tensor where the
+    model takes floats would otherwise be cast into nonsense without a word. (Quantized
+    GPTQ / AWQ tensors arrive here already dequantized; floating formats of other widths,
+    float64 or float8, are cast to the model's dtype.)"""
+    for name, tensor in weights:
+        if not tensor.is_floating_point():
+            raise ValueError(f"weight {name} is stored as {tensor.dtype}; the model's weights "
+                             "must be floating point (float32, float16, bfloat16, ...) or a "
+                             "quantized checkpoint format (GPTQ, AWQ, GGUF)")
+        yield name, tensor
 
 
 def load_model(
@@ -296,7 +367,7 @@ def load_model(
         # A GPTQ / AWQ checkpoint: the float model gets its weights dequantized; the worker
         # then swaps in the exact 4-bit layers (quantization="gptq" / "awq").
         weights = dequantized_weights(weights, spec)
-    model.load_weights(weights)
+    model.load_weights(_floating_point(weights))
     model.eval()
     logger.info("loaded %s from %s (%s, %s)", model_cls.__name__, path, torch_dtype, device)
     return model, config
