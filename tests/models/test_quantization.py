@@ -5,6 +5,7 @@ weights (the quantization error is the only difference)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -182,12 +183,20 @@ def test_group_size_only_with_int4(checkpoint: Path, method, group, message) -> 
 
 def test_cli_quantization_flag(checkpoint: Path) -> None:
     """--quantization int8 runs; an unknown value is refused by the parser (exit 2)."""
+    import vllm_lite
+
+    # The vllm_lite these tests import (an in-place build is not installed), run from
+    # outside the checkout.
+    home = str(Path(vllm_lite.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [home] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     base = [sys.executable, "-m", "vllm_lite.entrypoints.cli", "generate", "--model",
             str(checkpoint), "--kv-cache-space", "0.01", "--max-tokens", "2", "--dtype",
             "float32"]
     bad = subprocess.run(base + ["--quantization", "fp8", "hello"], capture_output=True,
-                         text=True, timeout=120, cwd="/")
+                         text=True, timeout=120, cwd="/", env=env)
     assert bad.returncode == 2 and "quantization" in bad.stderr
     help_text = subprocess.run([sys.executable, "-m", "vllm_lite.entrypoints.cli", "generate",
-                                "--help"], capture_output=True, text=True, timeout=120, cwd="/")
+                                "--help"], capture_output=True, text=True, timeout=120, cwd="/",
+                               env=env)
     assert "--quantization" in help_text.stdout and "int8" in help_text.stdout
