@@ -1,8 +1,16 @@
 """Builds vllm_lite and its native extension vllm_lite._C.
 
-VLLM_LITE_TARGET picks the kernels: "auto" (default) builds CUDA kernels when torch is a
-CUDA build and nvcc is found, "cuda" demands them, "cpu" builds the CPU kernels alone. A
-CUDA build that fails fails the install; it never falls back to CPU silently.
+VLLM_LITE_TARGET picks the kernels: "auto" (default) builds the CUDA kernels when torch is
+a CUDA build, nvcc is found and there is a GPU to build for (one is visible, or
+TORCH_CUDA_ARCH_LIST names the architectures), else the CPU kernels alone; "cuda" demands
+the CUDA kernels (for 8.0;9.0 when no GPU is visible and TORCH_CUDA_ARCH_LIST is unset);
+"cpu" builds the CPU kernels alone. A CUDA build that fails fails the install; it never
+falls back to CPU silently.
+
+VLLM_LITE_HEAD_SIZES and VLLM_LITE_KV_CACHE_DTYPES limit the CUDA attention kernels
+compiled (see csrc/cuda/generate_kernels.py). ccache or sccache, when on PATH, caches every
+compile (torch's cpp_extension puts it in front of the compilers; TORCH_NO_COMPILER_WRAPPER=1
+turns that off).
 """
 
 from __future__ import annotations
@@ -82,9 +90,41 @@ def pick_target(cuda_home: str | None) -> str:
             "VLLM_LITE_TARGET=cuda but "
             + ("torch is a CPU build" if torch.version.cuda is None else "nvcc was not found")
         )
-    if target == "auto":
-        target = "cuda" if have_cuda else "cpu"
-    return target
+    if target != "auto":
+        return target
+    if not have_cuda:
+        log.info("building CPU kernels only (%s)",
+                 "torch is a CPU build" if torch.version.cuda is None else "nvcc was not found")
+        return "cpu"
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        log.info("no GPU visible and TORCH_CUDA_ARCH_LIST unset: building the CPU kernels "
+                 "only (for the CUDA kernels set TORCH_CUDA_ARCH_LIST, e.g. 9.0, or "
+                 "VLLM_LITE_TARGET=cuda)")
+        return "cpu"
+    return "cuda"
+
+
+def generate_cuda_kernels() -> tuple[list[str], Path]:
+    """Runs csrc/cuda/generate_kernels.py (as CMakeLists.txt does); returns the generated
+    .cu files (relative to ROOT, like sources.txt's) and the folder of their headers."""
+    outdir = ROOT / "build" / "generated" / "cuda"
+    r = subprocess.run([sys.executable, str(ROOT / "csrc" / "cuda" / "generate_kernels.py"),
+                        str(outdir)], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(r.stderr.strip() or "csrc/cuda/generate_kernels.py failed")
+    files = [os.path.relpath(line, ROOT) for line in r.stdout.split()]
+    return files, outdir
+
+
+def compiler_cache_note(cpp_extension) -> str:
+    if os.environ.get("TORCH_NO_COMPILER_WRAPPER"):
+        return "off (TORCH_NO_COMPILER_WRAPPER is set)"
+    if not hasattr(cpp_extension, "_wrap_compiler"):
+        return "none (this torch's cpp_extension does not use one)"
+    for wrapper in ("ccache", "sccache"):  # the order cpp_extension tries them
+        if shutil.which(wrapper):
+            return f"{wrapper} (in front of the C++ compiler and nvcc)"
+    return "none (install ccache to make rebuilds fast)"
 
 
 def extension_modules() -> tuple[list, dict]:
@@ -104,7 +144,9 @@ def extension_modules() -> tuple[list, dict]:
     if target == "cuda":
         import torch
 
-        files += sources["cuda"]
+        generated, generated_dir = generate_cuda_kernels()
+        files += sources["cuda"] + generated
+        include_dirs.append(str(generated_dir))
         define_macros.append(("VLLM_LITE_WITH_CUDA", None))
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             # No GPU to ask: build for Ampere and Hopper.
@@ -122,11 +164,12 @@ def extension_modules() -> tuple[list, dict]:
             "-DVLLM_LITE_WITH_CUDA",
         ]
         ext_cls = cpp_extension.CUDAExtension
-        log.info("building CPU and CUDA kernels (CUDA_HOME=%s, TORCH_CUDA_ARCH_LIST=%s)",
-                 cuda_home, os.environ["TORCH_CUDA_ARCH_LIST"])
+        log.info("building CPU and CUDA kernels (CUDA_HOME=%s, TORCH_CUDA_ARCH_LIST=%s, "
+                 "%d generated kernel files)", cuda_home,
+                 os.environ.get("TORCH_CUDA_ARCH_LIST", "the visible GPUs'"), len(generated))
     else:
         ext_cls = cpp_extension.CppExtension
-        log.info("building CPU kernels only")
+    log.info("compiler cache: %s", compiler_cache_note(cpp_extension))
     # Lets the tests know whether this build promised CUDA kernels.
     (ROOT / "vllm_lite" / "_build_info.py").write_text(
         '"""Written by setup.py at build time."""\n\n'

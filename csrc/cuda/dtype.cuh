@@ -49,6 +49,19 @@ inline constexpr bool is_fp8_v = false;
 template <typename F>
 inline constexpr bool is_fp8_v<fp8_t<F>> = true;
 
+// The kv_cache_dtype name of cache element CT for model dtype T (for messages).
+template <typename T, typename CT>
+constexpr const char* cache_dtype_name() {
+  if constexpr (std::is_same_v<CT, fp8_e4m3>) {
+    return "fp8_e4m3";
+  } else if constexpr (std::is_same_v<CT, fp8_e5m2>) {
+    return "fp8_e5m2";
+  } else {
+    static_assert(std::is_same_v<CT, T>, "a cache element is T or an fp8 type");
+    return "auto";
+  }
+}
+
 // Elements of T in one 16-byte chunk.
 template <typename T>
 inline constexpr int kChunkElems = 16 / static_cast<int>(sizeof(T));

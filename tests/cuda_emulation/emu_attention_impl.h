@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <climits>
 
-#include "cuda/attention/attention_kernels.cuh"
+#include "cuda/attention/kernel_instances.cuh"
 #include "emu_ops.h"
 #include "emu_runtime.h"
 

@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda/attention/varlen_attention_kernels.cuh"
+#include "cuda/attention/kernel_instances.cuh"
 #include "emu_ops.h"
 #include "emu_runtime.h"
 

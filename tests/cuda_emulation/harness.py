@@ -23,11 +23,13 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -35,6 +37,9 @@ ROOT = HERE.parent.parent
 # CUDA_EMU_CSRC: another csrc folder to emulate (e.g. a copy with a bug injected).
 CSRC = Path(os.environ.get("CUDA_EMU_CSRC", ROOT / "csrc")).resolve()
 BUILD = ROOT / "build" / "cuda_emulation"
+# The kernel tables that csrc/cuda/generate_kernels.py writes (every kernel: the emulator
+# ignores the build options), which the kernel headers include.
+GENERATED = BUILD / "generated"
 
 SOURCES = [
     "emu_runtime.cpp", "emu_main.cpp", "emu_selftest.cpp", "emu_cache.cpp",
@@ -53,7 +58,7 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 CXXFLAGS = [
     "-std=c++20", "-O1", "-g", "-fno-omit-frame-pointer", "-fno-strict-aliasing",
     "-Wall", "-Wno-unknown-pragmas", *SANITIZE,
-    f"-I{HERE / 'fake_include'}", f"-I{HERE}", f"-I{CSRC}",
+    f"-I{HERE / 'fake_include'}", f"-I{HERE}", f"-I{CSRC}", f"-I{GENERATED}",
 ]
 RUN_ENV = {
     # Leak checking needs ptrace-like privileges and is irrelevant here; abort on the first
@@ -65,6 +70,25 @@ RUN_ENV = {
 
 def seeds() -> list[int]:
     return [int(s) for s in os.environ.get("CUDA_EMU_SEEDS", "1,2").split(",") if s.strip()]
+
+
+def seed_params() -> list:
+    """The schedule seeds as test parameters: the first runs by default, the others are
+    part of the full grid (pytest --full-grid)."""
+    return [pytest.param(s, id=f"sched{s}", marks=() if i == 0 else pytest.mark.full_grid)
+            for i, s in enumerate(seeds())]
+
+
+def selected(request: pytest.FixtureRequest, name: str) -> set:
+    """The values (a case's id, else the value) that parameter `name` takes in the tests of
+    the requesting module that this run selected: a module's fixture runs only those cases
+    and seeds in the emulator."""
+    found = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and name in params:
+            found.add(getattr(params[name], "id", params[name]))
+    return found
 
 
 def cxx() -> str:
@@ -91,6 +115,7 @@ def _object_key(src: str) -> str:
         # The kernels, the limits they share with the CPU side (csrc/attention_limits.h) and
         # the fp8 conversions (csrc/fp8.h, through cuda/dtype.cuh; emu_main.cpp includes it
         # for the cache element types).
+        # The generator is under csrc/cuda: its tables are hashed with the kernels.
         _hash_files(h, [*(CSRC / "cuda").rglob("*"), CSRC / "attention_limits.h",
                         CSRC / "fp8.h"])
     h.update(" ".join(CXXFLAGS).encode())
@@ -123,6 +148,15 @@ def _check_toolchain() -> None:
         if r.returncode != 0:
             raise Unavailable(f"{cxx()} cannot build with -fsanitize=address,undefined "
                               f"(libasan / libubsan missing?): {r.stderr.strip()[:300]}")
+
+
+def _generate_tables() -> None:
+    """Runs the kernel generator for every kernel (its tables only are used here)."""
+    r = subprocess.run([sys.executable, str(CSRC / "cuda" / "generate_kernels.py"),
+                        str(GENERATED), "--head-sizes", "all", "--kv-cache-dtypes", "all"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"generate_kernels.py failed:\n{r.stderr[-4000:]}")
 
 
 _BINARY: Path | None = None
@@ -161,6 +195,7 @@ def _build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same state
         if exe.exists():
             return exe
+        _generate_tables()
         jobs = max(1, int(os.environ.get("CUDA_EMU_JOBS", "2")))
         pending = [(src, obj) for src, obj in zip(SOURCES, objs) if not obj.exists()]
         running: list[tuple[str, Path, subprocess.Popen]] = []

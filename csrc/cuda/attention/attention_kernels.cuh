@@ -666,22 +666,42 @@ __global__ void __launch_bounds__(kThreads) paged_attention_v2_reduce_kernel(
 // fp8_e4m3 / fp8_e5m2). Launched with <<<grid, kThreads, attention_smem_bytes(...)>>>.
 using AttentionKernel = void (*)(AttentionParams);
 
+// One instance of paged_attention_kernel. get() is defined in kernel_instances.cuh, which
+// only the generated instantiation files (csrc/cuda/generate_kernels.py) and the CPU
+// emulator include: a launcher that includes this header compiles no kernel.
+template <typename T, typename CT, int BLOCK_SIZE, int HEAD_MAX>
+struct AttentionInstance {
+  static AttentionKernel get();
+};
+
+__host__ __device__ constexpr int attention_head_bucket(int head_size) {
+  return head_size <= 64 ? 64 : (head_size <= 128 ? 128 : kMaxHeadSize);
+}
+
+}  // namespace attn
+}  // namespace cuda
+}  // namespace vllm_lite
+
+#include "kernel_build_config.h"     // generated: the build options
+#include "paged_attention_table.h"  // generated: paged_attention_table<T, CT>
+
+namespace vllm_lite {
+namespace cuda {
+namespace attn {
+
 template <typename T, typename CT>
 AttentionKernel attention_kernel_for(int block_size, int head_size) {
   static_assert(kMaxHeadSize <= 256, "the largest head-size bucket is 256");
-#define VLLM_LITE_ATTN_HEADS(BS)                                          \
-  if (head_size <= 64) return &paged_attention_kernel<T, CT, BS, 64>;     \
-  if (head_size <= 128) return &paged_attention_kernel<T, CT, BS, 128>;   \
-  return &paged_attention_kernel<T, CT, BS, 256>
-  switch (block_size) {
-    case 8: VLLM_LITE_ATTN_HEADS(8);
-    case 16: VLLM_LITE_ATTN_HEADS(16);
-    case 32: VLLM_LITE_ATTN_HEADS(32);
-    default: TORCH_CHECK(false, "paged_attention: block_size ", block_size,
-                         " is not supported on CUDA; use 8, 16 or 32");
-  }
-#undef VLLM_LITE_ATTN_HEADS
-  return nullptr;
+  TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32,
+              "paged_attention: block_size ", block_size,
+              " is not supported on CUDA; use 8, 16 or 32");
+  const AttentionKernel kernel =
+      paged_attention_table<T, CT>(block_size, attention_head_bucket(head_size));
+  TORCH_CHECK(kernel != nullptr, "paged_attention: this build has no CUDA kernel for head_size ",
+              head_size, " with kv_cache_dtype ", cache_dtype_name<T, CT>(),
+              ": it was built with ", kKernelBuildSettings,
+              "; rebuild with them unset (every kernel) or including this case");
+  return kernel;
 }
 
 // How the query heads of one kv head are split over CTAs (see the grid above).

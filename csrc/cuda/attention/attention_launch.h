@@ -1,6 +1,6 @@
 // Host-side interface between the paged-attention entry points (paged_attention_v1.cu,
-// paged_attention_v2.cu) and the one translation unit that instantiates the attention
-// kernel templates (paged_attention_v1.cu), so each template is compiled once.
+// paged_attention_v2.cu) and the launch of the attention kernel they share, in
+// paged_attention_v1.cu (the kernel's instances are compiled in generated files).
 #pragma once
 
 #include <cstdint>

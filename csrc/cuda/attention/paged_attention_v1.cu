@@ -1,6 +1,7 @@
 // paged_attention_v1 on CUDA, and PagedAttentionCall (attention_launch.h): the prologue
-// and the attention kernel's launch that v1 and v2 share (this file is the only one that
-// instantiates paged_attention_kernel; see attention_kernels.cuh for the design). v1 runs
+// and the attention kernel's launch that v1 and v2 share (the kernel's instances are
+// compiled in the files csrc/cuda/generate_kernels.py writes, and found here through its
+// table; see attention_kernels.cuh for the design). v1 runs
 // one CTA per (sequence, kv head[, head group]) over the whole sequence with an online
 // softmax in 512-token chunks, so it has no sequence-length limit and needs no scratch.
 // Caches in the query dtype or fp8 (kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2"; the

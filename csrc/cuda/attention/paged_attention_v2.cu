@@ -1,7 +1,8 @@
-// paged_attention_v2 on CUDA: the attention kernel (instantiated in paged_attention_v1.cu)
-// runs one CTA per (sequence, kv head[, head group], 512-token partition) and writes each
-// partition's max logit, exp sum and normalized output to the caller's scratch; the reduce
-// kernel here combines the partitions into out. See attention_kernels.cuh.
+// paged_attention_v2 on CUDA: the attention kernel (launched by paged_attention_v1.cu's
+// PagedAttentionCall) runs one CTA per (sequence, kv head[, head group], 512-token
+// partition) and writes each partition's max logit, exp sum and normalized output to the
+// caller's scratch; the reduce kernel here combines the partitions into out. See
+// attention_kernels.cuh.
 #include <algorithm>
 #include <climits>
 

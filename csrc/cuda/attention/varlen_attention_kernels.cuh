@@ -416,15 +416,35 @@ __global__ void __launch_bounds__(kThreads) varlen_paged_attention_kernel(const 
 
 using VarlenKernel = void (*)(VarlenParams);
 
+// One instance of varlen_paged_attention_kernel; get() is defined in kernel_instances.cuh
+// (see AttentionInstance in attention_kernels.cuh).
+template <typename T, typename CT, int HEAD_MAX>
+struct VarlenInstance {
+  static VarlenKernel get();
+};
+
+}  // namespace varlen
+}  // namespace cuda
+}  // namespace vllm_lite
+
+#include "kernel_build_config.h"      // generated: the build options
+#include "varlen_attention_table.h"  // generated: varlen_attention_table<T, CT>
+
+namespace vllm_lite {
+namespace cuda {
+namespace varlen {
+
 // The instantiation that serves head_size with cache element CT (T, or fp8_e4m3 /
 // fp8_e5m2); launched with <<<grid_x, kThreads, varlen_smem_floats(bucket, head_size) * 4>>>.
 template <typename T, typename CT>
 VarlenKernel varlen_kernel_for(int head_size) {
-  switch (varlen_head_bucket(head_size)) {
-    case 64: return &varlen_paged_attention_kernel<T, CT, 64>;
-    case 128: return &varlen_paged_attention_kernel<T, CT, 128>;
-    default: return &varlen_paged_attention_kernel<T, CT, 256>;
-  }
+  const VarlenKernel kernel = varlen_attention_table<T, CT>(varlen_head_bucket(head_size));
+  TORCH_CHECK(kernel != nullptr,
+              "varlen_paged_attention: this build has no CUDA kernel for head_size ", head_size,
+              " with kv_cache_dtype ", cache_dtype_name<T, CT>(), ": it was built with ",
+              kKernelBuildSettings,
+              "; rebuild with them unset (every kernel) or including this case");
+  return kernel;
 }
 
 struct VarlenPlan {
