@@ -1,0 +1,1 @@
+"""Drop-in modules for code written against other engines' kernels (``compat.vllm``)."""
