@@ -567,6 +567,9 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
 #ifdef VLLM_LITE_BF16_DOT
 #include "cpu/attention_bf16dp.h"
 #endif
+#ifdef VLLM_LITE_BF16_AVX2
+#include "cpu/attention_bf16_avx2.h"
+#endif
 
 namespace vllm_lite::cpu {
 namespace {
@@ -578,8 +581,11 @@ void run_task(const AttentionParams& p, int64_t task, float* scratch) {
     case KvDType::kFloat32: return attention_task<KvDType::kFloat32>(p, task, scratch);
     case KvDType::kFloat16: return attention_task<KvDType::kFloat16>(p, task, scratch);
     case KvDType::kBFloat16:
-#ifdef VLLM_LITE_BF16_DOT
+#if defined(VLLM_LITE_BF16_DOT)
       return attention_task_bf16dp(p, task, scratch);
+#elif defined(VLLM_LITE_BF16_AVX2)
+      if (bf16_avx2_fits(p)) return attention_task_bf16_avx2(p, task, scratch);
+      return attention_task<KvDType::kBFloat16>(p, task, scratch);
 #else
       return attention_task<KvDType::kBFloat16>(p, task, scratch);
 #endif
