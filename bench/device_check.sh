@@ -188,7 +188,7 @@ else
   # ENGINE_S stays set aside for stage 4.
   (( L > $(left) - ENGINE_S )) && L=$(( $(left) - ENGINE_S ))
   (( L < 30 )) && L=30
-  # The CUDA grid; the target shape (fp16, 32/32x128, batch 64, ctx 1024) runs
+  # The CUDA grid; the target shape (fp16, 32/32x128, batch 64, ctx 1024) runs
   # first, and the benchmark starts no new shape 30 s before its limit so that the table
   # is always written (SIGINT from timeout also makes it write what it has).
   # The prefill benchmark (varlen_paged_attention vs gather + SDPA and flash_attn's

@@ -116,8 +116,8 @@ bool packed_linear_kernel_selected(at::ScalarType dtype);
 // = the lowest id among the row's maxima (torch.argmax) and logprobs[r] = its
 // log_softmax in float32; -1 and NaN where the row's maximum is not finite (a NaN, +inf,
 // or every logit -inf). CPU only: on the CPU it replaces a float32 copy, log_softmax and
-// argmax over [rows, vocab] (~2 ms of a ~40 ms decode step, README "Throughput"); on a
-// GPU those are fast kernels, and the sampler keeps them (layers/sampler.py).
+// argmax over [rows, vocab], a visible share of a CPU decode step; on a GPU those are
+// fast kernels, and the sampler keeps them (layers/sampler.py).
 void greedy_sample(const at::Tensor& logits, at::Tensor& token_ids, at::Tensor& logprobs);
 // One decode step through a stack of Llama decoder layers (the kernels above and below,
 // called in models/llama.py's order; cpu/decode_layers.cpp states the layout).

@@ -130,11 +130,9 @@ int64_t cache_element_bytes(KvDType t) {
 
 // How much of a task's K and of its V (each) is requested while the task before it runs.
 // Inside a task the kernel keeps its next K tiles in flight, but it starts with none, and
-// a decode step's tasks are short (a few hundred tokens: ~10 blocks). Measured on the
-// project's AMD EPYC VM (bf16 9/3x64, 32 sequences, 1 GiB pool, 2 threads, caches
-// flushed): 2 blocks ahead (4 KiB) took 0.37 -> 0.30 ms at 128 tokens, 32 KiB (16 blocks,
-// about a whole task) 0.28 ms; 256 tokens 0.55 -> 0.40 ms; 1024 tokens 1.71 -> 1.45 ms.
-// 64 and 128 KiB ran no faster.
+// a decode step's tasks are short (a few hundred tokens: ~10 blocks). About a whole short
+// task's worth ahead was the fastest setting with the caches flushed; a few blocks gained
+// less, and more than this gained nothing (docs/results/comment_figures.md).
 constexpr int64_t kTaskPrefetchBytes = 32 << 10;
 
 // Requests the first kTaskPrefetchBytes of task t's K tiles and of its V tiles (into L2,
@@ -269,9 +267,8 @@ void attention(const PagedAttentionDims& d, at::Tensor& out, AttentionParams& p,
   run_tasks(p);
   if (p.num_partitions == 1 && tmp_out == nullptr) {
     // One partition (every sequence <= kPartitionSize tokens, v1): each task wrote the
-    // finished, normalized output, so only its dtype changes (ATen's vectorized copy).
-    // combine_partitions' scalar per-element loop was ~1.4% of a bf16 decode step of
-    // 32 sequences (perf), for 18k elements a layer.
+    // finished, normalized output, so only its dtype changes (ATen's vectorized copy),
+    // which costs less than combine_partitions' scalar per-element loop.
     out.copy_(part_out.view(out.sizes()));
     for (int64_t s = 0; s < d.num_seqs; ++s) {
       if (p.seq_lens[s] == 0) out[s].zero_();  // no task ran: part_out is garbage there

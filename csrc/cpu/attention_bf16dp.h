@@ -11,10 +11,8 @@
 //     vLLM's CUDA kernel rounds them to the cache type, and FlashAttention and Hugging
 //     Face's eager attention before their PV product) and paired with adjacent tokens, 16
 //     tokens per 256-bit step, 8 dims x 3 heads (or 4 x 4) of accumulators in registers.
-//     (Each probability split into two bf16 halves kept float32 accuracy at twice the V
-//     pass's products: a 32-sequence x 256-token bf16 9/3x64 call with the caches flushed
-//     took 0.31-0.39 ms against 0.28-0.29 without the low halves and 0.25-0.26 with no V
-//     pass.)
+//     (Each probability split into two bf16 halves would keep float32 accuracy at twice
+//     the V pass's products; the rounding matches what those implementations do.)
 // Tails (a run shorter than 16 tokens) use masked loads, which never fault on the
 // masked-off elements, so no read goes past a block's last token.
 #pragma once

@@ -57,9 +57,8 @@ inline void prefetch_dst(const C* dst, int64_t n, int64_t dst_stride) {
 // Tokens whose destination lines are requested before the current token is written. A
 // decode step's tokens each land in another sequence's block, in lines the step's weights
 // have evicted: written one after another, every store waits for its line (a bf16 9/3x64
-// token's K and V span 120 lines; 31 tokens took 72 us cold against 11 us warm), while
-// requested ahead their misses overlap. Two tokens keep ~240 lines in flight, more than a
-// core's miss buffers hold.
+// token's K and V span 120 lines), while requested ahead their misses overlap. Two tokens
+// keep ~240 lines in flight, more than a core's miss buffers hold.
 constexpr int64_t kCacheWriteAhead = 2;
 
 // Writes the tokens' keys and values into the caches; C is the cache element (T for

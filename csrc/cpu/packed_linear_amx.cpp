@@ -160,9 +160,9 @@ void run_amx_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelOf&&
   const int64_t block = amx_row_block(a.K);
   for (int64_t m0 = 0; m0 < a.M; m0 += block) {
     const int64_t m1 = std::min(a.M, m0 + block);
-    // Only a block of one tile prefetches the next panel: shared between two tiles as in
-    // run_panels (PanelPrefetch), 24-32 rows of 576x3072 took 212-215 us against 182-185
-    // without (Intel AMX VM, weights from memory).
+    // Only a block of one tile prefetches the next panel: sharing the prefetch between
+    // tiles as run_panels does (PanelPrefetch) made the AMX tiles slower with the weights
+    // streaming from memory.
     const bool prefetch = m1 - m0 <= kTileRows;
     for (int64_t p = p0; p < p1; ++p) {
       const PanelOut o = panel_out(a, p);
@@ -187,10 +187,8 @@ void run_amx_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelOf&&
 }
 
 // Below this many rows of x the AVX512-BF16 kernel runs instead: a tile's 16 rows cost
-// the same for 1 row, and there the vector kernel streams the weights a little faster
-// (2 threads, the default model's projections and LM head: at 1 row 0.011-0.040 vs
-// 0.015-0.052 ms, LM head 1.00 vs 1.14 ms; at 2 rows even, or the LM head 10% faster; from
-// 3 rows the tiles win, 576x3072 0.053 vs 0.061 ms, 4 rows 0.051 vs 0.069).
+// the same for 1 row, and there the vector kernel streams the weights a little faster;
+// at 2 rows the two are about even, and from 3 rows the tiles win.
 constexpr int64_t kAmxMinRows = 3;
 
 void amx_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {

@@ -30,12 +30,9 @@ static_assert(kPackedTileRows * kPackedPanelVecs + kPackedPanelVecs + 1 <= 32);
 // A call walks its panels once per block of rows of x, about this many bytes of x, so a
 // prefill's rows stay in L2 while the panels pass (each panel is then reused by the
 // block's row tiles from L1/L2; the weights are read once per block, from L3 after the
-// first). Without blocks a 4096-row x streams from L3 once per panel; the blocks took a
-// decoder layer's four GEMMs at 1381-4096 rows from 1.01-1.10x oneDNN's time to 0.97-1.06x
-// (Zen 4 VM, 2 threads; small, but the same direction in every run). Groups of panels
-// kept in L2 across the blocks (x then read from L3 once per group) were slower on the
-// Intel AMX VM at 4336 rows: float32 576x3072 203-205 against 229-238 GFLOP/s, 576x960
-// 280 against 311-314.
+// first). Without blocks a 4096-row x streams from L3 once per panel (the blocks' gain
+// is small but was the same in every run). Groups of panels kept in L2 across the blocks
+// were slower: x was then read from L3 once per group.
 constexpr int64_t kPackedRowBlockBytes = 256 * 1024;
 
 // The lanes of vector c0 / kPackedVecCols (its first column c0) that hold one of a panel's
@@ -105,8 +102,8 @@ struct PanelPrefetch {
 
 // A tile loop's prefetcher: step() once per step of StepBytes. The loop keeps the state in
 // these locals: stepping PanelPrefetch's own fields (passed by value), or a second copy of
-// the loop without prefetches, made the float32 tile 10-25% slower at every size (Intel AMX
-// VM, 576x960 at 224-4336 rows), though the hot loop's instructions looked the same.
+// the loop without prefetches, made the float32 tile slower at every size, though the hot
+// loop's instructions looked the same.
 template <int64_t StepBytes>
 struct PanelPrefetcher {
   const char* at;
@@ -124,14 +121,11 @@ struct PanelPrefetcher {
 // (packed_row_block), per panel of [p0, p1), the block's tiles of kPackedTileRows rows and
 // one tile of the rest, Kernel::tile<R> computing R rows of one panel (T = the element
 // type). The block's tiles prefetch the next panel into L2 meanwhile, shared between them
-// (PanelPrefetch): at decode sizes the weights stream from memory, and with the single
-// tile of 1-8 rows prefetching alone, as before, 12 rows of float32 576x3072 took 1.5x the
-// time of 8 (487 vs 326 us) and 32 rows 692 us; shared, 372 and 471-485 us (Intel AMX VM,
-// 2 threads, weights from memory). At prefill sizes (14 tiles a block) the shared
-// prefetches cost nothing measurable (4336 rows: 576x960 14.1 ms either way, 1536x576
-// 21.3-21.5 against 22.2-22.9 without). The Zen 4 VM's tuning had found the first tile's
-// burst of prefetches stalling 12-24 rows (8-15% slower than none); the shares come one
-// row at a time.
+// (PanelPrefetch): at decode sizes the weights stream from memory, and a lone first tile
+// prefetching the whole next panel left blocks of 2-4 tiles waiting for their weights
+// (12 rows took far longer than 8). At prefill sizes the shared prefetches cost nothing
+// measurable. One tile's whole panel at once stalled the tile with a burst of prefetches;
+// the shares come one row at a time.
 // gated_cols: 0 for a plain weight; for a gated one (args.gated) the panel's outputs,
 // which the tile stores through store_gated (packed_tile.h) instead.
 template <typename Kernel, int64_t R, typename T>
@@ -207,9 +201,9 @@ inline void run_packed_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1,
 
 // Up to this many rows of x, the quantized entry points dequantize each packed row of a
 // panel in registers and use it at once (no buffer); more rows share a dequantized panel.
-// Measured (Zen 4 VM, the default model's projections): at 1-4 rows the buffer's store and
-// reload were a fifth of the work; 5-6 rows in registers made int8 a little faster and
-// int4 10-30% slower (its scales and zeros hold 6 more registers), so 4.
+// At 1-4 rows the buffer's store and reload are a large share of the work; 5-6 rows in
+// registers made int8 a little faster but int4 slower (its scales and zeros hold 6 more
+// registers), so 4.
 constexpr int64_t kQuantFusedRows = 4;
 static_assert(kQuantFusedRows * kPackedPanelVecs + kPackedPanelVecs + 4 <= 32);
 

@@ -132,7 +132,7 @@ struct VarlenTile {
   int64_t head(int64_t r) const { return h0 + r % G; }
 
   // Every row's accumulator before the first chunk: zero, in one contiguous pass (a
-  // strided pass per row was ~7% of a bf16 prefill's attention).
+  // strided pass per row showed in a bf16 prefill's profile).
   void zero_acc() { std::memset(acct, 0, static_cast<size_t>(Dp * rp) * sizeof(float)); }
 
   // Row r's running state before the first chunk: position (padding rows: the last
@@ -199,8 +199,8 @@ struct VarlenTile {
   }
 
   // Output: acc^T / sum * v_scale, transposed into out (float32, or bf16 bits rounded as
-  // torch's cast). Dims outer, rows across the lanes, so acc^T is read contiguously: one
-  // strided read per element (row outer) was ~12% of a bf16 prefill's attention.
+  // torch's cast). Dims outer, rows across the lanes, so acc^T is read contiguously, not
+  // with one strided read per element (row outer).
   void write_out(const VarlenParams& p) const {
     if (p.out_bf16 != nullptr) return write_rows(p, p.out_bf16);
     write_rows(p, p.out);

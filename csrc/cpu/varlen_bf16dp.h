@@ -98,7 +98,7 @@ void varlen_task_bf16dp(const VarlenParams& p, int64_t task, float* scratch) {
   uint16_t* pb = reinterpret_cast<uint16_t*>(pt);
 
   // q^T as bf16 pairs: pair i of row r (dims 2i, 2i + 1) is the 32-bit word i * rp + r,
-  // copied as one (element by element, the index arithmetic was ~20% of the task).
+  // copied as one (element by element, the index arithmetic cost more than the copy).
   uint32_t* qb32 = reinterpret_cast<uint32_t*>(qb);
   for (int64_t r = 0; r < rp; ++r) {
     int64_t i = 0;
@@ -115,7 +115,7 @@ void varlen_task_bf16dp(const VarlenParams& p, int64_t task, float* scratch) {
   // and of V finite. Without padding nothing is zeroed: K rows past a short last chunk
   // only feed scores the causal select replaces, and no V column past the chunk's
   // visible tokens is read (an odd last one is zeroed below). (Zeroing both, 32 KiB a
-  // task, was ~3% of a bf16 prefill's attention.)
+  // task, showed in a bf16 prefill's profile.)
   if (Dp != D) {
     std::memset(k, 0, static_cast<size_t>(C * Dp) * sizeof(uint16_t));
     std::memset(v, 0, static_cast<size_t>(Dp * C) * sizeof(uint16_t));
@@ -135,7 +135,7 @@ void varlen_task_bf16dp(const VarlenParams& p, int64_t task, float* scratch) {
         }
       }
       // A value row's run: one masked 16-token load and store (a memcpy call per row and
-      // run was ~5% of the task).
+      // run costs a call for a few bytes).
       for (int64_t i = 0; i < run; i += 16) {
         const __mmask16 m = first_lanes16(run - i);  // attention_bf16dp.h
         for (int64_t d = 0; d < D; ++d) {

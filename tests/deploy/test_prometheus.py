@@ -48,7 +48,7 @@ SHARED_PREFIX = "Shared prefix: "
 # Series that Prometheus makes itself (not in a server's /metrics).
 PROMETHEUS_MADE = {"up"}
 
-# The families the issue asks the dashboard to show.
+# The metric families the dashboard shows.
 REQUIRED_METRICS = {
     "vllm_lite:generation_tokens_total", "vllm_lite:prompt_tokens_total",
     "vllm_lite:num_requests_running", "vllm_lite:num_requests_waiting",

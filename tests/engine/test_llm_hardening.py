@@ -1,4 +1,4 @@
-"""LLM hardening (issue 11): one caller can never break a step for another. Two threads
+"""LLM hardening: one caller can never break a step for another. Two threads
 calling generate at once get exactly the outputs of sequential calls; the engine's
 max_logprobs cap; memory and cache settings that are not finite, in range and numbers are a
 ValueError naming the field."""

@@ -1,4 +1,4 @@
-"""spaces_between_special_tokens and truncate_prompt_tokens (issue 12), offline.
+"""spaces_between_special_tokens and truncate_prompt_tokens, offline.
 
 decode / IncrementalDetokenizer against hand-written texts and an independent reference
 of vLLM's rule (token strings, not ids); LLM.generate / chat on tiny random Llama

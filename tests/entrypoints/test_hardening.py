@@ -1,4 +1,4 @@
-"""Hardening: what an attacker tried against `vllm-lite serve` (issue 11), each item
+"""Hardening: what an attacker tried against `vllm-lite serve`, each item
 reproduced against a real uvicorn server on loopback. After each, the server still
 answers correctly and /metrics shows no running request and every KV block free."""
 

@@ -1,4 +1,4 @@
-"""spaces_between_special_tokens and truncate_prompt_tokens through the server (issue 12),
+"""spaces_between_special_tokens and truncate_prompt_tokens through the server,
 with the official openai client: a truncated prompt gives what its last k tokens give
 offline (and counts k prompt tokens); output text and echo follow the spacing flag as
 vLLM's rule gives it (an independent token-string reference)."""

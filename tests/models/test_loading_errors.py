@@ -1,4 +1,4 @@
-"""Model loading errors are clean ValueErrors (issue 11): a malformed config.json, zero or
+"""Model loading errors are clean ValueErrors: a malformed config.json, zero or
 non-dividing heads and layers, absurd sizes (refused before anything is allocated), a
 truncated GGUF or safetensors file, a missing path, an index whose weight_map leaves the
 model folder; the converted-GGUF cache is keyed by the file's content."""

@@ -123,7 +123,7 @@ def ref_gather_kv(
 
 class single_thread:
     """Runs the reference's many small tensor ops on one intra-op thread: with OpenMP on a
-    busy machine, two threads make each small op ~100x slower (barrier spinning)."""
+    busy machine, two threads make each small op many times slower (barrier spinning)."""
 
     def __enter__(self):
         self.n = torch.get_num_threads()

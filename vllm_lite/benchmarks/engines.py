@@ -212,7 +212,7 @@ def _sync(device: torch.device) -> None:
 def median_run(run: Callable[[], RunResult], repeats: int) -> RunResult:
     """``run()`` ``repeats`` times back to back; the run with the median time (the slower
     middle one for an even count), with every run's output tokens/s in
-    ``settings["repeat_output_tok_s"]`` in run order. Repeats absorb the 10-20% a shared
+    ``settings["repeat_output_tok_s"]`` in run order. Repeats absorb how far a shared
     machine's neighbours move one run; a failed run is returned at once."""
     runs = []
     for _ in range(repeats):

@@ -113,7 +113,7 @@ class LLM:
 
     def _admit_prompts(self, parsed: list[tuple[str | None, list[int]]],
                        params: list[SamplingParams]) -> list[tuple[str | None, list[int]]]:
-        # truncate_prompt_tokens (issue 12): the last k tokens, before the length check, as
+        # truncate_prompt_tokens: the last k tokens, before the length check, as
         # vLLM does; the server calls the same helper (vllm_lite.inputs.truncate_prompt).
         admitted = [truncate_prompt(text, ids, p.truncate_prompt_tokens, self.tokenizer,
                                     p.spaces_between_special_tokens)

@@ -8,7 +8,7 @@ and a memory-bound decode GEMM reads that much less. The GEMM:
 - CPU: vllm_lite's own ``torch.ops.vllm_lite.int8_linear`` (csrc/cpu/int8_linear*.cpp;
   float32 or bfloat16 activations, bfloat16 on vdpbf16ps where the CPU has AVX512-BF16;
   float16 is converted to float32 and back). torch's
-  ``_weight_int8pack_mm`` was 5-50x slower than the float32 GEMM on an AVX2 CPU.
+  ``_weight_int8pack_mm`` is slower than the float32 GEMM on CPUs, which defeats the point.
 - other devices: torch's ``aten._weight_int8pack_mm(x [T, K], q [N, K], scale [N])``
   with x in the engine's dtype; where that op is missing for the device and dtype, the
   layer dequantizes once into a plain weight and warns (correct, no memory saving).

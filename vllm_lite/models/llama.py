@@ -53,19 +53,15 @@ class Linear(nn.Linear):
 
     On the CPU, float32 and bfloat16 GEMMs run vllm_lite's own kernels
     (``ops.packed_linear``, csrc/cpu/packed_linear*.cpp) where the selected CPU build has
-    them (float32: AVX-512; bfloat16: AVX512_BF16). On the project's AMD EPYC VM they took
-    0.55-0.65x (bf16) and 0.8-0.85x (float32) oneDNN's time for a decode step's projections
-    (1-64 rows, weights streamed from memory) and about the same or less at prefill sizes
-    (README "Linear-layer benchmark"); outputs are F.linear's up to float32 accumulation
+    them (float32: AVX-512; bfloat16: AVX512_BF16): faster than oneDNN for a decode step's
+    projections, whose weights stream from memory, and about even at prefill sizes
+    (``bench/linear.py`` measures them); outputs are F.linear's up to float32 accumulation
     order. Elsewhere they go to oneDNN (``mkldnn._linear_pointwise``) with the weight
     prepacked in its blocked layout (AVX2 / AMX, picked by the CPU's features), which for
-    float32 replaces torch's default, MKL's sgemm (1.2-2.5x oneDNN's time at decode's
-    8-128 rows on that VM, 3x for the 49k-column LM head). Either packed copy doubles these
-    weights' memory, the LM head's included where it is tied to the embedding (the
-    parameter stays as it is: the embedding reads it): for the default model in float32
-    that is 113 MB more, and a decode step's head took 4.6 / 5.7 / 7.2 ms at 8 / 16 / 32
-    rows instead of 7.7 / 9.0 / 11.3 through oneDNN on the unpacked weight, as it ran before
-    (Intel AMX VM, 2 threads, weights from memory; the step is 60-70 ms at 32 rows).
+    float32 is faster than torch's default, MKL's sgemm, at decode sizes. Either packed copy
+    doubles these weights' memory, the LM head's included where it is tied to the embedding
+    (the parameter stays as it is: the embedding reads it): the packed head is a decode
+    step's largest GEMM, so it is worth the memory.
 
     Other dtypes, devices, autograd, and a torch without oneDNN keep plain ``F.linear``.
 
@@ -73,8 +69,7 @@ class Linear(nn.Linear):
     ``forward(x, silu_and_mul=True)`` for ``ops.silu_and_mul`` of the output. Where the
     own kernels run, the weight is then packed in gated order and that is one GEMM
     (``ops.packed_gated_linear``, the same bits): the unfused activation wrote and read
-    back the [tokens, 2I] projection output, 3.6% of a bf16 prefill step of 4336 tokens
-    and 1.8% of a 32-sequence decode step (perf, the default model).
+    back the [tokens, 2I] projection output, which the fused epilogue never materializes.
     """
 
     _packed: torch.Tensor | None = None  # oneDNN's packed weight
@@ -320,7 +315,7 @@ class LlamaModel(nn.Module):
     # Decode steps may run every layer in one native call (_decode_in_one_call); forward
     # hooks on any layer's module (the step profiler's) turn it off by themselves.
     fused_decode = True
-    # The call's per-layer arguments, gathered once (0.8 ms per step for 30 layers): the
+    # The call's per-layer arguments, gathered once rather than in Python every step: the
     # key they were gathered for (dtype, each layer's caches), and the lists. Reset by
     # LlamaForCausalLM.prepare_for_cpu, which replaces the packed weights.
     _decode_key: tuple[Any, ...] | None = None
@@ -467,8 +462,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] in the model's dtype: the sampler takes float32 copies where its
-        softmax needs them, and its plain greedy path reads bf16 logits as they are (a
-        float32 copy of 31 x 49152 was ~1% of a decode step)."""
+        softmax needs them, and its plain greedy path reads bf16 logits as they are (no
+        float32 copy of [rows, vocab] per decode step)."""
         return gather_vocab(self.tp, self.lm_head(hidden), self.config.vocab_size)
 
     def attention_layers(self) -> list[Attention]:

@@ -142,10 +142,7 @@ def copy_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
     For the packed projection weights of a CPU model (the worker passes it to
     LlamaForCausalLM.relocate_packed_weights): a decode step streams all of them from
-    memory, and with 4 KiB pages every 64 cache lines cost a TLB miss. Measured on the
-    project's AMD EPYC VM (bf16, the default model's 30 layers x 4 projections, 208 MiB, 2
-    threads): 4 rows 5.9 / 7.6 -> 5.2 / 6.8 ms, 16 rows 10.0 / 10.7 -> 9.7 / 9.8 ms, 32
-    rows 18.1 / 18.0 -> 17.7 / 17.1 ms."""
+    memory, and with 4 KiB pages every 64 cache lines cost a TLB miss."""
     if not tensors or any(t.device.type != "cpu" for t in tensors):
         return list(tensors)
     page = 4096
