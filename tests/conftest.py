@@ -32,6 +32,33 @@ def pytest_configure(config: pytest.Config) -> None:
         "cuda_emulated: runs the CUDA kernels on the CPU in the SIMT emulator "
         "(tests/cuda_emulation; needs g++ with ASan/UBSan, no GPU)",
     )
+    config.addinivalue_line(
+        "markers",
+        "full_grid: part of a slow test's full grid, beyond its representative default "
+        "cases; runs with --full-grid (or VLLM_LITE_FULL_GRID=1, or -m selecting it)",
+    )
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full-grid", action="store_true", default=False,
+                     help="also run the tests marked full_grid (the complete grids of the "
+                          "slowest tests; VLLM_LITE_FULL_GRID=1 does the same)")
+
+
+def full_grid(config: pytest.Config) -> bool:
+    """Whether this run includes the full_grid tests: --full-grid, VLLM_LITE_FULL_GRID=1,
+    or a -m expression (which then decides alone)."""
+    return (config.getoption("--full-grid") or os.environ.get("VLLM_LITE_FULL_GRID") == "1"
+            or bool(config.getoption("markexpr")))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if full_grid(config):
+        return
+    dropped = [it for it in items if it.get_closest_marker("full_grid")]
+    if dropped:
+        items[:] = [it for it in items if not it.get_closest_marker("full_grid")]
+        config.hook.pytest_deselected(items=dropped)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -52,6 +79,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
                      f"built with CUDA: {with_cuda}")
     except Exception as e:  # noqa: BLE001  (the header must never break collection)
         lines.append(f"vllm_lite native ops not importable: {e}")
+    if not full_grid(config):
+        lines.append("full_grid tests deselected (the representative grid): --full-grid "
+                     "runs them too")
     return lines
 
 

@@ -6,7 +6,8 @@ As in tests/ops/test_attention.py: every cache slot no sequence reads is NaN, ou
 and the v2 scratch start as NaN, partitions a sequence does not have must stay NaN bit for
 bit, v1 == v2 within tolerance, and the inputs must be unchanged. Sizes are reduced (the
 emulator runs each GPU thread as a fiber under ASan). Every case runs under each schedule
-seed of harness.seeds() (two random schedules by default); each (case, seed) is a test.
+seed of harness.seeds() (two random schedules: the first by default, the second with
+--full-grid); each (case, seed) is a test.
 """
 
 from __future__ import annotations
@@ -216,11 +217,13 @@ def _corrupt_table(c: Case, kv, g: torch.Generator):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case prepared and run (all seeds) in one emulator process."""
+def runs(request, tmp_path_factory):
+    """Every selected case prepared and run (its selected seeds) in one emulator process."""
+    want = harness.selected(request, "case") | harness.selected(request, "name")
     root = tmp_path_factory.mktemp("emu_attention")
-    prepared = {c.id: prepare(c, root) for c in CASES}
-    results = harness.run_cases([p.dir.path for p in prepared.values()])
+    prepared = {c.id: prepare(c, root) for c in CASES if c.id in want}
+    results = harness.run_cases([p.dir.path for p in prepared.values()],
+                                sorted(harness.selected(request, "seed")))
     return prepared, results
 
 
@@ -248,7 +251,7 @@ def _check_v2_scratch(c: Case, stats, exp_sums, max_logits, tmp_out):
                              f"length (seq_lens {list(c.seq_lens)}) must stay untouched")
 
 
-@pytest.mark.parametrize("seed", harness.seeds(), ids=lambda s: f"sched{s}")
+@pytest.mark.parametrize("seed", harness.seed_params())
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_paged_attention_emulated(runs, case, seed):
     prepared, results = runs

@@ -5,7 +5,8 @@ tests/ops/test_cache.py checks the real kernels).
 Caches start as NaN (writes) or random data (copies). Slot mappings carry padding (-1,
 -7, -2^40) and, as an unvalidated mapping under CUDA graph capture could, slots past the
 pool: both must write nothing. Misaligned inputs take the kernels' element-wise paths.
-Each case runs under every schedule seed of harness.seeds(); each (case, seed) is a test.
+Each case runs under every schedule seed of harness.seeds() (the first
+by default, the others with --full-grid); each (case, seed) is a test.
 """
 
 from __future__ import annotations
@@ -187,12 +188,14 @@ def _prepare_swap(root, name):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
+    want = harness.selected(request, "case") | harness.selected(request, "name")
     root = tmp_path_factory.mktemp("emu_cache")
-    prepared = {c.id: _prepare_write(c, root) for c in WRITE_CASES}
-    prepared.update({c.id: _prepare_copy(c, root) for c in COPY_CASES})
-    prepared.update({name: _prepare_swap(root, name) for name in SWAP_CASES})
-    results = harness.run_cases([cd.path for cd, _ in prepared.values()])
+    prepared = {c.id: _prepare_write(c, root) for c in WRITE_CASES if c.id in want}
+    prepared.update({c.id: _prepare_copy(c, root) for c in COPY_CASES if c.id in want})
+    prepared.update({name: _prepare_swap(root, name) for name in SWAP_CASES if name in want})
+    results = harness.run_cases([cd.path for cd, _ in prepared.values()],
+                                sorted(harness.selected(request, "seed")))
     return prepared, results
 
 
@@ -207,7 +210,7 @@ def _check_written(actual, expected, exact, dtype, what):
                                msg=lambda s: f"{what}: {s}")
 
 
-SEED_PARAM = pytest.mark.parametrize("seed", harness.seeds(), ids=lambda s: f"sched{s}")
+SEED_PARAM = pytest.mark.parametrize("seed", harness.seed_params())
 
 
 @SEED_PARAM

@@ -15,7 +15,8 @@ must be untouched. Sizes cover the 16-byte vector paths (hidden a multiple of a 
 aligned) and the element-wise ones (odd sizes, rows strided by an odd count, buffers one
 element off a 16-byte boundary). Rotary positions outside the table must not read outside it
 (AddressSanitizer: the table is allocated to its exact size). Each case runs under every
-schedule seed of harness.seeds(); each (case, seed) is a test.
+schedule seed of harness.seeds() (the first
+by default, the others with --full-grid); each (case, seed) is a test.
 """
 
 from __future__ import annotations
@@ -423,13 +424,15 @@ def _prepare_rotary(c: RotaryCase, root):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
+    want = harness.selected(request, "case") | harness.selected(request, "name")
     root = tmp_path_factory.mktemp("emu_elementwise")
-    prepared = {c.id: _prepare_norm(c, root) for c in NORM_CASES}
-    prepared.update({c.id: _prepare_fused(c, root) for c in FUSED_CASES})
-    prepared.update({c.id: _prepare_silu(c, root) for c in SILU_CASES})
-    prepared.update({c.id: _prepare_rotary(c, root) for c in ROTARY_CASES})
-    results = harness.run_cases([cd.path for cd, _ in prepared.values()])
+    prepared = {c.id: _prepare_norm(c, root) for c in NORM_CASES if c.id in want}
+    prepared.update({c.id: _prepare_fused(c, root) for c in FUSED_CASES if c.id in want})
+    prepared.update({c.id: _prepare_silu(c, root) for c in SILU_CASES if c.id in want})
+    prepared.update({c.id: _prepare_rotary(c, root) for c in ROTARY_CASES if c.id in want})
+    results = harness.run_cases([cd.path for cd, _ in prepared.values()],
+                                sorted(harness.selected(request, "seed")))
     return prepared, results
 
 
@@ -441,7 +444,7 @@ def _ok(runs, case_id):
     return cd, data
 
 
-SEED_PARAM = pytest.mark.parametrize("seed", harness.seeds(), ids=lambda s: f"sched{s}")
+SEED_PARAM = pytest.mark.parametrize("seed", harness.seed_params())
 
 
 @SEED_PARAM

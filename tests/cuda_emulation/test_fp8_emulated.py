@@ -13,7 +13,8 @@ in the CUDA kernels of csrc/cuda, run on the CPU by the SIMT emulator (with ASan
   cache for the last block, which ASan catches), head sizes 16 .. 256, GQA / MQA / MHA;
 - copy_blocks moves uint8 blocks bit for bit (16-byte and byte paths).
 
-Each case runs under every schedule seed of harness.seeds(); each (case, seed) is a test.
+Each case runs under every schedule seed of harness.seeds() (the first
+by default, the others with --full-grid); each (case, seed) is a test.
 """
 
 from __future__ import annotations
@@ -309,17 +310,19 @@ def _prepare_copy(name: str, root):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case prepared and run (all seeds) in one emulator process."""
+def runs(request, tmp_path_factory):
+    """Every selected case prepared and run (its selected seeds) in one emulator process."""
+    want = harness.selected(request, "case") | harness.selected(request, "name")
     root = tmp_path_factory.mktemp("emu_fp8")
-    prepared = {c.id: _prepare_write(c, root) for c in WRITE_CASES}
-    prepared.update({c.id: _prepare_attn(c, root) for c in ATTN_CASES})
-    prepared.update({name: _prepare_copy(name, root) for name in COPY_CASES})
-    results = harness.run_cases([cd.path for cd, _ in prepared.values()])
+    prepared = {c.id: _prepare_write(c, root) for c in WRITE_CASES if c.id in want}
+    prepared.update({c.id: _prepare_attn(c, root) for c in ATTN_CASES if c.id in want})
+    prepared.update({name: _prepare_copy(name, root) for name in COPY_CASES if name in want})
+    results = harness.run_cases([cd.path for cd, _ in prepared.values()],
+                                sorted(harness.selected(request, "seed")))
     return prepared, results
 
 
-SEED_PARAM = pytest.mark.parametrize("seed", harness.seeds(), ids=lambda s: f"sched{s}")
+SEED_PARAM = pytest.mark.parametrize("seed", harness.seed_params())
 
 
 def _first_diff(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -9,7 +9,8 @@ block sizes 8 / 16 / 32, ALiBi, kv scales, strided queries. Every cache slot no 
 reads is NaN, out starts NaN (every row must be written, no NaN may leak in), and the
 inputs must be unchanged. Cases with corrupt metadata (lengths, query_start_loc, block ids
 that were not validated) must only run without any access outside the tensors (ASan).
-Every case runs under each schedule seed of harness.seeds(); each (case, seed) is a test.
+Every case runs under each schedule seed of harness.seeds() (the first
+by default, the others with --full-grid); each (case, seed) is a test.
 """
 
 from __future__ import annotations
@@ -179,15 +180,17 @@ def prepare(c: Case, root) -> Prepared:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case prepared and run (all seeds) in one emulator process."""
+def runs(request, tmp_path_factory):
+    """Every selected case prepared and run (its selected seeds) in one emulator process."""
+    want = harness.selected(request, "case") | harness.selected(request, "name")
     root = tmp_path_factory.mktemp("emu_varlen")
-    prepared = {c.id: prepare(c, root) for c in CASES}
-    results = harness.run_cases([p.dir.path for p in prepared.values()])
+    prepared = {c.id: prepare(c, root) for c in CASES if c.id in want}
+    results = harness.run_cases([p.dir.path for p in prepared.values()],
+                                sorted(harness.selected(request, "seed")))
     return prepared, results
 
 
-@pytest.mark.parametrize("seed", harness.seeds(), ids=lambda s: f"sched{s}")
+@pytest.mark.parametrize("seed", harness.seed_params())
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_varlen_paged_attention_emulated(runs, case, seed):
     prepared, results = runs

@@ -184,7 +184,9 @@ def test_int8_shards_are_the_rows_of_the_unsplit_quantization(bias_ckpt) -> None
     two.shutdown()
 
 
-@pytest.mark.parametrize("how", ["kill", "hang"])
+# The hung worker (found only after the timeout, so the slower case) is part of the full
+# grid (pytest --full-grid).
+@pytest.mark.parametrize("how", ["kill", pytest.param("hang", marks=pytest.mark.full_grid)])
 def test_dead_or_hung_worker_is_a_clear_error_and_nothing_is_left(bias_ckpt, how) -> None:
     folder, _ = bias_ckpt
     timeout = 4.0
@@ -372,7 +374,9 @@ def test_server_with_two_ranks_answers_the_openai_client(model_dir, offline, tmp
     assert not any(_alive(p) for p in ranks), log
 
 
-@pytest.mark.parametrize("method, group", [("awq", 64), ("gptq", 32)])
+# The same check on the other 4-bit format, GPTQ, is part of the full grid (--full-grid).
+@pytest.mark.parametrize("method, group",
+                         [("awq", 64), pytest.param("gptq", 32, marks=pytest.mark.full_grid)])
 def test_kept_4bit_checkpoints_split_over_two_ranks(tmp_path, method, group) -> None:
     """A GPTQ / AWQ checkpoint's 4-bit weights cut per rank (rows of the column-parallel
     projections, whole groups of the row-parallel ones' inputs): the same tokens as one rank
