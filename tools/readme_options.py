@@ -42,7 +42,9 @@ def render() -> str:
     for f in fields(EngineArgs):
         meta = dict(f.metadata)
         help_text = meta.get("help", "")
-        if meta.get("choices"):
+        if meta.get("metavar"):  # what --help shows for the value, aliases left out
+            help_text += f" ({meta['metavar']})"
+        elif meta.get("choices"):
             help_text += " (one of: " + ", ".join(str(c) for c in meta["choices"]) + ")"
         flag = EngineArgs.flag(f.name)
         rows.append(f"| `{f.name}` | `{flag}` | {_default(f, meta)} | {_cell(help_text)} |")
