@@ -21,6 +21,8 @@ ends.
 
 from __future__ import annotations
 
+import copy
+
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -145,6 +147,16 @@ class IncrementalDetokenizer:
         """A detokenizer with a request's SamplingParams' text options."""
         return cls(tokenizer, prompt_token_ids, params.skip_special_tokens,
                    params.spaces_between_special_tokens)
+
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy that continues from this one's state (a forked sequence)."""
+        child = copy.copy(self)
+        # Only the tokens from prefix_offset on are ever decoded again: the copy keeps
+        # those, so forking costs the same however long the sequence is.
+        child.tokens = self.tokens[self.prefix_offset:]
+        child.read_offset = self.read_offset - self.prefix_offset
+        child.prefix_offset = 0
+        return child
 
     def _decode(self, ids: Sequence[int]) -> str:
         return decode(self.tokenizer, ids, self.skip_special_tokens,

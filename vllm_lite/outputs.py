@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_lite.core.beam_search import beam_score
+from vllm_lite.sequence import SequenceGroup, SequenceStatus
+
 
 @dataclass
 class CompletionOutput:
@@ -42,3 +45,44 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     # Why the request finished without running (prompt too long for the cache), else None.
     error: str | None = None
+
+
+def request_output(group: SequenceGroup) -> RequestOutput:
+    """A request's output as it stands: its completions (at most n; beams best first,
+    others by cumulative logprob when best_of > n), with their text and logprobs."""
+    params = group.sampling_params
+    seqs = group.get_seqs()
+    if params.use_beam_search:
+        # Best first; the index is the rank.
+        lp = params.length_penalty
+        chosen = sorted(seqs, key=lambda s: beam_score(s.cumulative_logprob,
+                                                       s.get_output_len(), lp),
+                        reverse=True)[: params.n]
+        indices = list(range(len(chosen)))
+    else:
+        chosen = seqs
+        if len(seqs) > params.n:
+            chosen = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        indices = [seqs.index(seq) for seq in chosen]
+    completions = [
+        CompletionOutput(
+            index=index,
+            text=seq.output.text,
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(seq.output.logprobs) if params.logprobs is not None else None,
+            finish_reason=SequenceStatus.get_finished_reason(seq.status),
+            stop_reason=seq.stop_reason,
+        )
+        for index, seq in zip(indices, chosen)
+    ]
+    return RequestOutput(
+        request_id=group.request_id,
+        prompt=group.prompt,
+        prompt_token_ids=list(group.prompt_token_ids),
+        outputs=completions,
+        finished=group.is_finished(),
+        prompt_logprobs=(list(group.prompt_logprobs)
+                         if group.prompt_logprobs is not None else None),
+        error=group.error,
+    )

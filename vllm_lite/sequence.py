@@ -61,6 +61,28 @@ _FINISH_REASONS = {
 }
 
 
+class SeqOutputState:
+    """A sequence's output as the user sees it: the incremental detokenizer holding its
+    text (None until the sequence has text, or when the request does not detokenize) and
+    one logprob entry per generated token (when the request asks for logprobs). A fork
+    gets its own copy, so a child continues exactly where its parent stood."""
+
+    __slots__ = ("detokenizer", "logprobs")
+
+    def __init__(self, detokenizer: Any = None,
+                 logprobs: list[dict[int, Any]] | None = None) -> None:
+        self.detokenizer = detokenizer
+        self.logprobs: list[dict[int, Any]] = logprobs if logprobs is not None else []
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def fork(self) -> SeqOutputState:
+        det = self.detokenizer.fork() if self.detokenizer is not None else None
+        return SeqOutputState(det, list(self.logprobs))
+
+
 class Sequence:
     """One token stream (prompt + output) and how much of it the KV cache holds."""
 
@@ -88,6 +110,9 @@ class Sequence:
         # False for a request that wants prompt logprobs: the logits of every prompt
         # position are needed, so its prompt is computed even where the prefix cache has it.
         self.read_prefix_cache = True
+        # What the output side keeps of this sequence (its text and logprobs so far); set
+        # by the scheduler from the step's updates and carried into forks.
+        self.output = SeqOutputState()
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -120,6 +145,7 @@ class Sequence:
         self.num_computed_tokens = 0
 
     def fork(self, new_seq_id: int) -> Sequence:
+        """A copy under a new id: tokens, KV progress, hashes and output state."""
         child = Sequence(new_seq_id, self.prompt_token_ids, self.cache_salt)
         child.output_token_ids = list(self.output_token_ids)
         child.status = self.status
@@ -128,6 +154,7 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.parent_seq_id = self.seq_id
         child.read_prefix_cache = self.read_prefix_cache
+        child.output = self.output.fork()
         return child
 
     def __repr__(self) -> str:
@@ -138,7 +165,9 @@ class Sequence:
 
 
 class SequenceGroup:
-    """The sequences generated from one request's prompt."""
+    """A request in the engine, the one object that holds its state: its sequences (with
+    their output state), the prompt text, the prompt logprobs, the seeded sampler's
+    random generator, and why it failed. Aborting it in the scheduler forgets all of it."""
 
     def __init__(
         self,
@@ -148,8 +177,11 @@ class SequenceGroup:
         arrival_time: float | None = None,
         priority: int = 0,
         eos_token_id: int | None = None,
+        prompt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # The prompt's text as the user gave it (None for a token-id prompt).
+        self.prompt = prompt
         self.seqs_dict: dict[int, Sequence] = {seq.seq_id: seq for seq in seqs}
         if not self.seqs_dict:
             raise ValueError("seqs must hold at least one sequence")
@@ -169,6 +201,9 @@ class SequenceGroup:
         # chunk as the prompt is computed (None for the first token, then one
         # {token_id: Logprob} dict per prompt token); complete at len(prompt_token_ids).
         self.prompt_logprobs: list[dict[int, Any] | None] | None = None
+        # A seeded request's random generator (the sampler creates it at the request's
+        # first sampled step; every sequence of the request draws from it, in row order).
+        self.generator: Any = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -28,8 +28,8 @@ Content = dict[int, list[int | None]]
 def record_step(sched: Scheduler, out: SchedulerOutput, sampled: Mapping[int, Seq[int]],
                 logprobs: Mapping[int, Seq[float]] | None = None,
                 beams: Mapping[str, Seq[BeamCandidate]] | None = None) -> None:
-    """Records a step as the engine does (its output processor: stop rules, forks, beam
-    decisions through the scheduler), from plain per-sequence samples. A request whose
+    """Records a step as the engine does (its output processor decides stop rules, forks
+    and beams; the scheduler applies them), from plain per-sequence samples. A request whose
     recording fails re-raises here instead of failing alone."""
     outputs = [SampleOutput(seq_id, list(tokens),
                             list(logprobs[seq_id]) if logprobs is not None else [0.0] * len(tokens))
@@ -37,9 +37,10 @@ def record_step(sched: Scheduler, out: SchedulerOutput, sampled: Mapping[int, Se
     result = RunnerOutput(SamplerOutput(outputs, torch.empty(0), {k: list(v) for k, v in (beams or {}).items()}),
                           SamplingMetadata([]))
     failed: dict[str, Exception] = {}
-    OutputProcessor(sched, StopChecker(sched.config.max_model_len)).process(out, result, failed)
+    updates = OutputProcessor(StopChecker(sched.config.max_model_len)).process(out, result, failed)
     if failed:
         raise next(iter(failed.values()))
+    sched.apply(out, updates)
 
 
 class FakeModel:

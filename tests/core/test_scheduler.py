@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from vllm_lite.config import CacheConfig, SchedulerConfig
-from vllm_lite.core.scheduler import Scheduler
+from vllm_lite.core.scheduler import AppendToken, DropSeq, ForkSeq, GroupUpdate, Scheduler
 from vllm_lite.sampling_params import SamplingParams
-from vllm_lite.sequence import SequenceStatus
+from vllm_lite.sequence import SequenceStatus, next_seq_id
 
 from vllm_lite.errors import InternalError
 
@@ -298,16 +298,55 @@ def test_add_request_validation_changes_nothing() -> None:
     assert [g.request_id for g in sched.waiting] == ["a"]
 
 
-def test_finish_seq_frees_one_sequence_and_then_the_request() -> None:
+def test_apply_finishes_one_sequence_and_then_the_request() -> None:
+    """apply(): a finish frees that sequence's blocks at once; the request leaves the
+    scheduler when its last sequence ends; an update that does not match the scheduler's
+    state is a bug upstream (InternalError) and a step is recorded once."""
     m = make()
     sched = m.scheduler
     g = sched.add_request("a", [1, 2, 3], params(5, n=2, temperature=1.0))
     m.step()
     first, second = g.get_seqs()
-    assert not sched.finish_seq("a", first.seq_id, stop_reason="###")
+    out = sched.schedule()
+    free = sched.block_manager.get_num_free_device_blocks()
+    sched.apply(out, [GroupUpdate("a", [AppendToken(first.seq_id, 4, 0.0, finish=(
+        SequenceStatus.FINISHED_STOPPED, "###"))])])
     assert first.status == SequenceStatus.FINISHED_STOPPED and first.stop_reason == "###"
-    assert sched.finish_seq("a", second.seq_id)
-    assert not sched.has_unfinished_seqs()
-    with pytest.raises(InternalError, match="no unfinished seq"):
-        sched.finish_seq("a", second.seq_id)
+    assert first.output_token_ids[-1] == 4 and sched.get_seq_group("a") is g
+    assert sched.block_manager.get_num_free_device_blocks() > free
+    with pytest.raises(InternalError, match="recorded once"):
+        sched.apply(out, [])
+    out = sched.schedule()
+    with pytest.raises(InternalError, match=f"no running seq {first.seq_id}"):
+        sched.apply(out, [GroupUpdate("a", [AppendToken(first.seq_id, 4)])])
+    out = sched.schedule()
+    sched.apply(out, [GroupUpdate("a", [AppendToken(second.seq_id, 5, 0.0, finish=(
+        SequenceStatus.FINISHED_LENGTH_CAPPED, None))])])
+    assert sched.get_seq_group("a") is None and not sched.has_unfinished_seqs()
+    m.check_drained()
+
+
+def test_apply_forks_before_appending_and_drops_last() -> None:
+    """A fork copies its parent as it stood before the step's appends, sharing its blocks;
+    a dropped sequence leaves the group with its blocks freed."""
+    m = make()
+    sched = m.scheduler
+    g = sched.add_request("a", [1, 2, 3, 4, 5], params(8))
+    m.step()
+    (parent,) = g.get_seqs()
+    out = sched.schedule()
+    child_id = next_seq_id()
+    sched.apply(out, [GroupUpdate("a", [AppendToken(parent.seq_id, 11, -0.5),
+                                        ForkSeq(parent.seq_id, child_id, 12, -0.25)])])
+    child = g.get_seq(child_id)
+    assert parent.output_token_ids[-1] == 11 and child.output_token_ids[-1] == 12
+    assert child.output_token_ids[:-1] == parent.output_token_ids[:-1]
+    assert child.cumulative_logprob - parent.cumulative_logprob == pytest.approx(0.25)
+    bm = sched.block_manager
+    assert bm.get_block_table(child)[0] == bm.get_block_table(parent)[0]  # shared prompt block
+    out = sched.schedule()
+    sched.apply(out, [GroupUpdate("a", [DropSeq(parent.seq_id),
+                                        AppendToken(child_id, 13)])])
+    assert [s.seq_id for s in g.get_seqs()] == [child_id]
+    sched.abort_seq_group("a")  # (the fake model never wrote these steps' KV)
     m.check_drained()

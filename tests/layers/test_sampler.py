@@ -581,17 +581,25 @@ def test_seeded_request_independent_of_batch_mates():
     assert other.output_token_ids != alone.output_token_ids
 
 
-def test_generator_kept_across_steps_and_freed():
+def test_generator_kept_across_steps_on_its_request():
+    """A seeded request's generator lives on the request (row.request): kept across steps,
+    shared by the request's rows, gone with the request (a new one starts over)."""
     V = 40
     logits = torch.zeros(1, V)  # uniform: each draw consumes the generator
     sampler = Sampler()
     row = make_row(SamplingParams(seed=7), request_id="r")
     draws = [sampler(logits, SamplingMetadata([row])).outputs[0].token_ids[0] for _ in range(10)]
     assert len(set(draws)) > 1  # the generator advanced, not re-seeded each step
-    sampler.free_request("r")
-    assert "r" not in sampler.generators
-    again = [sampler(logits, SamplingMetadata([row])).outputs[0].token_ids[0] for _ in range(10)]
+    assert row.request.generator is not None
+    again_row = make_row(SamplingParams(seed=7), request_id="r")  # a new request, same id
+    again = [sampler(logits, SamplingMetadata([again_row])).outputs[0].token_ids[0]
+             for _ in range(10)]
     assert again == draws
+    # Two rows of one request draw from its one generator, in row order.
+    a, b = make_row(SamplingParams(seed=7), seq_id=1), make_row(SamplingParams(seed=7), seq_id=2)
+    b.request = a.request
+    pair = sampler(torch.zeros(2, V), SamplingMetadata([a, b])).outputs
+    assert [o.token_ids[0] for o in pair] == draws[:2]
 
 
 def test_engine_seed_makes_unseeded_rows_reproducible():

@@ -5,9 +5,9 @@
 
 Each simulated replica is a real :class:`~vllm_lite.core.scheduler.Scheduler` with its
 block manager (prefix caching on), driven as the engine drives it: ``schedule()``, then
-the step's tokens are recorded through the scheduler's public API (``end_step``,
-``mark_computed``, the sampled token appended, ``finish_seq`` on the engine's own stop
-rules: ignore_eos, so a request ends at its output length). No model runs: a step takes
+the step's tokens are recorded through the scheduler's public API (one ``apply`` with
+each sampling sequence's token, finished by the engine's own stop rules: ignore_eos, so a
+request ends at its output length). No model runs: a step takes
 the time a cost model gives for its shape,
 
     step_s = c0 + c_prefill * prefill tokens + c_prefill_attn * prefill attention pairs
@@ -62,7 +62,7 @@ from vllm_lite.benchmarks.report import (DEFAULT_OUT, Report, describe_machine, 
 from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
 from vllm_lite.config import DEFAULT_MODEL, THREADS_HELP, CacheConfig, EngineArgs, SchedulerConfig
 from vllm_lite.core.prefix_cache import extend_block_hashes, hash_block
-from vllm_lite.core.scheduler import Scheduler, SchedulerOutput
+from vllm_lite.core.scheduler import AppendToken, GroupUpdate, Scheduler, SchedulerOutput
 from vllm_lite.engine.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -787,35 +787,38 @@ class ClusterSim:
                 rep.pending = out
                 return now + seconds
             # Nothing ran: only requests ended without running (too long for the cache).
-            sched.end_step(out)
+            sched.apply(out, [])
             if not out.ignored_seq_groups:
                 raise RuntimeError(f"replica {rep.index} scheduled nothing with "
                                    f"{sched.get_num_unfinished_seq_groups()} requests unfinished")
         return None
 
     def _end_step(self, rep: Replica, now: float) -> None:
-        """Records the step as the engine's output processor does: the tokens are in the
-        KV cache, each sampling sequence gets its token, the stop rules end it."""
+        """Records the step as the engine does: each sampling sequence's token with the
+        stop rules' verdict, applied by the scheduler in one call."""
         out, rep.pending = rep.pending, None
         sched = rep.scheduler
-        sched.end_step(out)
+        updates = []
         for sg in out.scheduled_seq_groups:
             group = sg.seq_group
-            sched.mark_computed(sg)
             live = self.live[group.request_id]
+            update = GroupUpdate(group.request_id)
             for s in sg.seqs:
                 if not s.do_sample:
                     continue  # a prefill chunk short of the prompt's end samples nothing
                 seq = group.get_seq(s.seq_id)
-                seq.append_token_id(_TOKEN)
                 times = live.timing.token_times
                 rep.outstanding_tokens -= 1 if times else live.prompt_len + 1
                 times.append(now)
                 rep.output_tokens += 1
                 verdict = self.stop.check_token(group.sampling_params, None, _TOKEN,
-                                                seq.get_output_len(), seq.get_len())
-                if verdict is not None and sched.finish_seq(group.request_id, s.seq_id, *verdict):
-                    self._retire(rep, live)
+                                                seq.get_output_len() + 1, seq.get_len() + 1)
+                update.seqs.append(AppendToken(s.seq_id, _TOKEN, finish=verdict))
+            updates.append(update)
+        sched.apply(out, updates)
+        for sg in out.scheduled_seq_groups:
+            if sched.get_seq_group(sg.request_id) is None:
+                self._retire(rep, self.live[sg.request_id])
         self.last_token_time = max(self.last_token_time, now)
 
     def _retire(self, rep: Replica, live: _Live, ignored: bool = False) -> None:

@@ -2,13 +2,14 @@
 
 Every step re-decides the batch: running groups first (growing their block tables, and
 preempting the lowest-priority newest group when blocks run out), then swapped groups
-coming back, then new prompts. A finished sequence frees its blocks at once (finish_seq),
+coming back, then new prompts. A finished sequence frees its blocks at once (apply),
 so a waiting request can join on the very next step.
 
-The scheduler owns admission, budgets, preemption and swapping. A step is
-``out = scheduler.schedule()``, the worker runs ``out``, then the engine's output
-processor records it (end_step, mark_computed, fork_seq / finish_seq / drop_seq); what
-a new token means (stop rules, beams) is decided there, not here.
+The scheduler owns admission, budgets, preemption, swapping and every change to sequences
+and blocks. A step is ``out = scheduler.schedule()``, the worker runs ``out``, the
+engine's output processor decides what each request's new tokens mean (stop rules,
+forks, beams) as a list of updates, and ``scheduler.apply(out, updates)`` carries them
+out in one call.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from collections.abc import Iterable, Sequence as Seq
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence as Seq
+from types import MappingProxyType
 
 from vllm_lite.config import CacheConfig, SchedulerConfig
 from vllm_lite.core.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
@@ -24,7 +27,7 @@ from vllm_lite.core.policy import running_key, waiting_key
 from vllm_lite.core.prefix_cache import PrefixCacheStats
 from vllm_lite.errors import InternalError
 from vllm_lite.sampling_params import SamplingParams
-from vllm_lite.sequence import Sequence, SequenceGroup, SequenceStatus, next_seq_id
+from vllm_lite.sequence import SeqOutputState, Sequence, SequenceGroup, SequenceStatus, next_seq_id
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,68 @@ class SchedulerOutput:
     # Finished this step without running (FINISHED_IGNORED; the reason is in group.error).
     ignored_seq_groups: list[SequenceGroup]
     num_preempted: int
+
+
+# A finished status and its stop reason (a stop token id, a stop string, or None).
+Finish = tuple[SequenceStatus, int | str | None]
+
+
+@dataclass(frozen=True)
+class AppendToken:
+    """A running sequence takes its sampled token (and its logprob); ``output`` is the
+    sequence's output state with the token (None: unchanged); ``finish`` ends it."""
+
+    seq_id: int
+    token_id: int
+    logprob: float = 0.0
+    output: SeqOutputState | None = None
+    finish: Finish | None = None
+
+
+@dataclass(frozen=True)
+class ForkSeq:
+    """A new running sequence ``seq_id`` sharing every block of its running parent (n /
+    best_of children, beams; blocks are copied on write), then taking its own token."""
+
+    parent_seq_id: int
+    seq_id: int
+    token_id: int
+    logprob: float = 0.0
+    output: SeqOutputState | None = None
+    finish: Finish | None = None
+
+
+@dataclass(frozen=True)
+class NewHypothesis:
+    """A finished beam: a copy of the running parent plus one token, holding no blocks."""
+
+    parent_seq_id: int
+    seq_id: int
+    token_id: int
+    logprob: float
+    finish: Finish
+    output: SeqOutputState | None = None
+
+
+@dataclass(frozen=True)
+class DropSeq:
+    """A sequence leaves its request: a beam that lost (its blocks are freed) or a
+    hypothesis pushed out of the best."""
+
+    seq_id: int
+
+
+SeqUpdate = AppendToken | ForkSeq | NewHypothesis | DropSeq
+
+
+@dataclass
+class GroupUpdate:
+    """What one step changes in one request: its sequences' updates, and the chunk of
+    prompt logprobs the step computed."""
+
+    request_id: str
+    seqs: list[SeqUpdate] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
 
 
 @dataclass
@@ -146,6 +211,7 @@ class Scheduler:
         priority: int = 0,
         cache_salt: str | bytes | None = None,
         eos_token_id: int | None = None,
+        prompt: str | None = None,
     ) -> SequenceGroup:
         """Build the request's group (one sequence holding the prompt) and queue it."""
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
@@ -162,6 +228,7 @@ class Scheduler:
             arrival_time=arrival_time,
             priority=priority,
             eos_token_id=eos_token_id,
+            prompt=prompt,
         )
         self.add_seq_group(group)
         return group
@@ -187,9 +254,13 @@ class Scheduler:
         self._requests[seq_group.request_id] = seq_group
         self.waiting.append(seq_group)
 
-    def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
-        """Finish the request(s) as aborted and free their blocks; unknown ids are ignored."""
+    def abort_seq_group(self, request_id: str | Iterable[str],
+                        error: str | None = None) -> list[SequenceGroup]:
+        """Finish the request(s) as aborted and free their blocks; the request leaves the
+        engine with everything it held. ``error``: why (the request's output reports it).
+        Returns the groups aborted; unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        aborted = []
         for rid in ids:
             group = self._requests.pop(rid, None)
             if group is None:
@@ -198,6 +269,10 @@ class Scheduler:
                 if group in queue:
                     queue.remove(group)
             self._finish_all(group, SequenceStatus.FINISHED_ABORTED)
+            if error is not None:
+                group.error = error
+            aborted.append(group)
+        return aborted
 
     def _finish_all(self, group: SequenceGroup, status: SequenceStatus) -> None:
         for seq in group.get_unfinished_seqs():
@@ -217,6 +292,11 @@ class Scheduler:
 
     def get_seq_group(self, request_id: str) -> SequenceGroup | None:
         return self._requests.get(request_id)
+
+    @property
+    def requests(self) -> Mapping[str, SequenceGroup]:
+        """Every request in the engine (waiting, running or swapped out), by request_id."""
+        return MappingProxyType(self._requests)
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
@@ -506,66 +586,85 @@ class Scheduler:
         logger.debug("preempted %s by %s", group.request_id, mode)
 
     # -- after the model ran -----------------------------------------------------------
-    # The output processor (engine/output_processor.py) records a step through these:
-    # end_step, then per group mark_computed and the sequence changes (fork_seq,
-    # finish_seq, drop_seq), so blocks always follow the sequences.
-    def end_step(self, output: SchedulerOutput) -> None:
-        """The step ``output`` ran; it can be recorded once."""
+    def apply(self, output: SchedulerOutput, updates: Iterable[GroupUpdate]) -> None:
+        """Records the step ``output`` once it ran: the scheduled tokens of every group
+        still in the scheduler are in the KV cache now (full blocks become prefix-cache
+        hits for others), then each group's updates change its sequences and blocks.
+        Every update names sequences as they stood before this step's updates: forks and
+        hypotheses copy their parent before the parent takes its own token, and dropped
+        sequences go last. A request whose sequences have all finished leaves the
+        scheduler. Anything inconsistent with the scheduler's state is a bug upstream
+        (InternalError)."""
         if output is not self._pending_output:
             raise InternalError("a step must be recorded once, after the latest schedule()")
         self._pending_output = None
+        for sched in output.scheduled_seq_groups:
+            group = sched.seq_group
+            if group.is_finished():
+                continue  # aborted since it was scheduled
+            for s in sched.seqs:
+                seq = group.get_seq(s.seq_id)
+                if seq is not None and seq.status == SequenceStatus.RUNNING:
+                    seq.num_computed_tokens += s.num_new_tokens
+                    self.block_manager.mark_computed(seq)
+        for update in updates:
+            group = self._requests.get(update.request_id)
+            if group is None:
+                raise InternalError(f"an update for {update.request_id!r}, not in the scheduler")
+            self._apply_group(group, update)
 
-    def mark_computed(self, sched: ScheduledSequenceGroup) -> None:
-        """The scheduled tokens of the group's running sequences are in the KV cache now
-        (full blocks become prefix-cache hits for others)."""
-        group = sched.seq_group
-        for s in sched.seqs:
-            seq = group.get_seq(s.seq_id)
-            if seq is not None and seq.status == SequenceStatus.RUNNING:
-                seq.num_computed_tokens += s.num_new_tokens
-                self.block_manager.mark_computed(seq)
+    def _apply_group(self, group: SequenceGroup, update: GroupUpdate) -> None:
+        if update.prompt_logprobs:
+            if group.prompt_logprobs is None:
+                group.prompt_logprobs = []
+            group.prompt_logprobs.extend(update.prompt_logprobs)
+        before = dict(group.seqs_dict)
 
-    def fork_seq(self, request_id: str, parent_seq_id: int) -> Sequence:
-        """A new running sequence of the request sharing every block of the parent
-        (n / best_of children, beams; the blocks are copied on write)."""
-        group = self._requests.get(request_id)
-        parent = group.get_seq(parent_seq_id) if group is not None else None
-        if parent is None or parent.status != SequenceStatus.RUNNING:
-            raise InternalError(f"no running seq {parent_seq_id} in request {request_id!r}")
-        child = parent.fork(next_seq_id())
-        self.block_manager.fork(parent, child)
-        group.add(child)
-        return child
+        def running(seq_id: int) -> Sequence:
+            seq = before.get(seq_id)
+            if seq is None or seq.status != SequenceStatus.RUNNING:
+                raise InternalError(f"no running seq {seq_id} in request {group.request_id!r}")
+            return seq
 
-    def finish_seq(
-        self,
-        request_id: str,
-        seq_id: int,
-        status: SequenceStatus = SequenceStatus.FINISHED_STOPPED,
-        stop_reason: int | str | None = None,
-    ) -> bool:
-        """End one sequence (a stop rule, a stop string) and free its blocks.
-
-        Returns True when that finished the whole request (it leaves the scheduler).
-        """
-        if not SequenceStatus.is_finished(status):
-            raise InternalError(f"status must be a finished status, got {status}")
-        group = self._requests.get(request_id)
-        seq = group.get_seq(seq_id) if group is not None else None
-        if seq is None or seq.is_finished():
-            raise InternalError(f"no unfinished seq {seq_id} in request {request_id!r}")
-        self.block_manager.free(seq)
-        seq.status = status
-        seq.stop_reason = stop_reason
-        return self._retire_if_finished(group)
-
-    def drop_seq(self, request_id: str, seq_id: int) -> bool:
-        """Remove a running sequence from its request (a beam that lost), freeing its
-        blocks. Returns True when the request is finished by it."""
-        group = self._requests.get(request_id)
-        done = self.finish_seq(request_id, seq_id, SequenceStatus.FINISHED_ABORTED)
-        group.remove(seq_id)
-        return done
+        extended: list[tuple[Sequence, SeqUpdate]] = []
+        for u in update.seqs:  # copies first, of the parents as they stand
+            if isinstance(u, ForkSeq):
+                parent = running(u.parent_seq_id)
+                child = parent.fork(u.seq_id)
+                self.block_manager.fork(parent, child)
+                group.add(child)
+                extended.append((child, u))
+            elif isinstance(u, NewHypothesis):
+                hyp = running(u.parent_seq_id).fork(u.seq_id)
+                group.add(hyp)  # holds no blocks: it only reports its tokens
+                extended.append((hyp, u))
+        for u in update.seqs:
+            if isinstance(u, AppendToken):
+                extended.append((running(u.seq_id), u))
+        for seq, u in extended:
+            seq.append_token_id(u.token_id, u.logprob)
+            if u.output is not None:
+                seq.output = u.output
+            if u.finish is not None:
+                status, reason = u.finish
+                if not SequenceStatus.is_finished(status):
+                    raise InternalError(f"status must be a finished status, got {status}")
+                if seq.status == SequenceStatus.RUNNING:
+                    self.block_manager.free(seq)
+                seq.status = status
+                seq.stop_reason = reason
+        for u in update.seqs:
+            if isinstance(u, DropSeq):
+                seq = group.get_seq(u.seq_id)
+                if seq is None or seq.seq_id not in before:
+                    raise InternalError(f"no seq {u.seq_id} to drop in request {group.request_id!r}")
+                if not seq.is_finished():
+                    self.block_manager.free(seq)
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                group.remove(u.seq_id)
+            elif not isinstance(u, (ForkSeq, NewHypothesis, AppendToken)):
+                raise InternalError(f"unknown update {u!r}")
+        self._retire_if_finished(group)
 
     def _retire_if_finished(self, group: SequenceGroup) -> bool:
         if not group.is_finished():

@@ -4,8 +4,12 @@
     step():            scheduler.schedule()
                        -> executor: cache block ops, then forward + sampler (complete
                           per-row results: tokens, logprobs, beam candidates)
-                       -> output processor: scheduler append / fork / finish, StopChecker,
-                          detokenization -> RequestOutputs of the requests that ran
+                       -> output processor: per request, the stop checks, new text and
+                          logprobs, forks and beams -> a list of updates
+                       -> scheduler.apply(updates): every sequence and block change
+                       -> request_output(group) for each request that ran
+Each request's state is its SequenceGroup in the scheduler: aborting it there forgets
+everything the request held (its sequences, text, logprobs and random generator).
 A request that breaks a step fails alone (see step()).
 """
 
@@ -14,17 +18,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from typing import Any
-from collections.abc import Sequence as Seq
+from collections.abc import Mapping, Sequence as Seq
 
 import torch
 
 from vllm_lite.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from vllm_lite.config import EngineConfig
-from vllm_lite.engine.output_processor import OutputProcessor, RequestState
+from vllm_lite.engine.output_processor import OutputProcessor
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.inputs import truncate_prompt
-from vllm_lite.outputs import RequestOutput
+from vllm_lite.outputs import RequestOutput, request_output
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.sequence import SequenceGroup
 from vllm_lite.errors import DistributedError
 from vllm_lite.worker.executor import Executor, make_executor
 from vllm_lite.worker.model_runner import RunnerOutput
@@ -61,12 +66,14 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.scheduler = Scheduler(config.scheduler_config, self.cache_config)
+        # Requests _execute_isolated took out of the scheduler, until the step reports them.
+        self._isolated: dict[str, SequenceGroup] = {}
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_id: int | None = tokenizer.eos_token_id
         else:
             self.eos_token_id = mc.eos_token_id
         self.output_processor = OutputProcessor(
-            self.scheduler, StopChecker(config.scheduler_config.max_model_len), tokenizer)
+            StopChecker(config.scheduler_config.max_model_len), tokenizer)
         logger.info("engine: %d KV blocks of %d tokens on %s, %d CPU swap blocks",
                     num_gpu_blocks, self.cache_config.block_size, config.device, num_cpu_blocks)
 
@@ -93,8 +100,8 @@ class LLMEngine:
         return self.executor.worker.cache_engine
 
     @property
-    def _requests(self) -> dict[str, RequestState]:
-        return self.output_processor.requests
+    def _requests(self) -> Mapping[str, SequenceGroup]:
+        return self.scheduler.requests
 
     # -- state, for outer layers (metrics, server, benchmarks) ---------------------------------
     def stats(self) -> SchedulerStats:
@@ -111,8 +118,8 @@ class LLMEngine:
 
     def num_prompt_tokens(self, request_id: str) -> int:
         """The prompt length of a request in the engine (0 if it is not)."""
-        state = self.output_processor.requests.get(request_id)
-        return len(state.prompt_token_ids) if state is not None else 0
+        group = self.scheduler.get_seq_group(request_id)
+        return len(group.prompt_token_ids) if group is not None else 0
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None,
@@ -137,9 +144,8 @@ class LLMEngine:
         self.validate_priority(priority)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        group = self.scheduler.add_request(
-            request_id, ids, params, priority=priority, eos_token_id=self.eos_token_id)
-        self.output_processor.add_request(prompt, ids, group)
+        self.scheduler.add_request(request_id, ids, params, priority=priority,
+                                   eos_token_id=self.eos_token_id, prompt=prompt)
 
     def validate_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the engine's limits and support."""
@@ -194,9 +200,6 @@ class LLMEngine:
     def abort_request(self, request_id: str | Seq[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self.scheduler.abort_seq_group(ids)
-        for rid in ids:
-            self.output_processor.requests.pop(rid, None)
-            self.executor.free_request(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
@@ -206,7 +209,7 @@ class LLMEngine:
 
     def unfinished_request_ids(self) -> list[str]:
         """Every request still in the engine (waiting, running or swapped out)."""
-        return list(self.output_processor.requests)
+        return list(self.scheduler.requests)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -217,12 +220,7 @@ class LLMEngine:
         other request gets exactly the tokens it would have got. The step then raises
         EngineStepError naming the failed requests, carrying everyone's outputs."""
         out = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
-        for group in out.ignored_seq_groups:
-            output = self.output_processor.ignored_output(group)
-            if output is not None:
-                outputs.append(output)
-            self.executor.free_request(group.request_id)
+        outputs: list[RequestOutput] = [request_output(g) for g in out.ignored_seq_groups]
         scheduled = [s.request_id for s in out.scheduled_seq_groups]
         try:
             self.executor.execute_cache_ops(out)
@@ -238,15 +236,14 @@ class LLMEngine:
             raise
         except Exception as e:
             self._fail_step([r for r in scheduled if r not in failed], e, outputs, failed)
+        ran = [s.seq_group for s in out.scheduled_seq_groups if not s.seq_group.is_finished()]
         try:
-            step_outputs = self.output_processor.process(out, result, failed)
+            updates = self.output_processor.process(out, result, failed)
+            self.scheduler.apply(out, updates)
         except Exception as e:
             # Bookkeeping failed outside any one request: nothing is known.
             self._fail_step([r for r in scheduled if r in self._requests], e, outputs, failed)
-        for output in step_outputs:
-            if output.finished:
-                self.executor.free_request(output.request_id)
-        outputs.extend(step_outputs)
+        outputs.extend(request_output(g) for g in ran if g.request_id not in failed)
         if failed:
             raise self._step_error(failed, outputs)
         return outputs
@@ -255,12 +252,14 @@ class LLMEngine:
                     outputs: list[RequestOutput]) -> EngineStepError:
         """Aborts the failed requests and adds a finished, error-carrying output for each."""
         for rid, cause in failed.items():
-            self.scheduler.abort_seq_group([rid])
-            self.executor.free_request(rid)
-            output = self.output_processor.error_output(
-                rid, f"the engine failed while running this request: {cause!r}")
-            if output is not None:
-                outputs.append(output)
+            # Requests that broke the forward left the scheduler already (_execute_isolated).
+            group = self.scheduler.get_seq_group(rid) or self._isolated.pop(rid, None)
+            if group is None:
+                continue
+            self.scheduler.abort_seq_group(rid)
+            group.error = f"the engine failed while running this request: {cause!r}"
+            outputs.append(request_output(group))
+        self._isolated.clear()
         cause = next(iter(failed.values()))
         return EngineStepError(list(failed), cause, outputs)
 
@@ -285,7 +284,7 @@ class LLMEngine:
         find the requests that make it fail, record them in ``failed`` (request_id ->
         exception) and run the others once more: their results are exactly those of a
         step without the failed requests."""
-        snap = self.executor.snapshot_rng()
+        snap = self.executor.snapshot_rng(out)
         try:
             return self.executor.execute_model(out)
         except DistributedError:
@@ -302,9 +301,10 @@ class LLMEngine:
             if not culprits or len(culprits) == len(groups):
                 raise
         failed.update(culprits)
-        for rid in culprits:
-            # Out of the scheduler now, so the output processor skips them.
-            self.scheduler.abort_seq_group([rid])
+        for group in self.scheduler.abort_seq_group(list(culprits)):
+            # Out of the scheduler now (their KV was not written by the re-run): the
+            # scheduler's apply skips them; _step_error reports them.
+            self._isolated[group.request_id] = group
         logger.error("step %d: request(s) %s failed alone; the others go on", out.step,
                      ", ".join(culprits))
         self.executor.restore_rng(snap)

@@ -3,7 +3,8 @@ max_model_len (vLLM's StopChecker).
 
 Token rules are checked on each new token (sampled, or a beam candidate before the beam
 policy ranks it); stop strings on the new text once the token is detokenized. The
-output processor applies the verdicts through the scheduler's finish_seq.
+output processor turns the verdicts into updates (a finish on the token's append) that
+the scheduler's apply() carries out.
 """
 
 from __future__ import annotations

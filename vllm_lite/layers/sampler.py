@@ -17,7 +17,7 @@ Per row, in vLLM 0.6's order (vllm/model_executor/layers/sampler.py):
    CDF (one uniform per sample; vLLM races Exponential(1) noise over the whole vocabulary,
    which costs half a decode step on the CPU), the uniform of a seeded request coming from
    its own torch.Generator (seeded with params.seed at its first step, kept across steps,
-   keyed by request_id), so its tokens do not depend on its batch mates.
+   held by the request), so its tokens do not depend on its batch mates.
 
 Logprobs are the log_softmax of the *processed* logits (after steps 1-4), as vLLM 0.6
 returns them: a token cut by top_k/top_p/min_p has logprob -inf (reported as
@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from collections.abc import Sequence as Seq
+from typing import Any
+from collections.abc import Iterable, Sequence as Seq
 
 import torch
 
@@ -494,7 +495,8 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class RngSnapshot:
-    requests: dict[str, torch.Tensor]
+    # Each request's generator state (None: it had none yet), keyed by the request.
+    requests: list[tuple[Any, torch.Tensor | None]]
     global_: dict[torch.device, torch.Tensor]
     default_cpu: torch.Tensor | None
     default_cuda: list[torch.Tensor] | None
@@ -505,24 +507,21 @@ class Sampler:
 
     seed: seeds the generator of unseeded random rows; None uses torch's default RNG
     (so torch.manual_seed(engine_seed) makes them reproducible). Seeded requests own a
-    torch.Generator, created at their first step and kept in self.generators by
-    request_id until free_request(request_id).
+    torch.Generator, created at their first step and kept on the request (row.request,
+    the request's SequenceGroup in the engine), so it lives and dies with the request.
     """
 
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
-        self.generators: dict[str, torch.Generator] = {}
         self._global_generators: dict[torch.device, torch.Generator] = {}
 
-    def free_request(self, request_id: str) -> None:
-        """Forget a finished/aborted request's generator (call once it leaves the engine)."""
-        self.generators.pop(request_id, None)
-
-    def snapshot(self) -> RngSnapshot:
-        """Every random state a step may advance, so a step can be run again exactly
-        (the engine re-runs parts of a failed step to find the request that broke it)."""
+    def snapshot(self, requests: Iterable[Any]) -> RngSnapshot:
+        """Every random state a step over ``requests`` may advance, so the step can be run
+        again exactly (the engine re-runs parts of a failed step to find the request that
+        broke it)."""
         return RngSnapshot(
-            {rid: g.get_state() for rid, g in self.generators.items()},
+            [(r, r.generator.get_state() if r.generator is not None else None)
+             for r in requests],
             {dev: g.get_state() for dev, g in self._global_generators.items()},
             torch.get_rng_state() if self.seed is None else None,
             torch.cuda.get_rng_state_all() if self.seed is None and torch.cuda.is_initialized()
@@ -530,11 +529,11 @@ class Sampler:
         )
 
     def restore(self, snap: RngSnapshot) -> None:
-        for rid in [r for r in self.generators if r not in snap.requests]:
-            del self.generators[rid]  # created by the step being undone
-        for rid, state in snap.requests.items():
-            if rid in self.generators:
-                self.generators[rid].set_state(state)
+        for request, state in snap.requests:
+            if state is None:
+                request.generator = None  # created by the step being undone
+            else:
+                request.generator.set_state(state)
         for dev in [d for d in self._global_generators if d not in snap.global_]:
             del self._global_generators[dev]
         for dev, state in snap.global_.items():
@@ -555,11 +554,11 @@ class Sampler:
         return gen
 
     def _request_generator(self, row: SamplingRow, device: torch.device) -> torch.Generator:
-        gen = self.generators.get(row.request_id)
+        gen = row.request.generator
         if gen is None:
             gen = torch.Generator(device=device)
             gen.manual_seed(row.params.seed)
-            self.generators[row.request_id] = gen
+            row.request.generator = gen
         return gen
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:

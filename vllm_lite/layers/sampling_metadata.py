@@ -14,13 +14,25 @@ from vllm_lite.sampling_params import SamplingParams, SamplingType
 from vllm_lite.errors import InternalError
 
 
+class GeneratorHolder:
+    """The generator slot of a row built without a request (a request of its own)."""
+
+    __slots__ = ("generator",)
+
+    def __init__(self) -> None:
+        self.generator: Any = None
+
+
 @dataclass
 class SamplingRow:
     """One row of logits: the sequence it belongs to and how to sample it.
 
     seq_id: the sequence sampled (several rows of one request after an n/best_of fork).
-    request_id: the request; a seeded request's torch.Generator is keyed by it, so forked
-        sequences of one request draw from one generator, in row order, as in vLLM.
+    request_id: the request's id (beam rows of one request are ranked together).
+    request: what holds a seeded request's torch.Generator (its ``generator`` attribute:
+        the request's SequenceGroup in the engine; by default a holder of the row's own),
+        so forked sequences of one request draw from one generator, in row order, as in
+        vLLM, and the generator goes when the request does.
     prompt_token_ids / output_token_ids: the tokens so far, for the penalties and min_tokens.
     eos_token_id: masked with stop_token_ids while fewer than min_tokens were generated
         (not when params.ignore_eos).
@@ -38,6 +50,7 @@ class SamplingRow:
     num_samples: int = 1
     # The sequence's cumulative logprob so far (beam search ranks extensions by it).
     cumulative_logprob: float = 0.0
+    request: Any = field(default_factory=GeneratorHolder, compare=False, repr=False)
 
     @classmethod
     def for_seq(cls, group: Any, seq: Any, first_step_draws: bool = True) -> SamplingRow:
@@ -58,6 +71,7 @@ class SamplingRow:
             eos_token_id=group.eos_token_id,
             num_samples=params.best_of if first else 1,
             cumulative_logprob=seq.cumulative_logprob,
+            request=group,
         )
 
     def __post_init__(self) -> None:

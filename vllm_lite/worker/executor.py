@@ -36,11 +36,9 @@ class Executor(Protocol):
 
     def execute_model(self, out: SchedulerOutput) -> RunnerOutput: ...
 
-    def snapshot_rng(self) -> RngSnapshot: ...
+    def snapshot_rng(self, out: SchedulerOutput) -> RngSnapshot: ...
 
     def restore_rng(self, snap: RngSnapshot) -> None: ...
-
-    def free_request(self, request_id: str) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -66,14 +64,11 @@ class UniprocExecutor:
     def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
         return self.worker.execute_model(out)
 
-    def snapshot_rng(self) -> RngSnapshot:
-        return self.worker.snapshot_rng()
+    def snapshot_rng(self, out: SchedulerOutput) -> RngSnapshot:
+        return self.worker.snapshot_rng(out)
 
     def restore_rng(self, snap: RngSnapshot) -> None:
         self.worker.restore_rng(snap)
-
-    def free_request(self, request_id: str) -> None:
-        self.worker.free_request(request_id)
 
     def shutdown(self) -> None:
         pass

@@ -71,12 +71,18 @@ class Worker:
                 kept_weights = shard_kept_weights(model, kept_weights)
             n = quantize_model(model, mc.quantization, skip=(model.lm_head,),
                                group_size=mc.quantization_group_size, kept_weights=kept_weights)
-            logger.info("quantized %d projections to %s", n, mc.quantization)
         if torch.device(self.device).type == "cpu" and hasattr(model, "relocate_packed_weights"):
             # A decode step streams every projection's weights: huge pages spare the TLB.
             model.relocate_packed_weights(copy_to_huge_pages)
         self.model = model
         self.dtype: torch.dtype = next(model.parameters()).dtype
+        if tp is None or tp.rank == 0:
+            # One line for what runs: dtype and quantization never told apart.
+            dtype = str(self.dtype).removeprefix("torch.")
+            weights = (f"{n} projections {mc.quantization}, the rest {dtype}" if mc.quantization
+                       else dtype)
+            logger.info("model: %s on %s, %s", type(model).__name__,
+                        torch.device(self.device), weights)
         self.kv_cache_dtype = config.cache_config.cache_dtype
         # The cache tensors' dtype (uint8 for fp8): what a block's bytes are counted in.
         from vllm_lite import ops
@@ -128,14 +134,12 @@ class Worker:
         this step's KV slots and the sampler's random states, so it can run again."""
         return self.runner.execute_model(out)
 
-    def snapshot_rng(self) -> RngSnapshot:
-        return self.sampler.snapshot()
+    def snapshot_rng(self, out: SchedulerOutput) -> RngSnapshot:
+        """The random states running ``out`` may advance."""
+        return self.sampler.snapshot([s.seq_group for s in out.scheduled_seq_groups])
 
     def restore_rng(self, snap: RngSnapshot) -> None:
         self.sampler.restore(snap)
-
-    def free_request(self, request_id: str) -> None:
-        self.sampler.free_request(request_id)
 
     # -- a tensor-parallel rank other than the driver ------------------------------------------
     def serve(self) -> None:
