@@ -100,6 +100,37 @@ def test_bench_flags_come_from_engine_args() -> None:
     assert args.quick and args.threads is None
 
 
+@pytest.mark.parametrize("flag, bad", [("--dtype", "int8"), ("--device", "tpu"),
+                                       ("--device", "cuda:x"), ("--kv-cache-dtype", "fp4"),
+                                       ("--quantization", "q2"),
+                                       ("--scheduling-policy", "lifo")])
+def test_enumerated_flags_fail_when_parsed(flag: str, bad: str,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """A bad enumerated value is an argparse error naming the flag, before anything (the
+    model here does not exist) is resolved."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "--model", "/no/such/model", flag, bad, "hi"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and bad in err and "no/such" not in err
+    args = _parser().parse_args(["generate", "--dtype", "bf16", "--device", "cuda:1", "hi"])
+    assert (args.dtype, args.device) == ("bf16", "cuda:1")  # aliases and devices still parse
+
+
+def test_help_is_plain_text() -> None:
+    """--help shows no reST markup (``code``, :class:`x`) from the docstrings it quotes."""
+    parser = _parser()
+    texts = [parser.format_help()]
+    for path in (["generate"], ["serve"], ["bench"]):
+        texts.append(_subparser(parser, *path).format_help())
+    bench = _subparser(parser, "bench")
+    action = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    texts += [p.format_help() for p in action.choices.values()]
+    for text in texts:
+        assert "`" not in text and ":class:" not in text, text
+    assert cli.plain_text("against ``generate`` and :class:`~a.b.LLM`") == "against generate and LLM"
+
+
 def test_no_engine_default_is_written_twice() -> None:
     """No other source file of the package repeats an EngineArgs default as a keyword or
     field default of the same name (``block_size: int = 16``, ``max_num_seqs=256``)."""
@@ -390,3 +421,20 @@ def test_bench_passes_its_engine_options_to_the_engine(kind: str, model_dir: Pat
             continue
         assert seen[name] == value, name
     assert Path(seen["model"]) == model_dir and seen["dtype"] == "float32"
+
+
+def test_startup_info_says_once_what_runs(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Starting an engine logs one line for the weights (dtype and quantization together,
+    never "loaded ... float32" then "quantized ... to int8") and one for the KV cache."""
+    import logging
+
+    from vllm_lite import LLM
+
+    with caplog.at_level(logging.INFO, logger="vllm_lite"):
+        LLM(str(model_dir), device="cpu", dtype="float32", quantization="int8",
+            kv_cache_space=0.01, swap_space=0.01)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    weights = [m for m in lines if m.startswith("model:")]
+    assert len(weights) == 1 and "int8" in weights[0] and "float32" in weights[0], lines
+    assert sum(m.startswith("engine:") for m in lines) == 1, lines
+    assert not [m for m in lines if m.startswith(("loaded", "quantized", "dtype auto"))], lines

@@ -20,6 +20,7 @@ import math
 import numbers
 import os
 import platform
+import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 from collections.abc import Iterable
@@ -129,6 +130,13 @@ def check_quantization(method: object) -> str | None:
                      f"got {method!r}")
 
 
+def device_name(value: str) -> str:
+    """--device's value checked as it is parsed (auto, cpu, cuda or cuda:N)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
+    return value
+
+
 @dataclass
 class EngineArgs:
     """Every engine option a user can set, with its default: the one place they live.
@@ -146,8 +154,10 @@ class EngineArgs:
     dtype: str | torch.dtype = _opt(
         "auto", "weights and KV cache: float32, float16, bfloat16, or auto: on a CPU, "
         "bfloat16 where it computes bf16 natively (AVX512-BF16 / AMX, Arm BF16), else "
-        "float32; on a GPU, the checkpoint's dtype")
-    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU)")
+        "float32; on a GPU, the checkpoint's dtype", choices=("auto", *DTYPE_NAMES),
+        metavar="{auto,float32,float16,bfloat16}")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU)",
+                       type=device_name, metavar="{auto,cpu,cuda,cuda:N}")
     block_size: int = _opt(16, "tokens per KV-cache block")
     max_num_seqs: int = _opt(256, "the most sequences in one step's batch")
     max_num_batched_tokens: int | None = _opt(
@@ -705,7 +715,7 @@ class EngineConfig:
         name = resolve_dtype_name(mc.dtype, self.device.type, mc.hf_config)
         mc.dtype = getattr(torch, name)
         if requested == "auto":
-            logger.info("dtype auto: %s on %s (checkpoint: %s)", name, self.device.type,
+            logger.debug("dtype auto: %s on %s (checkpoint: %s)", name, self.device.type,
                         checkpoint_dtype(mc.hf_config) or "not stated")
         self.kv_cache_space = check_number("kv_cache_space", self.kv_cache_space)
         if not self.kv_cache_space > 0:
@@ -770,9 +780,9 @@ def resolve_quantization(requested: str | None, gguf_file: str | None, hf_config
 
     reason = why_not_kept(gguf_file, int(hf_config.num_hidden_layers))
     if reason is not None:
-        logger.info("quantization: none (a GGUF whose blocks cannot all be kept: %s)", reason)
+        logger.debug("quantization: none (a GGUF whose blocks cannot all be kept: %s)", reason)
         return None
-    logger.info("quantization: gguf (the GGUF's quantized blocks kept; quantization='none' "
+    logger.debug("quantization: gguf (the GGUF's quantized blocks kept; quantization='none' "
                 "dequantizes them)")
     return "gguf"
 

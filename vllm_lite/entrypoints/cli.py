@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -186,6 +187,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def plain_text(text: str) -> str:
+    """A docstring line as --help shows it: without reST markup (``code``, :role:`x`)."""
+    text = re.sub(r":[a-z]+:`~?([^`]*)`", lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    return text.replace("``", "").replace("`", "")
+
+
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark vllm_lite's engine against HF transformers, "
                                      "or its kernels")
@@ -194,8 +201,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                                       step_profile, throughput)
 
     for name, module in (("throughput", throughput), ("latency", latency)):
-        module.add_arguments(kinds.add_parser(name, help=module.__doc__.splitlines()[0],
-                                              description=module.__doc__.splitlines()[0]))
+        summary = plain_text(module.__doc__.splitlines()[0])
+        module.add_arguments(kinds.add_parser(name, help=summary, description=summary))
     kernels.add_arguments(kinds.add_parser(
         "kernels", help="paged-attention kernel benchmark (bench/kernels.py)",
         description=kernels.__doc__.split("\n\n")[0], epilog=kernels.EPILOG,

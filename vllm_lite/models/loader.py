@@ -369,5 +369,6 @@ def load_model(
         weights = dequantized_weights(weights, spec)
     model.load_weights(_floating_point(weights))
     model.eval()
-    logger.info("loaded %s from %s (%s, %s)", model_cls.__name__, path, torch_dtype, device)
+    # The worker says in one line what runs (dtype and quantization together).
+    logger.debug("loaded %s from %s (%s, %s)", model_cls.__name__, path, torch_dtype, device)
     return model, config

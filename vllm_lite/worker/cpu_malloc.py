@@ -77,7 +77,7 @@ def keep_freed_memory() -> bool:
                        "returned to the kernel (slower steps)")
         return False
     _applied = True
-    logger.info("CPU allocator: freed blocks under %d MiB are reused, up to %d MiB kept",
+    logger.debug("CPU allocator: freed blocks under %d MiB are reused, up to %d MiB kept",
                 MMAP_THRESHOLD_BYTES >> 20, TRIM_THRESHOLD_BYTES >> 20)
     return True
 
