@@ -143,9 +143,8 @@ struct Elem<KvDType::kBFloat16> {
 // fetch the next block's tile of this KV head while working on the current one. Locality 1
 // (prefetcht2: into the outer caches, not L1): a core has few L1 miss buffers, and with
 // prefetcht0 the ~16 KiB in flight queued on them; into L2 the same prefetches ran the
-// decode kernel 1.3-1.5x faster on a KV pool far larger than the caches (AMD EPYC VM, bf16
-// 12 -> 18 GB/s, fp32 9.7 -> 12.5 GB/s at 32 x 4096 tokens, 2 threads). The K pass's loads
-// then hit L2.
+// decode kernel clearly faster on a KV pool far larger than the caches (docs/results/
+// kernels.md has the figures). The K pass's loads then hit L2.
 VLLM_LITE_INLINE void prefetch_tile(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 1);
@@ -211,7 +210,7 @@ VLLM_LITE_INLINE void dots(const float* q, int64_t q_stride, const float* k, int
 // token's dot product spread over its LPT lanes; LPT such accumulators (VW tokens) fold
 // into one vector of VW logits by log2(LPT) rounds of adjacent-pair sums. A dot product
 // per token (dots) instead ends in a horizontal sum per token and head, which at head
-// size 64 cost more than the token's FMAs (fp32 decode ran at ~17 GFLOP/s).
+// size 64 cost more than the token's FMAs.
 template <int64_t X>
 constexpr int64_t key_lanes() { return X < VW ? X : VW; }
 // Query heads per key_vectors call: LPT x heads accumulators, the heads' query vectors and
