@@ -357,8 +357,8 @@ def kv_cache_block_bytes(
 class CacheConfig:
     """Shape of the paged KV cache.
 
-    num_gpu_blocks / num_cpu_blocks are given directly here; the cache engine (a later
-    issue) derives them from memory and builds the config with them. ``None`` means "not
+    num_gpu_blocks / num_cpu_blocks are given directly here; the cache engine derives
+    them from memory and builds the config with them. ``None`` means "not
     known yet": the block manager refuses a config without num_gpu_blocks, and treats a
     missing num_cpu_blocks as no swap space.
     """

@@ -30,7 +30,7 @@ Prints a markdown table and writes <out>/kernels_<device>_<timestamp>.md and .js
 
     python3 bench/kernels.py --quick                      # a few shapes, ~2-3 min on 2 cores
     vllm-lite bench kernels --quick                       # the same
-    python3 bench/kernels.py --device cuda                # the issue's CUDA grid
+    python3 bench/kernels.py --device cuda                # the CUDA target grid
     python3 bench/kernels.py --contexts 1024 4096 --batches 1 8 32
     python3 bench/kernels.py --prefill --heads 9/3x64 32/8x128   # prefill: see prefill_kernels.py
 """
@@ -74,7 +74,7 @@ QUICK = {
     "heads": ["9/3x64", "32/8x128"],
     "dtypes": {"cpu": ["bf16"], "cuda": ["fp16"]},
 }
-# The issue's target shapes (reported, never asserted); run first so a deadline keeps them.
+# The target shapes (reported, never asserted); run first so a deadline keeps them.
 TARGET_SHAPES = {"cuda": [("fp16", "32/32x128", 64, 1024)]}
 DTYPE_NAMES = {
     "fp32": "float32", "float32": "float32", "float": "float32",

@@ -63,7 +63,7 @@ SIZES: dict[str, tuple[Any, Any]] = {
 TARGET_HF_STATIC = 3.0
 TARGET_HF_CONTINUOUS = 1.5
 TARGET_KV_WASTE = 0.04
-# vllm_lite / llama-server output tokens/s per precision (issue 14).
+# vllm_lite / llama-server output tokens/s per precision.
 TARGET_LLAMA_CPP = {"float32": 1.3, "bfloat16": 2.5, "int8": 1.5, "int4": 1.5, "gguf": 1.5}
 
 
@@ -370,7 +370,7 @@ def _sweep_rows(results: Sequence[E.RunResult], key: str) -> list[list[Any]]:
 
 def targets(main: E.RunResult, peers: Sequence[E.RunResult],
             wl: WorkloadConfig | None = None) -> list[str]:
-    """The issue's targets, each reported as met / missed (never asserted). The KV-waste
+    """The project's targets, each reported as met / missed (never asserted). The KV-waste
     target was set for the default and --quick lengths: shorter sequences waste more of
     their last block by nature, so other lengths are reported with that said."""
     lines = []

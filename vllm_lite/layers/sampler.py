@@ -159,8 +159,8 @@ def apply_penalties(
 
     Only the ids a row has seen change, so the logits of those ids are gathered,
     penalized and scattered back (an id seen twice is written twice with one value),
-    instead of running the penalties over the whole vocabulary: 8 ms -> well under 1 ms
-    for 31 rows x 49152 tokens on the CPU, where broadcasting element-wise ops are slow.
+    instead of running the penalties over the whole vocabulary, which is slow on the CPU
+    where broadcasting element-wise ops are.
     Per id the arithmetic is the whole-vocabulary version's."""
     vocab = logits.shape[1]
     dev = logits.device
@@ -191,7 +191,7 @@ def apply_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch
 
 
 # The top_k / top_p fast path first looks at this many best tokens per row (torch.topk,
-# 2.6 ms on 31 x 49152 logits, where a full sort takes 45 ms), then at 16x as many for
+# far cheaper than a full sort of the vocabulary), then at 16x as many for
 # the rows whose nucleus may reach past them, up to the max; past that, a full sort.
 _TOP_CANDIDATES = 256
 _TOP_CANDIDATES_MAX = 4096
@@ -455,8 +455,8 @@ def _descending_ids(vocab: int, device: torch.device) -> torch.Tensor:
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) of float32 rows [rows, vocab]: the lowest id among a row's maxima (NaN
     counting as the maximum, as torch's). Why not argmax itself: torch's CPU argmax
-    reduction runs element by element (1.3 ms on 31 x 49152 logits, 2% of a decode step),
-    while amax, a subtraction and a multiply run vectorized (0.37 ms): the maxima of row i
+    reduction runs element by element, while amax, a subtraction and a multiply run
+    vectorized, several times faster: the maxima of row i
     are where x - max_i == 0 (exact for finite floats), each weighted by vocab - id, and the
     largest weight names the lowest id. Rows whose maximum is not finite (NaN, +inf, or
     every logit -inf) go to torch's argmax, as does CUDA, where argmax is fast."""
@@ -626,9 +626,8 @@ class Sampler:
         """The random rows' tokens, rows[i].num_samples each, in row order: per sample, one
         float64 uniform from the row's generator (its request's when seeded, else the
         sampler's), then inverse_cdf_sample. Why not vLLM's argmax(probs / Exponential(1)
-        noise): a noise value per vocabulary entry costs 30 ms per step on the CPU for
-        31 rows x 49152 tokens (half a decode step); one uniform per sample costs nothing
-        and the cumulative sum under 1 ms."""
+        noise): a noise value per vocabulary entry costs a large share of a CPU decode
+        step; one uniform per sample costs nothing and the cumulative sum little."""
         dev = processed.device
         if random_rows == list(range(len(rows))):
             probs = torch.softmax(processed, dim=-1)  # every row: no gather
@@ -669,8 +668,8 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
 def _plain_greedy(logits: torch.Tensor, rows: Seq[SamplingRow]) -> SamplerOutput | None:
     """The step's output where every row is plain greedy (_is_plain_greedy) and the logits
     are on the CPU: ops.greedy_sample gives each row's token and logprob in two passes over
-    the logits (0.35 ms for 31 x 49152 bf16 on 2 threads) where the general path's float32
-    copy, log_softmax and argmax took ~1.9 ms, ~5% of a decode step. None otherwise, or
+    the logits, several times faster than the general path's float32 copy, log_softmax and
+    argmax. None otherwise, or
     when a row's maximum is not finite (then torch's argmax / log_softmax decide, as
     before)."""
     if (logits.device.type != "cpu" or logits.dim() != 2 or logits.shape[0] != len(rows)
