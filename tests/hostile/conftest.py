@@ -13,7 +13,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
+import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,3 +90,17 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProbeRunner]:
     runner = ProbeRunner(str(tmp_path_factory.mktemp("probe_cache")))
     yield runner
     runner.close()
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama folder with a tokenizer and chat template: the honest baseline
+    each hostile variant is a change of."""
+    from models.helpers import make_config, make_tokenizer, save_hf_model
+
+    folder = tmp_path_factory.mktemp("good")
+    config = make_config("llama")
+    config.vocab_size = 300
+    save_hf_model(config, folder, seed=random.randrange(1 << 20))
+    make_tokenizer(folder)
+    return folder

@@ -30,16 +30,6 @@ NESTED_SILENT = ("{% for i in range(100000) %}{% for j in range(100000) %}{% set
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
-@pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("chat_model")
-    config = make_config("llama")
-    config.vocab_size = 300
-    save_hf_model(config, folder, seed=random.randrange(1 << 20))
-    make_tokenizer(folder)
-    return folder
-
-
 def with_template(good: Path, dst: Path, template: str) -> Path:
     from transformers import AutoTokenizer
 

@@ -23,16 +23,6 @@ from hostile import probes  # noqa: E402
 from models.helpers import make_config, make_tokenizer, save_hf_model  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("good")
-    config = make_config("llama")
-    config.vocab_size = 300
-    save_hf_model(config, folder, seed=random.randrange(1 << 20))
-    make_tokenizer(folder)
-    return folder
-
-
 def _copy(good: Path, tmp_path: Path, **config_changes: Any) -> Path:
     folder = tmp_path / "m"
     shutil.copytree(good, folder)
