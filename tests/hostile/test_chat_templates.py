@@ -19,7 +19,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
 
 from hostile import probes  # noqa: E402
-from models.helpers import make_config, make_tokenizer, save_hf_model  # noqa: E402
 from vllm_lite.entrypoints.chat_template import (  # noqa: E402
     ChatTemplateLimits, render_chat_template)
 

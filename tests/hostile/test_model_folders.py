@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import struct
 from pathlib import Path
@@ -20,7 +19,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from hostile import probes  # noqa: E402
-from models.helpers import make_config, make_tokenizer, save_hf_model  # noqa: E402
 
 
 def _copy(good: Path, tmp_path: Path, **config_changes: Any) -> Path:
