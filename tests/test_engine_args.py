@@ -363,7 +363,7 @@ def test_checkpoint_dtype_and_explicit_names() -> None:
 @pytest.mark.parametrize("native", [False, True])
 def test_engine_config_resolves_auto(model_dir: Path, native: bool,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(C, "cpu_has_native_bf16", lambda *a, **k: native)
+    monkeypatch.setattr(C.args, "cpu_has_native_bf16", lambda *a, **k: native)
     config = EngineArgs(model=str(model_dir), device="cpu").create_engine_config()
     assert config.model_config.dtype == (torch.bfloat16 if native else torch.float32)
     # An explicit dtype is kept whatever the CPU.
