@@ -15,7 +15,7 @@ import enum
 import logging
 from collections.abc import Iterable
 
-from vllm_lite.config import CacheConfig
+from vllm_lite.config.schema import CacheConfig
 from vllm_lite.core.block_allocator import BlockAllocator
 from vllm_lite.core.prefix_cache import PrefixCacheStats, extend_block_hashes
 from vllm_lite.sequence import Sequence, SequenceGroup, SequenceStatus

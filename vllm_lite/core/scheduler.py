@@ -21,7 +21,7 @@ from typing import Any
 from collections.abc import Iterable, Mapping, Sequence as Seq
 from types import MappingProxyType
 
-from vllm_lite.config import CacheConfig, SchedulerConfig
+from vllm_lite.config.schema import CacheConfig, SchedulerConfig
 from vllm_lite.core.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
 from vllm_lite.core.policy import running_key, waiting_key
 from vllm_lite.core.prefix_cache import PrefixCacheStats
@@ -422,7 +422,7 @@ class Scheduler:
             return  # swapped groups come back before any new prompt
         self.waiting.sort(
             key=lambda g: waiting_key(
-                self.config.policy, g, self.config.max_model_len, self.config.max_wait_steps
+                self.config.scheduling_policy, g, self.config.max_model_len, self.config.max_wait_steps
             )
         )
         while self.waiting and not state.blocked:

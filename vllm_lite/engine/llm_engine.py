@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence as Seq
 import torch
 
 from vllm_lite.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
-from vllm_lite.config import EngineConfig
+from vllm_lite.config.schema import EngineConfig
 from vllm_lite.engine.output_processor import OutputProcessor
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.inputs import truncate_prompt
@@ -193,9 +193,9 @@ class LLMEngine:
     def validate_priority(self, priority: int) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority != 0 and self.config.scheduler_config.policy != "priority":
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise ValueError(f"priority {priority} needs the priority scheduling policy; this "
-                             f"engine schedules {self.config.scheduler_config.policy!r}")
+                             f"engine schedules {self.config.scheduler_config.scheduling_policy!r}")
 
     def abort_request(self, request_id: str | Seq[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

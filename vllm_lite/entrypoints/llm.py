@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from vllm_lite.config import EngineArgs
+from vllm_lite.config.args import EngineArgs
 from vllm_lite.engine.llm_engine import EngineStepError, LLMEngine
 from vllm_lite.entrypoints.chat_template import ChatTemplateLimits, render_chat_template
 from vllm_lite.inputs import truncate_prompt

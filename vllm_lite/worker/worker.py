@@ -26,7 +26,7 @@ from vllm_lite.worker.model_runner import ModelInput, ModelRunner, RunnerOutput
 from vllm_lite.worker.step_broadcast import Command
 
 if TYPE_CHECKING:
-    from vllm_lite.config import EngineConfig
+    from vllm_lite.config.schema import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Worker:
                        else dtype)
             logger.info("model: %s on %s, %s", type(model).__name__,
                         torch.device(self.device), weights)
-        self.kv_cache_dtype = config.cache_config.cache_dtype
+        self.kv_cache_dtype = config.cache_config.kv_cache_dtype
         # The cache tensors' dtype (uint8 for fp8): what a block's bytes are counted in.
         from vllm_lite import ops
 
@@ -115,7 +115,7 @@ class Worker:
                 config.scheduler_config.max_num_batched_tokens,
                 config.scheduler_config.max_num_seqs, cc.gpu_memory_utilization)
         block_bytes = cache_block_bytes(self.model, self.block_size, self.cache_dtype)
-        num_cpu_blocks = cc.cpu_blocks_for(block_bytes) if cc.swap_space_gib > 0 else 0
+        num_cpu_blocks = cc.cpu_blocks_for(block_bytes) if cc.swap_space > 0 else 0
         return num_gpu_blocks, num_cpu_blocks
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
