@@ -1062,7 +1062,8 @@ def replica_configs(args: argparse.Namespace, cal: Calibration,
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             enable_chunked_prefill=args.enable_chunked_prefill,
-                            policy=args.scheduling_policy, preemption_mode=args.preemption_mode)
+                            scheduling_policy=args.scheduling_policy,
+                            preemption_mode=args.preemption_mode)
     cache = CacheConfig(block_size=args.block_size, num_gpu_blocks=blocks, num_cpu_blocks=0,
                         enable_prefix_caching=True)
     usable = blocks - cache.watermark_blocks
@@ -1223,7 +1224,8 @@ def write_report(report: Report, args: argparse.Namespace, cal: Calibration, tra
                f"({cache_cfg.num_gpu_blocks * cache_cfg.block_size} tokens), prefix caching on, "
                f"max_num_seqs {sched_cfg.max_num_seqs}, max_num_batched_tokens "
                f"{sched_cfg.max_num_batched_tokens}, chunked prefill "
-               f"{'on' if sched_cfg.enable_chunked_prefill else 'off'}, {sched_cfg.policy}, "
+               f"{'on' if sched_cfg.enable_chunked_prefill else 'off'}, "
+               f"{sched_cfg.scheduling_policy}, "
                "no swap. "
                f"prefix_aware: the first {args.route_blocks} block(s) hashed, load bound "
                f"{fmt(args.load_bound)}.")
