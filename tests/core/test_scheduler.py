@@ -280,12 +280,15 @@ def test_prefix_cache_hits_across_requests_respecting_salt() -> None:
     m.check_drained()
 
 
-def test_add_request_validation_changes_nothing() -> None:
+def test_add_request_invariants_are_internal_errors_and_change_nothing() -> None:
+    """Requests reach the scheduler admitted (vllm_lite.engine.admission refuses bad input
+    with a ValueError: tests/engine/test_llm_hardening.py); one that breaks what admission
+    guarantees is a bug upstream, an InternalError, and the queues stay as they were."""
     m = make(max_num_seqs=4)
     sched = m.scheduler
     sched.add_request("a", [1], params())
     cases = [
-        (dict(request_id="b", prompt_token_ids=[1], sampling_params=params(n=5, temperature=1.0)), "n must be at most 4"),
+        (dict(request_id="b", prompt_token_ids=[1], sampling_params=params(n=5, temperature=1.0)), "runs 5 sequences"),
         (dict(request_id="a", prompt_token_ids=[1]), "already in the scheduler"),
         (dict(request_id="b", prompt_token_ids=[]), "prompt_token_ids must be a non-empty"),
         (dict(request_id="b", prompt_token_ids=[1, -2]), "non-negative ints"),
@@ -293,9 +296,10 @@ def test_add_request_validation_changes_nothing() -> None:
         (dict(request_id="b", prompt_token_ids=[1], priority=1.5), "priority must be an int"),
     ]
     for kwargs, message in cases:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(InternalError, match=message):
             sched.add_request(**kwargs)
     assert [g.request_id for g in sched.waiting] == ["a"]
+    assert list(sched.requests) == ["a"] and not sched.running and not sched.swapped
 
 
 def test_apply_finishes_one_sequence_and_then_the_request() -> None:

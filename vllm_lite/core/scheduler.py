@@ -213,11 +213,13 @@ class Scheduler:
         eos_token_id: int | None = None,
         prompt: str | None = None,
     ) -> SequenceGroup:
-        """Build the request's group (one sequence holding the prompt) and queue it."""
+        """Build the request's group (one sequence holding the prompt) and queue it. The
+        request was admitted (vllm_lite.engine.admission): one that breaks what admission
+        guarantees is a bug upstream (InternalError), and changes nothing."""
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+            raise InternalError("prompt_token_ids must be a non-empty list of token ids")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt_token_ids):
-            raise ValueError("prompt_token_ids must hold non-negative ints")
+            raise InternalError("prompt_token_ids must hold non-negative ints")
         if isinstance(cache_salt, str):
             cache_salt = cache_salt.encode()
         seq = Sequence(next_seq_id(), prompt_token_ids, cache_salt)
@@ -235,15 +237,18 @@ class Scheduler:
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
         if not isinstance(seq_group.request_id, str) or not seq_group.request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {seq_group.request_id!r}")
+            raise InternalError(f"request_id must be a non-empty str, got {seq_group.request_id!r}")
         if seq_group.request_id in self._requests:
-            raise ValueError(f"request_id {seq_group.request_id!r} is already in the scheduler")
+            raise InternalError(f"request_id {seq_group.request_id!r} is already in the scheduler")
         if isinstance(seq_group.priority, bool) or not isinstance(seq_group.priority, int):
-            raise ValueError(f"priority must be an int, got {seq_group.priority!r}")
+            raise InternalError(f"priority must be an int, got {seq_group.priority!r}")
         for seq in seq_group.get_seqs():
             if seq.status != SequenceStatus.WAITING or self.block_manager.has_blocks(seq):
                 raise InternalError(f"seq {seq.seq_id} of a new request must be WAITING without blocks")
-        seq_group.sampling_params.verify_max_n(self.config.max_num_seqs)
+        if seq_group.sampling_params.best_of > self.config.max_num_seqs:
+            raise InternalError(f"request {seq_group.request_id!r} runs "
+                                f"{seq_group.sampling_params.best_of} sequences; max_num_seqs "
+                                f"is {self.config.max_num_seqs}")
         if seq_group.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position's logits: no prefix-cache reads
             # (as vLLM's v1 engine; the request still publishes its blocks for others).

@@ -119,7 +119,7 @@ class LLM:
                                     p.spaces_between_special_tokens)
                     for (text, ids), p in zip(parsed, params)]
         for _, ids in admitted:
-            self.llm_engine.validate_prompt(ids)
+            self.llm_engine.admission.prompt(ids)
         return admitted
 
     def _params_list(self, sampling_params: Any, n: int) -> list[SamplingParams]:
@@ -132,7 +132,7 @@ class LLM:
             if len(params) != n:
                 raise ValueError(f"{len(params)} sampling params for {n} prompts")
         for p in params:
-            self.llm_engine.validate_params(p)
+            self.llm_engine.admission.params(p)
         return params
 
     # -- generation ----------------------------------------------------------------------------
