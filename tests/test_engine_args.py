@@ -195,7 +195,7 @@ def test_llm_builds_its_config_from_engine_args(model_dir: Path,
 
 @pytest.mark.parametrize("name, bad", [("scheduling_policy", "lifo"), ("swap_space", -1),
                                        ("preemption_mode", "drop"), ("dtype", "int8"),
-                                       ("device", "tpu")])
+                                       ("device", "tpu"), ("enforce_eager", "yes")])
 def test_bad_options_name_the_users_field(model_dir: Path, name: str, bad: Any) -> None:
     with pytest.raises(ValueError, match=name):
         EngineArgs(model=str(model_dir), **{name: bad}).create_engine_config()
@@ -212,6 +212,7 @@ def _non_defaults(model_dir: Path) -> dict[str, Any]:
         "num_gpu_blocks_override": 12, "max_logprobs": 5, "quantization": "int4",
         "quantization_group_size": 32, "kv_cache_dtype": "fp8_e5m2",
         "tensor_parallel_size": 2, "distributed_timeout": 30.0, "cpu_threads_bind": "auto",
+        "enforce_eager": True,
         "chat_template_timeout": 2.5, "chat_template_max_chars": 4096,
     }
 
@@ -246,6 +247,7 @@ def test_serve_accepts_every_engine_option(model_dir: Path) -> None:
     assert (mc.seed, mc.max_logprobs, mc.max_model_len, mc.quantization,
             mc.quantization_group_size) == (7, 5, 128, "int4", 32)
     assert (mc.chat_template_timeout, mc.chat_template_max_chars) == (2.5, 4096)
+    assert mc.enforce_eager is True
     assert (config.kv_cache_space, config.num_gpu_blocks_override) == (0.01, 12)
     pc = config.parallel_config
     assert (pc.tensor_parallel_size, pc.distributed_timeout) == (2, 30.0)

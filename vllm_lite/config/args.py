@@ -136,6 +136,11 @@ class EngineArgs:
     chat_template_max_chars: int = _opt(
         ModelConfig.chat_template_max_chars, "the most characters a chat template may write for one conversation; past "
         "it the render is stopped and the request fails naming the template")
+    enforce_eager: bool = _opt(
+        ModelConfig.enforce_eager, "run every step eagerly: no CUDA graphs for decode steps "
+        "(on a GPU, decode steps otherwise replay a graph captured at start per batch size "
+        "up to max_num_seqs, 256 at most); on the CPU there are no graphs, so nothing to "
+        "turn off")
     cpu_threads_bind: str | None = _opt(
         None, "bind torch's threads one per CPU when the engine starts (vLLM's "
         "VLLM_CPU_OMP_THREADS_BIND): a list such as 0-3,8 (one thread per CPU listed; the "

@@ -24,6 +24,7 @@ from vllm_lite.config.schema import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    check_bool,
     check_int,
     check_number,
     check_quantization,
@@ -165,7 +166,8 @@ def _model_config(args: EngineArgs) -> dict[str, Any]:
                 max_logprobs=max_logprobs, quantization=quantization,
                 quantization_group_size=g, chat_template_timeout=timeout,
                 chat_template_max_chars=max_chars,
-                gguf_file=None if source is None else str(source))
+                gguf_file=None if source is None else str(source),
+                enforce_eager=check_bool("enforce_eager", args.enforce_eager))
 
 
 # -- device ---------------------------------------------------------------------------------------

@@ -258,6 +258,8 @@ class ModelConfig:
     # The GGUF file the model was converted from (an alias or a .gguf path), else None:
     # quantization="gguf" reads its blocks.
     gguf_file: str | None = None
+    # Every step eager: no decode CUDA graphs (vLLM's enforce_eager; a GPU's only).
+    enforce_eager: bool = False
 
     @property
     def vocab_size(self) -> int:
