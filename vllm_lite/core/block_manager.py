@@ -184,9 +184,12 @@ class BlockSpaceManager:
         table = self.device_block_tables[seq.seq_id]
         num_new = max(0, self._blocks_for(seq.get_len()) - len(table))
         to_copy = []
+        ref_count = self.device_allocator.ref_count
         for i in range(seq.num_computed_tokens // self.block_size, len(table)):
             block_id = table[i]
-            count = ref_counts.get(block_id, self.device_allocator.ref_count(block_id))
+            count = ref_counts.get(block_id)
+            if count is None:
+                count = ref_count(block_id)
             if count > 1:
                 to_copy.append(i)
                 ref_counts[block_id] = count - 1
@@ -215,11 +218,14 @@ class BlockSpaceManager:
         blocks about to be written are copied, never a whole table.
         """
         seqs = self._running_seqs_with_blocks(seq_group)
-        if not self.can_append_slots(seq_group):
+        # One plan per sequence, the counts carried as the earlier copies leave them: what
+        # planning each one after the earlier ones ran would give (those frees included).
+        ref_counts: dict[int, int] = {}
+        plans = [self._append_plan(seq, ref_counts) for seq in seqs]
+        if sum(n + len(c) for n, c in plans) > self.get_num_free_device_blocks():
             raise InternalError(f"not enough free device blocks to grow request {seq_group.request_id}")
         copies: BlockMapping = []
-        for seq in seqs:
-            num_new, to_copy = self._append_plan(seq, {})
+        for seq, (num_new, to_copy) in zip(seqs, plans):
             table = self.device_block_tables[seq.seq_id]
             for i in to_copy:
                 src = table[i]
