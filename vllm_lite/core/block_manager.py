@@ -217,13 +217,21 @@ class BlockSpaceManager:
         Returns the copy-on-write (src, dst) pairs for ``copy_blocks``: only the shared
         blocks about to be written are copied, never a whole table.
         """
+        copies = self.try_append_slots(seq_group)
+        if copies is None:
+            raise InternalError(f"not enough free device blocks to grow request {seq_group.request_id}")
+        return copies
+
+    def try_append_slots(self, seq_group: SequenceGroup) -> BlockMapping | None:
+        """append_slots when the free blocks suffice (its copy pairs), else None and
+        nothing changed: can_append_slots and append_slots in one pass."""
         seqs = self._running_seqs_with_blocks(seq_group)
         # One plan per sequence, the counts carried as the earlier copies leave them: what
         # planning each one after the earlier ones ran would give (those frees included).
         ref_counts: dict[int, int] = {}
         plans = [self._append_plan(seq, ref_counts) for seq in seqs]
         if sum(n + len(c) for n, c in plans) > self.get_num_free_device_blocks():
-            raise InternalError(f"not enough free device blocks to grow request {seq_group.request_id}")
+            return None
         copies: BlockMapping = []
         for seq, (num_new, to_copy) in zip(seqs, plans):
             table = self.device_block_tables[seq.seq_id]

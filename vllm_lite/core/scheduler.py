@@ -380,7 +380,7 @@ class Scheduler:
         kept: list[SequenceGroup] = []
         while queue:
             group = queue.pop(0)
-            while not self.block_manager.can_append_slots(group):
+            while (copies := self.block_manager.try_append_slots(group)) is None:
                 # Victims come from the back only: groups already served this step keep
                 # their slots, so nothing scheduled is taken away again.
                 victim = queue.pop() if queue else group
@@ -388,7 +388,7 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                state.copies.extend(self.block_manager.append_slots(group))
+                state.copies.extend(copies)
                 kept.append(group)
         self.running = kept
         # Decodes before prefill chunks: a long prompt must not stall the running batch.
@@ -623,6 +623,17 @@ class Scheduler:
             if group.prompt_logprobs is None:
                 group.prompt_logprobs = []
             group.prompt_logprobs.extend(update.prompt_logprobs)
+        ups = update.seqs
+        if len(ups) == 1 and type(ups[0]) is AppendToken:
+            # A request's usual step, one sequence taking one token: no copies to order.
+            u = ups[0]
+            seq = group.seqs_dict.get(u.seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                raise InternalError(f"no running seq {u.seq_id} in request {group.request_id!r}")
+            self._take_token(seq, u)
+            if u.finish is not None:
+                self._retire_if_finished(group)
+            return
         before = dict(group.seqs_dict)
 
         def running(seq_id: int) -> Sequence:
@@ -647,17 +658,7 @@ class Scheduler:
             if isinstance(u, AppendToken):
                 extended.append((running(u.seq_id), u))
         for seq, u in extended:
-            seq.append_token_id(u.token_id, u.logprob)
-            if u.output is not None:
-                seq.output = u.output
-            if u.finish is not None:
-                status, reason = u.finish
-                if not SequenceStatus.is_finished(status):
-                    raise InternalError(f"status must be a finished status, got {status}")
-                if seq.status == SequenceStatus.RUNNING:
-                    self.block_manager.free(seq)
-                seq.status = status
-                seq.stop_reason = reason
+            self._take_token(seq, u)
         for u in update.seqs:
             if isinstance(u, DropSeq):
                 seq = group.get_seq(u.seq_id)
@@ -670,6 +671,21 @@ class Scheduler:
             elif not isinstance(u, (ForkSeq, NewHypothesis, AppendToken)):
                 raise InternalError(f"unknown update {u!r}")
         self._retire_if_finished(group)
+
+    def _take_token(self, seq: Sequence, u: AppendToken | ForkSeq | NewHypothesis) -> None:
+        """``seq`` takes the update's token, output state and finish (a running sequence
+        that finishes frees its blocks)."""
+        seq.append_token_id(u.token_id, u.logprob)
+        if u.output is not None:
+            seq.output = u.output
+        if u.finish is not None:
+            status, reason = u.finish
+            if not SequenceStatus.is_finished(status):
+                raise InternalError(f"status must be a finished status, got {status}")
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.free(seq)
+            seq.status = status
+            seq.stop_reason = reason
 
     def _retire_if_finished(self, group: SequenceGroup) -> bool:
         if not group.is_finished():
