@@ -41,7 +41,9 @@ class SequenceStatus(enum.Enum):
 
     @staticmethod
     def get_finished_reason(status: SequenceStatus) -> str | None:
-        return _FINISH_REASONS.get(status)
+        if status not in _FINISHED_MEMBERS:
+            return None  # running: no dict lookup through the enum's hash
+        return _FINISH_REASONS[status]
 
 
 _FINISHED = frozenset(

@@ -77,27 +77,31 @@ class OutputProcessor:
             if group.is_finished():
                 continue
             params = group.sampling_params
-            sampled_ids = {s.seq_id for s in sched.seqs if s.do_sample}
-            if params.use_beam_search:
-                if not sampled_ids:
-                    continue
-                live = {s.seq_id for s in group.get_seqs(SequenceStatus.RUNNING)}
-                if sampled_ids != live:
-                    raise InternalError(f"beam request {group.request_id!r} sampled "
-                                        f"{sorted(sampled_ids)} but runs {sorted(live)}")
-                cands = beams.get(group.request_id)
-                if not cands or any(c.parent_seq_id not in live for c in cands):
-                    raise InternalError(f"beam request {group.request_id!r} got candidates "
-                                        f"{cands!r} for beams {sorted(live)}")
+            if not params.use_beam_search:
+                expected = params.best_of if group.awaiting_first_sample() else 1
+                for sched_seq in sched.seqs:
+                    if not sched_seq.do_sample:
+                        continue
+                    seq_id = sched_seq.seq_id
+                    seq = group.get_seq(seq_id)
+                    if seq is None or seq.is_finished():
+                        continue
+                    s = samples.get(seq_id)
+                    if s is None or len(s.token_ids) != expected or len(s.logprobs) != expected:
+                        raise InternalError(f"seq {seq_id} must get {expected} sample(s), "
+                                            f"got {s!r}")
                 continue
-            expected = params.best_of if group.awaiting_first_sample() else 1
-            for seq_id in sampled_ids:
-                seq = group.get_seq(seq_id)
-                if seq is None or seq.is_finished():
-                    continue
-                s = samples.get(seq_id)
-                if s is None or len(s.token_ids) != expected or len(s.logprobs) != expected:
-                    raise InternalError(f"seq {seq_id} must get {expected} sample(s), got {s!r}")
+            sampled_ids = {s.seq_id for s in sched.seqs if s.do_sample}
+            if not sampled_ids:
+                continue
+            live = {s.seq_id for s in group.get_seqs(SequenceStatus.RUNNING)}
+            if sampled_ids != live:
+                raise InternalError(f"beam request {group.request_id!r} sampled "
+                                    f"{sorted(sampled_ids)} but runs {sorted(live)}")
+            cands = beams.get(group.request_id)
+            if not cands or any(c.parent_seq_id not in live for c in cands):
+                raise InternalError(f"beam request {group.request_id!r} got candidates "
+                                    f"{cands!r} for beams {sorted(live)}")
         return samples, beams
 
     def _decide(self, group: SequenceGroup, sched: ScheduledSequenceGroup,
@@ -124,6 +128,14 @@ class OutputProcessor:
         """A group's first random sample carries best_of tokens: samples 1.. fork children
         sharing the sequence's blocks, each continuing from the sequence as it stood."""
         tops = sample.top_logprobs
+        if len(sample.token_ids) == 1:  # the usual step: one token, no fork
+            token = sample.token_ids[0]
+            finish = self.stop_checker.check_token(
+                group.sampling_params, group.eos_token_id, token, seq.get_output_len() + 1,
+                seq.get_len() + 1)
+            output, finish = self._advance(group, seq, token, tops[0] if tops else None,
+                                           finish, fork=False)
+            return [AppendToken(seq.seq_id, token, sample.logprobs[0], output, finish)]
         ids = {k: next_seq_id() for k in range(1, len(sample.token_ids))}
         ups: list[SeqUpdate] = []
         own: SeqUpdate | None = None
