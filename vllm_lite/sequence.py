@@ -259,9 +259,11 @@ class SequenceGroup:
 
     def awaiting_first_sample(self) -> bool:
         """No sequence has sampled yet, so best_of children are still to be forked."""
-        return len(self.seqs_dict) == 1 and all(
-            not seq.output_token_ids for seq in self.seqs_dict.values()
-        )
+        if len(self.seqs_dict) != 1:
+            return False
+        for seq in self.seqs_dict.values():
+            return not seq.output_token_ids
+        return False
 
     def get_max_num_running_seqs(self) -> int:
         """Sequences this group may run at once: best_of before the fork, else the live ones."""
