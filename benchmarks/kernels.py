@@ -37,6 +37,10 @@ Prints a markdown table and writes <out>/kernels_<device>_<timestamp>.md and .js
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/kernels.py
+    import _checkout
+    _checkout.run_as_module(__file__)
+
 import argparse
 import datetime as _dt
 import json
@@ -53,7 +57,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
-from vllm_lite.benchmarks import RESULTS_DIR, prefill_kernels
+from . import RESULTS_DIR, prefill_kernels
 from vllm_lite.config import THREADS_HELP, EngineArgs
 
 log = logging.getLogger("bench.kernels")

@@ -23,6 +23,10 @@ Writes ``<out>/latency_<device>_<dtype>_<time>.md`` with ``.json`` and a PNG bes
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/latency.py
+    import _checkout
+    _checkout.run_as_module(__file__)
+
 import argparse
 import collections
 import functools
@@ -35,12 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Sequence
 
-from vllm_lite.benchmarks import engines as E
-from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply_sizes,
-                                         engine_options, int_range, run_cli, setup, size_help)
-from vllm_lite.benchmarks.report import (Report, describe_machine, fmt, machine_info,
-                                         make_report, markdown_table, percentile)
-from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
+from . import engines as E
+from .common import (BenchSetup, add_common_arguments, apply_sizes,
+                     engine_options, int_range, run_cli, setup, size_help)
+from .report import (Report, describe_machine, fmt, machine_info,
+                     make_report, markdown_table, percentile)
+from .workload import BenchRequest, WorkloadConfig, make_workload
 
 logger = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from vllm_lite.benchmarks.engines import LLAMA_CPP, RunResult, _progress, median_run
-from vllm_lite.benchmarks.workload import BenchRequest
+from .engines import LLAMA_CPP, RunResult, _progress, median_run
+from .workload import BenchRequest
 
 logger = logging.getLogger(__name__)
 

@@ -26,6 +26,10 @@ bench/results/serving_<timestamp>.{md,json,png}.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/serving.py
+    import _checkout
+    _checkout.run_as_module(__file__)
+
 import argparse
 import asyncio
 import datetime as _dt

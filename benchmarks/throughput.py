@@ -21,6 +21,10 @@ preallocated padded cache). Writes ``<out>/throughput_<device>_<dtype>_<time>.md
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/throughput.py
+    import _checkout
+    _checkout.run_as_module(__file__)
+
 import argparse
 import functools
 import logging
@@ -31,13 +35,13 @@ from typing import Any
 from collections.abc import Callable, Sequence
 
 from vllm_lite.config import EngineArgs
-from vllm_lite.benchmarks import engines as E
-from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply_sizes,
-                                         engine_options, int_list, int_range, run_cli, setup,
-                                         size_help)
-from vllm_lite.benchmarks.report import (Report, describe_machine, fmt, machine_info,
-                                         make_report, markdown_table, pct)
-from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
+from . import engines as E
+from .common import (BenchSetup, add_common_arguments, apply_sizes,
+                     engine_options, int_list, int_range, run_cli, setup,
+                     size_help)
+from .report import (Report, describe_machine, fmt, machine_info,
+                     make_report, markdown_table, pct)
+from .workload import BenchRequest, WorkloadConfig, make_workload
 
 logger = logging.getLogger(__name__)
 
@@ -304,8 +308,8 @@ def run(args: argparse.Namespace) -> Report:
 
 def run_llama_cpp_peer(s: BenchSetup, requests: Sequence[BenchRequest],
                        args: argparse.Namespace, stem: str) -> E.RunResult:
-    """llama-server on the GGUF of this run's precision (vllm_lite.benchmarks.llama_cpp)."""
-    from vllm_lite.benchmarks import llama_cpp
+    """llama-server on the GGUF of this run's precision (benchmarks/llama_cpp.py)."""
+    from . import llama_cpp
     from vllm_lite.models.gguf import gguf_source
 
     if s.device.type != "cpu":

@@ -16,9 +16,9 @@ pytest.importorskip("safetensors")
 
 # tests/ is on sys.path (pytest puts the first folder without __init__.py there).
 from models.helpers import make_config, save_hf_model  # noqa: E402
-from vllm_lite.benchmarks import engines as E  # noqa: E402
-from vllm_lite.benchmarks import latency, throughput  # noqa: E402
-from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload  # noqa: E402
+from benchmarks import engines as E  # noqa: E402
+from benchmarks import latency, throughput  # noqa: E402
+from benchmarks.workload import BenchRequest, WorkloadConfig, make_workload  # noqa: E402
 
 VOCAB = 160  # tests/models/helpers.py BASE
 
@@ -269,7 +269,7 @@ def test_llama_cpp_is_a_throughput_peer_only(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_llama_cpp_without_a_build_says_how_to_get_one(tmp_path: Path, monkeypatch) -> None:
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     monkeypatch.setattr(llama_cpp, "PEERS_ROOT", tmp_path / "none")
     with pytest.raises(ValueError, match="bench/peers/llama_cpp.sh"):
@@ -283,7 +283,7 @@ def test_llama_cpp_without_a_build_says_how_to_get_one(tmp_path: Path, monkeypat
 
 
 def _llama_build() -> Path | None:
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     try:
         return llama_cpp.find_bin(None)
@@ -295,7 +295,7 @@ def _llama_build() -> Path | None:
 def test_llama_server_generates_every_requested_token(tmp_path: Path, monkeypatch) -> None:
     """The real server (a build of bench/peers/llama_cpp.sh): every request gets exactly its
     output length, greedy, EOS ignored, all sent at once to fewer slots than requests."""
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     bin_dir = _llama_build()
     gguf = llama_cpp.model_file(bin_dir, "float32")
@@ -325,7 +325,7 @@ def test_llama_server_erase_slots_empties_their_cache(tmp_path: Path) -> None:
     import json
     import urllib.request
 
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     bin_dir = _llama_build()
     gguf = llama_cpp.model_file(bin_dir, "float32")
@@ -358,7 +358,7 @@ def _crashing_server(bin_dir: Path, calls: Path, then: str) -> None:
 def test_llama_server_crash_while_loading_retried_once_with_no_repack(tmp_path: Path) -> None:
     """A server killed by a signal before /health answers is started once more with
     --no-repack; a second failure (here exit status 3) is raised, not retried again."""
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     calls = tmp_path / "calls"
     _crashing_server(tmp_path / "bin", calls, "exit 3")
@@ -377,7 +377,7 @@ def test_llama_server_crash_while_loading_retried_once_with_no_repack(tmp_path: 
 @pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
 def test_llama_server_run_after_a_crash_says_so(tmp_path: Path) -> None:
     """The restarted real server runs the workload, and the result names the flag."""
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     real = _llama_build()
     _crashing_server(tmp_path / "bin", tmp_path / "calls", f'exec "{real}/llama-server" "$@"')
