@@ -1,6 +1,6 @@
 """Cluster simulation: 1-64 replicas of this engine behind a router, on a virtual clock.
 
-    python3 bench/cluster_sim.py [--quick] [--calibrate | --calibration FILE]
+    python3 benchmarks/cluster_sim.py [--quick] [--calibrate | --calibration FILE]
                                  [--replicas 1,2,4,8,16,32,64] [--arrival poisson|bursty] ...
 
 Each simulated replica is a real :class:`~vllm_lite.core.scheduler.Scheduler` with its
@@ -1326,7 +1326,7 @@ def plot_calibration(plt: Any, cal: Calibration) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/cluster_sim.py",
+    parser = argparse.ArgumentParser(prog="benchmarks/cluster_sim.py",
                                      description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run_cli("cluster_sim", run, parser.parse_args(argv))

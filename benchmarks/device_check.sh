@@ -4,16 +4,16 @@
 #   2. runs the CUDA kernel tests and the check that _C shares torch's C++ runtime
 #      (pytest tests/ops -k "cuda or cpp_runtime"; after a test that kills the process,
 #      the tests after it still run),
-#   3. runs the kernel benchmarks (bench/kernels.py --device cuda: decode, then --prefill),
-#   4. runs the engine benchmark on CUDA: bench/throughput.py --quick (vllm_lite against
-#      HF generate and generate_batch, bfloat16, no sweeps), then bench/latency.py --quick
+#   3. runs the kernel benchmarks (benchmarks/kernels.py --device cuda: decode, then --prefill),
+#   4. runs the engine benchmark on CUDA: benchmarks/throughput.py --quick (vllm_lite against
+#      HF generate and generate_batch, bfloat16, no sweeps), then benchmarks/latency.py --quick
 #      if time is left; with the default model (smollm2-135m) when it is installed, else a
 #      random-weight model of the same architecture (the speed is the same),
-# and writes logs and tables to OUTDIR (default: $OUT if set, else bench/results/device).
+# and writes logs and tables to OUTDIR (default: $OUT if set, else benchmarks/results/device).
 # Each stage has a time limit so the whole script ends in under 8 minutes; a stage that
 # fails does not stop the later ones. OUTDIR/summary.md gives each stage's status.
 #
-#   bash bench/device_check.sh [OUTDIR]
+#   bash benchmarks/device_check.sh [OUTDIR]
 #
 # Files in OUTDIR (8, what the device tool brings back): summary.md, build.log, tests.log,
 # bench.log, engine.log, kernels_cuda_<stamp>.md, prefill_kernels_cuda_<stamp>.md, and
@@ -197,12 +197,12 @@ else
   LD=$(( L - PREFILL_S )); (( LD < 30 )) && LD=30
   DEADLINE=$(awk -v l="$LD" 'BEGIN { d = (l - 30) / 60; if (d < 0.2) d = 0.2; printf "%.2f", d }')
   (  # a subshell: its exit sets RC
-    echo "$PY bench/kernels.py --device cuda --out $OUTDIR --deadline-min $DEADLINE ${BENCH_ARGS:-}   (limit ${LD} s)"
-    timeout -s INT -k 20 "$LD" "$PY" bench/kernels.py --device cuda --out "$OUTDIR" \
+    echo "$PY benchmarks/kernels.py --device cuda --out $OUTDIR --deadline-min $DEADLINE ${BENCH_ARGS:-}   (limit ${LD} s)"
+    timeout -s INT -k 20 "$LD" "$PY" benchmarks/kernels.py --device cuda --out "$OUTDIR" \
       --deadline-min "$DEADLINE" ${BENCH_ARGS:-}
     RC1=$?
-    echo "$PY bench/kernels.py --device cuda --prefill --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out $OUTDIR   (limit ${PREFILL_S} s)"
-    timeout -s INT -k 10 "$PREFILL_S" "$PY" bench/kernels.py --device cuda --prefill \
+    echo "$PY benchmarks/kernels.py --device cuda --prefill --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out $OUTDIR   (limit ${PREFILL_S} s)"
+    timeout -s INT -k 10 "$PREFILL_S" "$PY" benchmarks/kernels.py --device cuda --prefill \
       --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out "$OUTDIR"
     RC2=$?
     exit $(( RC1 != 0 ? RC1 : RC2 ))
@@ -252,17 +252,17 @@ EOF
     fi
     # generate_batch may compile or capture graphs at start: it gets a bound of its own;
     # SIGINT from timeout makes the benchmark write the report without the unfinished peer.
-    echo "$PY bench/throughput.py --device cuda --quick --dtype bfloat16 --no-sweeps" \
+    echo "$PY benchmarks/throughput.py --device cuda --quick --dtype bfloat16 --no-sweeps" \
          "--model $MODEL --hf-timeout 60 --out $ENGINE_DIR   (limit ${L} s)"
-    timeout -s INT -k 15 "$L" "$PY" bench/throughput.py --device cuda --quick \
+    timeout -s INT -k 15 "$L" "$PY" benchmarks/throughput.py --device cuda --quick \
       --dtype bfloat16 --no-sweeps --model "$MODEL" --hf-timeout 60 --out "$ENGINE_DIR" \
       --no-progress ${ENGINE_ARGS:-}
     echo "throughput rc $?"
     LL=$(left)
     if (( LL >= 45 )); then
-      echo "$PY bench/latency.py --device cuda --quick --dtype bfloat16 --model $MODEL" \
+      echo "$PY benchmarks/latency.py --device cuda --quick --dtype bfloat16 --model $MODEL" \
            "--out $ENGINE_DIR   (limit $(( LL - 10 )) s)"
-      timeout -s INT -k 10 "$(( LL - 10 ))" "$PY" bench/latency.py --device cuda --quick \
+      timeout -s INT -k 10 "$(( LL - 10 ))" "$PY" benchmarks/latency.py --device cuda --quick \
         --dtype bfloat16 --model "$MODEL" --out "$ENGINE_DIR" --no-progress
       echo "latency rc $?"
     else

@@ -28,11 +28,11 @@ the machine's copy bandwidth, measured in the same run (best of several copies o
 
 Prints a markdown table and writes <out>/kernels_<device>_<timestamp>.md and .json.
 
-    python3 bench/kernels.py --quick                      # a few shapes, ~2-3 min on 2 cores
+    python3 benchmarks/kernels.py --quick                      # a few shapes, ~2-3 min on 2 cores
     vllm-lite bench kernels --quick                       # the same
-    python3 bench/kernels.py --device cuda                # the CUDA target grid
-    python3 bench/kernels.py --contexts 1024 4096 --batches 1 8 32
-    python3 bench/kernels.py --prefill --heads 9/3x64 32/8x128   # prefill: see prefill_kernels.py
+    python3 benchmarks/kernels.py --device cuda                # the CUDA target grid
+    python3 benchmarks/kernels.py --contexts 1024 4096 --batches 1 8 32
+    python3 benchmarks/kernels.py --prefill --heads 9/3x64 32/8x128   # prefill: see prefill_kernels.py
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ EPILOG = ("Heads are written q_heads/kv_heads x head_size, e.g. 32/8x128; aliase
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="bench/kernels.py", description=__doc__.split("\n\n")[0],
+        prog="benchmarks/kernels.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     add_arguments(p)
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Latency: vllm_lite against Hugging Face ``generate``.
 
-    python3 bench/latency.py [--quick] [--dtype bfloat16] [--threads 2] [--out DIR]
+    python3 benchmarks/latency.py [--quick] [--dtype bfloat16] [--threads 2] [--out DIR]
     vllm-lite bench latency ...                        (the same, from an installed package)
 
 Two measurements, the same model, dtype, threads and token-id prompts for both engines
@@ -411,7 +411,7 @@ def plot_latency(plt: Any, results: dict[str, dict[str, LatencyResult]]) -> None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/latency.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/latency.py", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run_cli("latency", run, parser.parse_args(argv))
 

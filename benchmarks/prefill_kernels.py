@@ -1,4 +1,4 @@
-"""Prefill-attention kernel benchmark (`bench/kernels.py --prefill`): varlen_paged_attention
+"""Prefill-attention kernel benchmark (`benchmarks/kernels.py --prefill`): varlen_paged_attention
 against the engine's previous prefill path and, on CUDA, FlashAttention's varlen kernel.
 
 Workload per (dtype, heads, cached prefix): --prefill-seqs sequences (8) of

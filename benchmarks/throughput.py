@@ -1,6 +1,6 @@
 """Offline throughput: vllm_lite against Hugging Face transformers on one seeded workload.
 
-    python3 bench/throughput.py [--quick] [--dtype bfloat16] [--threads 2] [--out DIR]
+    python3 benchmarks/throughput.py [--quick] [--dtype bfloat16] [--threads 2] [--out DIR]
     vllm-lite bench throughput ...                     (the same, from an installed package)
 
 Every engine gets the same model, dtype, thread count and requests (token-id prompts,
@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds generate_batch may take before it is reported as n/a")
     p.add_argument("--llama-cpp-bin", default=None,
                    help="folder of llama-server (engine llama_cpp; default: the newest build "
-                        "of bench/peers/llama_cpp.sh)")
+                        "of benchmarks/peers/llama_cpp.sh)")
     p.add_argument("--llama-cpp-slots", type=int, default=None,
                    help="llama-server's parallel slots (-np; default: --max-num-seqs, at "
                         "most the number of requests)")
@@ -313,7 +313,7 @@ def run_llama_cpp_peer(s: BenchSetup, requests: Sequence[BenchRequest],
     from vllm_lite.models.gguf import gguf_source
 
     if s.device.type != "cpu":
-        raise ValueError("engine llama_cpp runs on the CPU only (bench/peers/llama_cpp.sh "
+        raise ValueError("engine llama_cpp runs on the CPU only (benchmarks/peers/llama_cpp.sh "
                          "builds it without GPU support)")
     bin_dir = llama_cpp.find_bin(args.llama_cpp_bin)
     precision = s.quantization or s.dtype_name
@@ -578,7 +578,7 @@ def plot_sweeps(plt: Any, bs_sweep: Sequence[E.RunResult], seqs_sweep: Sequence[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/throughput.py",
+    parser = argparse.ArgumentParser(prog="benchmarks/throughput.py",
                                      description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -272,7 +272,7 @@ def test_llama_cpp_without_a_build_says_how_to_get_one(tmp_path: Path, monkeypat
     from benchmarks import llama_cpp
 
     monkeypatch.setattr(llama_cpp, "PEERS_ROOT", tmp_path / "none")
-    with pytest.raises(ValueError, match="bench/peers/llama_cpp.sh"):
+    with pytest.raises(ValueError, match="benchmarks/peers/llama_cpp.sh"):
         llama_cpp.find_bin(None)
     with pytest.raises(ValueError, match="has no llama-server"):
         llama_cpp.find_bin(str(tmp_path))
@@ -291,9 +291,9 @@ def _llama_build() -> Path | None:
         return None
 
 
-@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
+@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (benchmarks/peers/llama_cpp.sh)")
 def test_llama_server_generates_every_requested_token(tmp_path: Path, monkeypatch) -> None:
-    """The real server (a build of bench/peers/llama_cpp.sh): every request gets exactly its
+    """The real server (a build of benchmarks/peers/llama_cpp.sh): every request gets exactly its
     output length, greedy, EOS ignored, all sent at once to fewer slots than requests."""
     from benchmarks import llama_cpp
 
@@ -318,7 +318,7 @@ def test_llama_server_generates_every_requested_token(tmp_path: Path, monkeypatc
     assert res.settings["slots"] == 3 and res.elapsed_s > 0
 
 
-@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
+@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (benchmarks/peers/llama_cpp.sh)")
 def test_llama_server_erase_slots_empties_their_cache(tmp_path: Path) -> None:
     """A finished request's tokens stay in its slot (and its KV in the unified cache) until
     erase_slots, which the benchmark calls before every timed run."""
@@ -374,7 +374,7 @@ def test_llama_server_crash_while_loading_retried_once_with_no_repack(tmp_path: 
     assert lines[1].split()[-1] == "--no-repack"
 
 
-@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
+@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (benchmarks/peers/llama_cpp.sh)")
 def test_llama_server_run_after_a_crash_says_so(tmp_path: Path) -> None:
     """The restarted real server runs the workload, and the result names the flag."""
     from benchmarks import llama_cpp
