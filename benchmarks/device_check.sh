@@ -188,9 +188,8 @@ else
   # ENGINE_S stays set aside for stage 4.
   (( L > $(left) - ENGINE_S )) && L=$(( $(left) - ENGINE_S ))
   (( L < 30 )) && L=30
-  # The CUDA grid; the target shape (fp16, 32/32x128, batch 64, ctx 1024) runs
-  # first, and the benchmark starts no new shape 30 s before its limit so that the table
-  # is always written (SIGINT from timeout also makes it write what it has).
+  # The CUDA grid (BENCH_ARGS may add goals: --goal-copy-bw, --goal-vs-sdpa); the
+  # benchmark starts no new shape 30 s before its limit so that the table is always written (SIGINT from timeout also makes it write what it has).
   # The prefill benchmark (varlen_paged_attention vs gather + SDPA and flash_attn's
   # varlen kernel) gets PREFILL_S of it, after the decode grid.
   PREFILL_S="${PREFILL_S:-45}"
@@ -279,7 +278,7 @@ EOF
 fi
 
 # ---- summary -----------------------------------------------------------------------
-engine_table() {  # engine_table KIND FROM TO TARGETS: a table and the target lines of an engine report
+engine_table() {  # engine_table KIND FROM TO LINES: a table and the goal lines of an engine report
   local md
   md="$(ls -t "$OUTDIR"/engine/"$1"_cuda_*.md 2>/dev/null | head -n 1)"
   [[ -z "$md" ]] && return 0
@@ -300,14 +299,14 @@ engine_table() {  # engine_table KIND FROM TO TARGETS: a table and the target li
   echo
   echo "total $(elapsed) s"
   MD="$(ls -t "$OUTDIR"/kernels_cuda_*.md 2>/dev/null | head -n 1)"
-  if [[ -n "$MD" ]]; then
+  if [[ -n "$MD" ]] && grep -q '^### Goals' "$MD"; then
     echo
-    echo "Benchmark targets (from $(basename "$MD")):"
+    echo "Kernel goals (from $(basename "$MD")):"
     echo
-    sed -n '/^### Targets/,$p' "$MD" | tail -n +2
+    sed -n '/^### Goals/,$p' "$MD" | tail -n +2
   fi
   engine_table throughput '/^## Engines/' '/^Output tokens are/' '^- '
-  engine_table latency '/^## Batch 1/' '/^### Target/' '^- batch-1'
+  engine_table latency '/^## Batch 1/' '/^CPU share/' '^- batch-1'
   if grep -qE 'FAILED|ERROR' "$OUTDIR/tests.log" 2>/dev/null; then
     echo
     echo "Test failures:"

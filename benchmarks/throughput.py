@@ -28,6 +28,7 @@ if __name__ == "__main__" and not __package__:  # python3 benchmarks/throughput.
 import argparse
 import functools
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -64,11 +65,30 @@ SIZES: dict[str, tuple[Any, Any]] = {
     "prefix_output_len": ((16, 128), (16, 32)),
 }
 
-TARGET_HF_STATIC = 3.0
-TARGET_HF_CONTINUOUS = 1.5
-TARGET_KV_WASTE = 0.04
-# vllm_lite / llama-server output tokens/s per precision.
-TARGET_LLAMA_CPP = {"float32": 1.3, "bfloat16": 2.5, "int8": 1.5, "int4": 1.5, "gguf": 1.5}
+def goal(text: str) -> tuple[str, float]:
+    """``ENGINE=RATIO`` (``--goal``): vllm_lite's output tokens/s at least RATIO x ENGINE's."""
+    name, sep, value = text.partition("=")
+    try:
+        ratio = float(value)
+    except ValueError:
+        ratio = math.nan
+    if not sep or not 0 < ratio < math.inf:
+        raise argparse.ArgumentTypeError(f"expected ENGINE=RATIO with RATIO > 0, got {text!r}")
+    peers = [e for e in (*E.ENGINES, E.LLAMA_CPP) if e != E.VLLM_LITE]
+    if name not in peers:
+        raise argparse.ArgumentTypeError(f"unknown engine {name!r} in {text!r} (one of "
+                                         f"{', '.join(peers)})")
+    return name, ratio
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     def both(key: str) -> str:
         return size_help(SIZES, key)
 
+    p.add_argument("--goal", type=goal, action="append", default=[], metavar="ENGINE=RATIO",
+                   help="report whether vllm_lite's output tokens/s is at least RATIO x "
+                        "ENGINE's (repeatable; the project's goals are in the README); none "
+                        "by default")
+    p.add_argument("--goal-kv-waste", type=fraction, default=None, metavar="FRACTION",
+                   help="report whether vllm_lite's KV waste stays under FRACTION "
+                        "(default: no goal)")
     p.add_argument("--num-requests", type=int, help=f"requests {both('num_requests')}")
     p.add_argument("--input-len", type=int_range, help=f"prompt lengths MIN-MAX {both('input_len')}")
     p.add_argument("--output-len", type=int_range,
@@ -372,34 +399,24 @@ def _sweep_rows(results: Sequence[E.RunResult], key: str) -> list[list[Any]]:
             for r in results]
 
 
-def targets(main: E.RunResult, peers: Sequence[E.RunResult],
-            wl: WorkloadConfig | None = None) -> list[str]:
-    """The project's targets, each reported as met / missed (never asserted). The KV-waste
-    target was set for the default and --quick lengths: shorter sequences waste more of
-    their last block by nature, so other lengths are reported with that said."""
+def goals(main: E.RunResult, peers: Sequence[E.RunResult],
+          args: argparse.Namespace) -> list[str]:
+    """The goals given on the command line (--goal, --goal-kv-waste), each reported as
+    met / missed, never asserted."""
     lines = []
-    for peer in peers:
-        if peer.engine == E.LLAMA_CPP:
-            goal = TARGET_LLAMA_CPP.get(peer.settings.get("precision", ""), 1.0)
-        else:
-            goal = TARGET_HF_STATIC if peer.engine == E.HF_STATIC else TARGET_HF_CONTINUOUS
-        ratio = _speedup(main, peer)
-        if ratio is None:
-            lines.append(f"- vllm_lite vs {peer.engine}: n/a ({peer.error}); target >= {goal}x")
-        else:
-            lines.append(f"- vllm_lite vs {peer.engine}: {ratio:.2f}x output tokens/s "
-                         f"(target >= {goal}x): {'met' if ratio >= goal else 'MISSED'}")
-    if main.kv is not None:
-        bs = main.settings["block_size"]
-        status = "met" if main.kv.waste < TARGET_KV_WASTE else "MISSED"
-        note = "" if bs == 16 else " (target is stated for block size 16)"
-        lengths = [(SIZES["input_len"][i], SIZES["output_len"][i]) for i in (0, 1)]
-        if wl is not None and (tuple(wl.input_len), tuple(wl.output_len)) not in lengths:
-            stated = " and ".join(f"{a[0]}-{a[1]} / {b[0]}-{b[1]}" for a, b in lengths)
-            note += (" (target is stated for the default and --quick lengths, prompts / "
-                     f"outputs of {stated} tokens)")
-        lines.append(f"- vllm_lite KV waste at block size {bs}: {pct(main.kv.waste)} "
-                     f"(target < {pct(TARGET_KV_WASTE, 0)}): {status}{note}")
+    for engine, ratio_goal in args.goal:
+        for peer in [p for p in peers if p.engine == engine] or [None]:
+            ratio = None if peer is None else _speedup(main, peer)
+            if ratio is None:
+                why = "not run" if peer is None else peer.error
+                lines.append(f"- vllm_lite vs {engine}: n/a ({why}); goal >= {ratio_goal}x")
+            else:
+                lines.append(f"- vllm_lite vs {engine}: {ratio:.2f}x output tokens/s (goal >= "
+                             f"{ratio_goal}x): {'met' if ratio >= ratio_goal else 'MISSED'}")
+    if args.goal_kv_waste is not None and main.kv is not None:
+        status = "met" if main.kv.waste < args.goal_kv_waste else "MISSED"
+        lines.append(f"- vllm_lite KV waste at block size {main.settings['block_size']}: "
+                     f"{pct(main.kv.waste)} (goal < {pct(args.goal_kv_waste)}): {status}")
     return lines
 
 
@@ -434,8 +451,9 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
         report.add(f"Each engine ran the workload {args.repeats} times back to back; the "
                    f"table shows its run with the median time. Output tok/s of every run, "
                    f"in order: {runs}.")
-    target_lines = targets(main, peers, wl)  # the report and its JSON
-    report.add("### Targets (reported, not asserted)\n\n" + "\n".join(target_lines))
+    goal_lines = goals(main, peers, args)  # the report and its JSON
+    if goal_lines:
+        report.add("### Goals (reported, not asserted)\n\n" + "\n".join(goal_lines))
     if tp_runs:
         rows = []
         for r in [main, *tp_runs]:
@@ -490,7 +508,7 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
         "max_num_seqs_sweep": [r.to_dict() for r in seqs_sweep],
         "prefix_caching": {"workload": prefix_wl.__dict__ if prefix_wl else None,
                            "runs": [r.to_dict() for r in prefix_runs]},
-        "targets": target_lines,
+        "goals": goal_lines,
     }
     if not figures:
         return
