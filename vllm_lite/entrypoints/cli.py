@@ -263,6 +263,7 @@ def _bench_parser(sub: argparse._SubParsersAction, load: bool) -> None:
             _benchmarks_missing() + "." if load else help_))
         p.add_argument("bench", nargs="?", metavar="|".join(BENCH_KINDS))
         p.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        p.set_defaults(benchmarks_missing=True)
         return
     p = sub.add_parser("bench", help=help_)
     kinds = p.add_subparsers(dest="bench", required=True)
@@ -295,7 +296,7 @@ def _bench_parser(sub: argparse._SubParsersAction, load: bool) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    if "benchmarks" not in sys.modules:  # the parser found no checkout
+    if getattr(args, "benchmarks_missing", False):  # the parser found no checkout
         print(f"vllm-lite bench: {_benchmarks_missing()}", file=sys.stderr)
         return 2
     from benchmarks import (elementwise, kernels, latency, linear, sampler, step_profile,
