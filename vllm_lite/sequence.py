@@ -121,7 +121,18 @@ class Sequence:
         return len(self.output_token_ids)
 
     def get_token_ids(self) -> list[int]:
+        """A new list of every token (a copy: not for the per-step path, see token_slice)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, copying only those."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if stop <= n:
+            return prompt[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return prompt[start:] + self.output_token_ids[:stop - n]
 
     def get_last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
