@@ -252,7 +252,7 @@ def _benchmarks_missing() -> str:
             f"of the repository, or set {BENCHMARKS_ENV} to its benchmarks/ folder")
 
 
-def _bench_parser(sub: argparse._SubParsersAction, load: bool) -> None:
+def _bench_parser(sub: argparse._SubParsersAction, load: bool = True) -> None:
     """``load``: the command is ``bench``, so its subcommands come from the checkout's
     benchmarks (other commands never import them)."""
     help_ = ("benchmark vllm_lite's engine against HF transformers, or its kernels "
