@@ -17,6 +17,15 @@ import torch
 if importlib.util.find_spec("vllm_lite") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# The benchmarks' tests import the checkout's benchmarks/ (never installed) as the package
+# `benchmarks`, from its path: through sys.path another package of that name could shadow it.
+_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+if "benchmarks" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location(
+        "benchmarks", _BENCHMARKS / "__init__.py", submodule_search_locations=[str(_BENCHMARKS)])
+    sys.modules["benchmarks"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["benchmarks"])
+
 # The CUDA kernels' content checks (lengths, block ids, slots) are opt-in; tests want them.
 os.environ.setdefault("VLLM_LITE_CHECK_VALUES", "1")
 

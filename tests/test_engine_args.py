@@ -82,7 +82,7 @@ def test_help_shows_the_defaults(command: str) -> None:
 
 
 def test_bench_flags_come_from_engine_args() -> None:
-    from vllm_lite.benchmarks.common import BENCH_ENGINE_OPTIONS
+    from benchmarks.common import BENCH_ENGINE_OPTIONS
 
     parser = _parser()
     for kind in ("throughput", "latency"):
@@ -93,7 +93,7 @@ def test_bench_flags_come_from_engine_args() -> None:
                 continue
             assert getattr(args, name) == EngineArgs.defaults()[name], (kind, name)
         assert args.threads is None
-    from vllm_lite.benchmarks import throughput
+    from benchmarks import throughput
 
     assert throughput.SIZES["kv_cache_space"][0] == EngineArgs.kv_cache_space
     args = parser.parse_args(["bench", "kernels", "--quick"])
@@ -396,8 +396,8 @@ def test_bench_passes_its_engine_options_to_the_engine(kind: str, model_dir: Pat
                                                        tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Every engine flag a benchmark offers reaches the LLM it builds (none is ignored)."""
-    from vllm_lite.benchmarks import engines as E
-    from vllm_lite.benchmarks.common import BENCH_ENGINE_OPTIONS
+    from benchmarks import engines as E
+    from benchmarks.common import BENCH_ENGINE_OPTIONS
 
     values = {k: v for k, v in _non_defaults(model_dir).items() if k in BENCH_ENGINE_OPTIONS}
     values["dtype"] = "float32"
@@ -415,7 +415,7 @@ def test_bench_passes_its_engine_options_to_the_engine(kind: str, model_dir: Pat
         raise Stop
 
     monkeypatch.setattr(E, "build_llm", fake_build_llm)
-    module = __import__(f"vllm_lite.benchmarks.{kind}", fromlist=["run"])
+    module = __import__(f"benchmarks.{kind}", fromlist=["run"])
     with pytest.raises(Stop):
         module.run(args)
     for name, value in values.items():

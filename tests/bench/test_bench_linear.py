@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_lite.benchmarks import linear
+from benchmarks import linear
 
 ONEDNN_COLUMNS = (3, 7)  # the oneDNN time and speedup cells
 

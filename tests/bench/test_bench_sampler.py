@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from vllm_lite.benchmarks import sampler  # noqa: E402
+from benchmarks import sampler  # noqa: E402
 
 
 def _args(out: Path, *extra: str) -> argparse.Namespace:

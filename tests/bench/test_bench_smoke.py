@@ -4,6 +4,7 @@ No timing is asserted (the machine may be shared)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -16,9 +17,9 @@ pytest.importorskip("safetensors")
 
 # tests/ is on sys.path (pytest puts the first folder without __init__.py there).
 from models.helpers import make_config, save_hf_model  # noqa: E402
-from vllm_lite.benchmarks import engines as E  # noqa: E402
-from vllm_lite.benchmarks import latency, throughput  # noqa: E402
-from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload  # noqa: E402
+from benchmarks import engines as E  # noqa: E402
+from benchmarks import latency, throughput  # noqa: E402
+from benchmarks.workload import BenchRequest, WorkloadConfig, make_workload  # noqa: E402
 
 VOCAB = 160  # tests/models/helpers.py BASE
 
@@ -97,10 +98,17 @@ def test_throughput_report_is_consistent(model_dir: Path, tmp_path: Path) -> Non
                  "--max-num-seqs-sweep", "1", "--prefix-requests", "3", "--prefix-len", "8",
                  "--num-prefixes", "1", "--prefix-input-len", "1-3", "--prefix-output-len", "2",
                  "--block-size", "4", "--kv-cache-space", "0.01", "--out", str(tmp_path),
-                 "--engines", "vllm_lite,hf_generate", "--no-progress")
+                 "--engines", "vllm_lite,hf_generate", "--no-progress",
+                 "--goal", "hf_generate=0.001", "--goal", "hf_generate_batch=2",
+                 "--goal-kv-waste", "1")
     report = throughput.run(args)
     report.save()
     data = json.loads((tmp_path / f"{report.stem}.json").read_text())
+    # Goals only as given: one line each, the engine left out of --engines not run.
+    hf_goal, batch_goal, kv_goal = data["goals"]
+    assert hf_goal.startswith("- vllm_lite vs hf_generate:") and hf_goal.endswith(": met")
+    assert batch_goal == "- vllm_lite vs hf_generate_batch: n/a (not run); goal >= 2.0x"
+    assert kv_goal.startswith("- vllm_lite KV waste at block size 4:") and kv_goal.endswith(": met")
     requests = make_workload(WorkloadConfig(3, (4, 12), (2, 6), seed=0), VOCAB)
     wanted = sum(r.output_len for r in requests)
     ours, hf = data["engines"]
@@ -125,7 +133,7 @@ def test_throughput_report_is_consistent(model_dir: Path, tmp_path: Path) -> Non
     assert off["prefix_hit_rate"] is None or off["prefix_hit_rate"] == 0
     assert 0 < on["prefix_hit_rate"] <= 1
     md = (tmp_path / f"{report.stem}.md").read_text()
-    assert "| vllm_lite |" in md and "Targets" in md
+    assert "| vllm_lite |" in md and "### Goals" in md
     for fig in report.figures:
         assert fig.is_file() and fig.stat().st_size > 0
 
@@ -189,20 +197,34 @@ def test_median_run_picks_the_middle_time_and_stops_at_a_failure() -> None:
     assert "repeat_output_tok_s" not in one.settings
 
 
-@pytest.mark.parametrize("lengths, stated", [
-    (((100, 1024), (100, 1024)), True), (((32, 256), (32, 256)), True),
-    (((16, 256), (32, 128)), False)])
-def test_kv_waste_target_says_which_lengths_it_is_for(lengths, stated) -> None:
+def test_throughput_goals_are_the_ones_given() -> None:
+    """No goal unless one is given; each given goal met or missed by its own ratio."""
     kv = E.KVStats(bytes_per_slot=1)
     live = int(torch.randint(90, 99, ()).item())
     kv.add(100, live)
-    main = E.RunResult("vllm_lite", 1, kv=kv, settings={"block_size": 16})
-    wl = WorkloadConfig(num_requests=4, input_len=lengths[0], output_len=lengths[1])
-    (line,) = throughput.targets(main, [], wl)
-    status = "met" if (100 - live) / 100 < throughput.TARGET_KV_WASTE else "MISSED"
-    assert line.startswith("- vllm_lite KV waste at block size 16:") and f": {status}" in line
-    assert ("target is stated for the default and --quick lengths" in line) != stated
-    assert "100-1024 / 100-1024 and 32-256 / 32-256" in line or stated
+    ours = E.RunResult(E.VLLM_LITE, 1, elapsed_s=1.0, kv=kv, settings={"block_size": 16},
+                       output_tokens=int(torch.randint(50, 150, ()).item()))
+    peer = E.RunResult(E.HF_STATIC, 1, elapsed_s=1.0, output_tokens=100)
+    ratio = ours.output_tokens_per_s / peer.output_tokens_per_s
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    assert throughput.goals(ours, [peer], parser.parse_args([])) == []
+    args = parser.parse_args(["--goal", f"hf_generate={ratio + 0.01}", "--goal",
+                              f"hf_generate={ratio - 0.01}", "--goal-kv-waste", "0.05"])
+    lines = throughput.goals(ours, [peer], args)
+    assert [line.rsplit(": ", 1)[-1] for line in lines] == [
+        "MISSED", "met", "met" if (100 - live) / 100 < 0.05 else "MISSED"]
+    assert lines[2].startswith("- vllm_lite KV waste at block size 16:")
+
+
+@pytest.mark.parametrize("bad", ["hf_generate", "hf_generate=0", "hf_generate=x",
+                                 "vllm_lite=2", "nope=2", "=2", "hf_generate=inf"])
+def test_throughput_refuses_a_bad_goal(bad: str, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--goal", bad])
+    assert "--goal" in capsys.readouterr().err
 
 
 def test_hf_generate_batch_runs_or_says_why(model_dir: Path) -> None:
@@ -269,10 +291,10 @@ def test_llama_cpp_is_a_throughput_peer_only(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_llama_cpp_without_a_build_says_how_to_get_one(tmp_path: Path, monkeypatch) -> None:
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     monkeypatch.setattr(llama_cpp, "PEERS_ROOT", tmp_path / "none")
-    with pytest.raises(ValueError, match="bench/peers/llama_cpp.sh"):
+    with pytest.raises(ValueError, match="benchmarks/peers/llama_cpp.sh"):
         llama_cpp.find_bin(None)
     with pytest.raises(ValueError, match="has no llama-server"):
         llama_cpp.find_bin(str(tmp_path))
@@ -283,7 +305,7 @@ def test_llama_cpp_without_a_build_says_how_to_get_one(tmp_path: Path, monkeypat
 
 
 def _llama_build() -> Path | None:
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     try:
         return llama_cpp.find_bin(None)
@@ -291,11 +313,11 @@ def _llama_build() -> Path | None:
         return None
 
 
-@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
+@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (benchmarks/peers/llama_cpp.sh)")
 def test_llama_server_generates_every_requested_token(tmp_path: Path, monkeypatch) -> None:
-    """The real server (a build of bench/peers/llama_cpp.sh): every request gets exactly its
+    """The real server (a build of benchmarks/peers/llama_cpp.sh): every request gets exactly its
     output length, greedy, EOS ignored, all sent at once to fewer slots than requests."""
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     bin_dir = _llama_build()
     gguf = llama_cpp.model_file(bin_dir, "float32")
@@ -318,14 +340,14 @@ def test_llama_server_generates_every_requested_token(tmp_path: Path, monkeypatc
     assert res.settings["slots"] == 3 and res.elapsed_s > 0
 
 
-@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
+@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (benchmarks/peers/llama_cpp.sh)")
 def test_llama_server_erase_slots_empties_their_cache(tmp_path: Path) -> None:
     """A finished request's tokens stay in its slot (and its KV in the unified cache) until
     erase_slots, which the benchmark calls before every timed run."""
     import json
     import urllib.request
 
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     bin_dir = _llama_build()
     gguf = llama_cpp.model_file(bin_dir, "float32")
@@ -358,7 +380,7 @@ def _crashing_server(bin_dir: Path, calls: Path, then: str) -> None:
 def test_llama_server_crash_while_loading_retried_once_with_no_repack(tmp_path: Path) -> None:
     """A server killed by a signal before /health answers is started once more with
     --no-repack; a second failure (here exit status 3) is raised, not retried again."""
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     calls = tmp_path / "calls"
     _crashing_server(tmp_path / "bin", calls, "exit 3")
@@ -374,10 +396,10 @@ def test_llama_server_crash_while_loading_retried_once_with_no_repack(tmp_path: 
     assert lines[1].split()[-1] == "--no-repack"
 
 
-@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (bench/peers/llama_cpp.sh)")
+@pytest.mark.skipif(_llama_build() is None, reason="no llama.cpp build (benchmarks/peers/llama_cpp.sh)")
 def test_llama_server_run_after_a_crash_says_so(tmp_path: Path) -> None:
     """The restarted real server runs the workload, and the result names the flag."""
-    from vllm_lite.benchmarks import llama_cpp
+    from benchmarks import llama_cpp
 
     real = _llama_build()
     _crashing_server(tmp_path / "bin", tmp_path / "calls", f'exec "{real}/llama-server" "$@"')

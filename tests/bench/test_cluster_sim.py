@@ -1,4 +1,4 @@
-"""The cluster simulation (vllm_lite/benchmarks/cluster_sim.py): real Schedulers on a
+"""The cluster simulation (benchmarks/cluster_sim.py): real Schedulers on a
 virtual clock, each step costing what the cost model says. Traces and coefficients are
 drawn fresh each run (the seed is in every failure message); the checks are the ones that
 hold for any draw: conservation, the cost model's own arithmetic for a lone request,
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_lite.benchmarks import cluster_sim as cs
-from vllm_lite.benchmarks.workload import BenchRequest
+from benchmarks import cluster_sim as cs
+from benchmarks.workload import BenchRequest
 from vllm_lite.config import CacheConfig, SchedulerConfig
 
 BLOCK = 16

@@ -1,4 +1,4 @@
-"""Every benchmark command the README gives in quick mode (``python3 bench/X.py --quick``,
+"""Every benchmark command the README gives in quick mode (``python3 benchmarks/X.py --quick``,
 ``vllm-lite bench X --quick``) runs as written from a clean clone, after the README's
 install (a non-editable ``pip install .``): with the clone as the working directory, whose
 vllm_lite has no compiled ``_C``, the scripts must use the installed package.
@@ -34,7 +34,7 @@ TIMEOUT = 240
 
 def readme_quick_commands() -> list[str]:
     text = (REPO / "README.md").read_text()
-    found = re.findall(r"`((?:python3 bench/\w+\.py|vllm-lite bench \w+) --quick)`", text)
+    found = re.findall(r"`((?:python3 benchmarks/\w+\.py|vllm-lite bench \w+) --quick)`", text)
     return sorted(set(found))
 
 
@@ -88,10 +88,10 @@ def _argv(command: str) -> list[str]:
 
 def test_readme_lists_the_benchmarks() -> None:
     commands = readme_quick_commands()
-    for wanted in ("python3 bench/kernels.py --quick", "vllm-lite bench kernels --quick",
-                   "python3 bench/throughput.py --quick", "python3 bench/latency.py --quick",
-                   "python3 bench/linear.py --quick", "python3 bench/step_profile.py --quick",
-                   "python3 bench/elementwise.py --quick", "python3 bench/sampler.py --quick"):
+    for wanted in ("python3 benchmarks/kernels.py --quick", "vllm-lite bench kernels --quick",
+                   "python3 benchmarks/throughput.py --quick", "python3 benchmarks/latency.py --quick",
+                   "python3 benchmarks/linear.py --quick", "python3 benchmarks/step_profile.py --quick",
+                   "python3 benchmarks/elementwise.py --quick", "python3 benchmarks/sampler.py --quick"):
         assert wanted in commands, commands
 
 

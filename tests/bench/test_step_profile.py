@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from models.helpers import make_config, save_hf_model  # noqa: E402
-from vllm_lite.benchmarks import step_profile  # noqa: E402
+from benchmarks import step_profile  # noqa: E402
 
 
 def _args(model: Path, out: Path, **kw) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""bench/serving.py against a test server: a short sweep writes its table, JSON and plot;
+"""benchmarks/serving.py against a test server: a short sweep writes its table, JSON and plot;
 its percentiles equal numpy's (linear interpolation)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "serving.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
 
 
 @pytest.fixture(scope="module")

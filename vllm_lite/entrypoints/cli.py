@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import os
 import re
 import sys
 import time
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
 
@@ -193,40 +196,112 @@ def plain_text(text: str) -> str:
     return text.replace("``", "").replace("`", "")
 
 
-def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark vllm_lite's engine against HF transformers, "
-                                     "or its kernels")
+# The benchmarks live in the source checkout's benchmarks/ folder, never in the installed
+# package; this variable names that folder when the working directory is not the checkout.
+BENCHMARKS_ENV = "VLLM_LITE_BENCHMARKS"
+BENCH_KINDS = ("throughput", "latency", "kernels", "linear", "elementwise", "sampler", "profile")
+
+
+def benchmarks_dir() -> Path | None:
+    """The checkout's benchmarks/ folder: ``$VLLM_LITE_BENCHMARKS`` when set, else the one
+    beside the imported vllm_lite (a checkout built in place), else the working
+    directory's (a checkout whose package was installed). None when there is none."""
+    import vllm_lite
+
+    env = os.environ.get(BENCHMARKS_ENV)
+    if env:
+        folder = Path(env).expanduser()
+        if not (folder / "__init__.py").is_file():
+            raise ValueError(f"{BENCHMARKS_ENV}={env!r} is not the benchmarks/ folder of a "
+                             "vllm_lite checkout (no __init__.py there)")
+        return folder.resolve()
+    for root in (Path(vllm_lite.__file__).resolve().parent.parent, Path.cwd()):
+        # A vllm_lite checkout's root, not site-packages (where another distribution may
+        # have put a package named benchmarks).
+        if ((root / "benchmarks" / "__init__.py").is_file() and (root / "setup.py").is_file()
+                and (root / "vllm_lite" / "__init__.py").is_file()):
+            return (root / "benchmarks").resolve()
+    return None
+
+
+def load_benchmarks(folder: Path) -> ModuleType:
+    """The package ``benchmarks`` from ``folder``, imported from that path (not through
+    sys.path, where a package of the same name could shadow it)."""
+    folder = Path(folder).resolve()
+    loaded = sys.modules.get("benchmarks")
+    if loaded is not None:
+        if Path(loaded.__file__ or "").resolve().parent != folder:
+            raise ValueError(f"another module named benchmarks is already imported "
+                             f"({loaded.__file__}), not {folder}")
+        return loaded
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks", folder / "__init__.py", submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmarks"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["benchmarks"]
+        raise
+    return module
+
+
+def _benchmarks_missing() -> str:
+    return ("the benchmarks are not part of the installed package: they live in the source "
+            "checkout's benchmarks/ folder. Run `vllm-lite bench` from the root of a clone "
+            f"of the repository, or set {BENCHMARKS_ENV} to its benchmarks/ folder")
+
+
+def _bench_parser(sub: argparse._SubParsersAction, load: bool = True) -> None:
+    """``load``: the command is ``bench``, so its subcommands come from the checkout's
+    benchmarks (other commands never import them)."""
+    help_ = ("benchmark vllm_lite's engine against HF transformers, or its kernels "
+             "(from a source checkout)")
+    folder = benchmarks_dir() if load else None
+    if folder is None:
+        p = sub.add_parser("bench", help=help_, description=(
+            _benchmarks_missing() + "." if load else help_))
+        p.add_argument("bench", nargs="?", metavar="|".join(BENCH_KINDS))
+        p.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        p.set_defaults(benchmarks_missing=True)
+        return
+    p = sub.add_parser("bench", help=help_)
     kinds = p.add_subparsers(dest="bench", required=True)
-    from vllm_lite.benchmarks import (elementwise, kernels, latency, linear, sampler,
-                                      step_profile, throughput)
+    load_benchmarks(folder)
+    from benchmarks import (elementwise, kernels, latency, linear, sampler, step_profile,
+                            throughput)
 
     for name, module in (("throughput", throughput), ("latency", latency)):
         summary = plain_text(module.__doc__.splitlines()[0])
         module.add_arguments(kinds.add_parser(name, help=summary, description=summary))
     kernels.add_arguments(kinds.add_parser(
-        "kernels", help="paged-attention kernel benchmark (bench/kernels.py)",
+        "kernels", help="paged-attention kernel benchmark (benchmarks/kernels.py)",
         description=kernels.__doc__.split("\n\n")[0], epilog=kernels.EPILOG,
         formatter_class=_FMT))
     linear.add_arguments(kinds.add_parser(
-        "linear", help="int8 vs float32 linear-layer benchmark (bench/linear.py)",
+        "linear", help="int8 vs float32 linear-layer benchmark (benchmarks/linear.py)",
         description=linear.__doc__.split("\n\n")[0], formatter_class=_FMT))
     elementwise.add_arguments(kinds.add_parser(
         "elementwise", help="native element-wise ops vs the torch code they replaced "
-                            "(bench/elementwise.py)",
+                            "(benchmarks/elementwise.py)",
         description=elementwise.__doc__.split("\n\n")[0], formatter_class=_FMT))
     sampler.add_arguments(kinds.add_parser(
-        "sampler", help="the sampler vs HF transformers' sampling step (bench/sampler.py)",
+        "sampler", help="the sampler vs HF transformers' sampling step "
+                        "(benchmarks/sampler.py)",
         description=sampler.__doc__.split("\n\n")[0], formatter_class=_FMT))
     step_profile.add_arguments(kinds.add_parser(
         "profile", help="where an engine step's time goes, prefill and decode "
-                        "(bench/step_profile.py)",
+                        "(benchmarks/step_profile.py)",
         description=step_profile.__doc__.split("\n\n")[0], formatter_class=_FMT))
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from vllm_lite.benchmarks import (elementwise, kernels, latency, linear, sampler,
-                                      step_profile, throughput)
-    from vllm_lite.benchmarks.common import run_cli
+    if getattr(args, "benchmarks_missing", False):  # the parser found no checkout
+        print(f"vllm-lite bench: {_benchmarks_missing()}", file=sys.stderr)
+        return 2
+    from benchmarks import (elementwise, kernels, latency, linear, sampler, step_profile,
+                            throughput)
+    from benchmarks.common import run_cli
 
     if args.bench == "kernels":
         return kernels.run_args(kernels.finish_args(args))
@@ -268,7 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
-    _bench_parser(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        _bench_parser(sub, load=argv[:1] == ["bench"])
+    except ValueError as e:  # VLLM_LITE_BENCHMARKS names no benchmarks folder
+        print(f"vllm-lite: error: {e}", file=sys.stderr)
+        return 2
     _worker_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -55,7 +55,7 @@ class Linear(nn.Linear):
     (``ops.packed_linear``, csrc/cpu/packed_linear*.cpp) where the selected CPU build has
     them (float32: AVX-512; bfloat16: AVX512_BF16): faster than oneDNN for a decode step's
     projections, whose weights stream from memory, and about even at prefill sizes
-    (``bench/linear.py`` measures them); outputs are F.linear's up to float32 accumulation
+    (``benchmarks/linear.py`` measures them); outputs are F.linear's up to float32 accumulation
     order. Elsewhere they go to oneDNN (``mkldnn._linear_pointwise``) with the weight
     prepacked in its blocked layout (AVX2 / AMX, picked by the CPU's features), which for
     float32 is faster than torch's default, MKL's sgemm, at decode sizes. Either packed copy

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_lite.benchmarks.report import DEFAULT_OUT
+from .report import DEFAULT_OUT
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def setup(args: argparse.Namespace, extra_engines: tuple[str, ...] = ()) -> Benc
     input); ``extra_engines``: peers this benchmark runs besides engines.ENGINES."""
     from transformers import AutoConfig
 
-    from vllm_lite.benchmarks.engines import ENGINES
+    from .engines import ENGINES
     from vllm_lite.config import (check_quantization, resolve_device, resolve_dtype_name,
                                   resolve_quantization, set_threads)
     from vllm_lite.models import resolve_model
@@ -216,7 +216,7 @@ def run_markdown_report(name: str, run: Callable[[argparse.Namespace], str],
 
 
 def _save_and_summarize(report: Any) -> None:
-    from vllm_lite.benchmarks.report import print_summary
+    from .report import print_summary
 
     report.save()
     print_summary(report)

@@ -27,16 +27,21 @@ largest output). Writes ``linear.md`` to --out and prints it.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/linear.py
+    import _checkout
+    _checkout.run_as_module(__file__)
+
 import argparse
 import itertools
 import logging
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_lite.benchmarks import RESULTS_DIR
-from vllm_lite.benchmarks.common import time_us
+from . import RESULTS_DIR
+from .common import time_us
 from vllm_lite.config import THREADS_HELP, set_threads
 
 log = logging.getLogger(__name__)
@@ -118,7 +123,7 @@ def run(args: argparse.Namespace) -> str:
     import torch.nn.functional as F
 
     from vllm_lite import ops
-    from vllm_lite.benchmarks.kernels import llc_bytes_cpu
+    from .kernels import llc_bytes_cpu
     from vllm_lite.layers.quantization import cpu_qweight, quantize_int8
     from vllm_lite.models.llama import Linear
 
@@ -223,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_args(args: argparse.Namespace) -> int:
-    from vllm_lite.benchmarks.common import run_markdown_report
+    from .common import run_markdown_report
 
     return run_markdown_report("vllm-lite bench linear", run, args, "linear.md")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

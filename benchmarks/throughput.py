@@ -1,6 +1,6 @@
 """Offline throughput: vllm_lite against Hugging Face transformers on one seeded workload.
 
-    python3 bench/throughput.py [--quick] [--dtype bfloat16] [--threads 2] [--out DIR]
+    python3 benchmarks/throughput.py [--quick] [--dtype bfloat16] [--threads 2] [--out DIR]
     vllm-lite bench throughput ...                     (the same, from an installed package)
 
 Every engine gets the same model, dtype, thread count and requests (token-id prompts,
@@ -21,9 +21,14 @@ preallocated padded cache). Writes ``<out>/throughput_<device>_<dtype>_<time>.md
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/throughput.py
+    import _checkout
+    _checkout.run_as_module(__file__)
+
 import argparse
 import functools
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -31,13 +36,13 @@ from typing import Any
 from collections.abc import Callable, Sequence
 
 from vllm_lite.config import EngineArgs
-from vllm_lite.benchmarks import engines as E
-from vllm_lite.benchmarks.common import (BenchSetup, add_common_arguments, apply_sizes,
-                                         engine_options, int_list, int_range, run_cli, setup,
-                                         size_help)
-from vllm_lite.benchmarks.report import (Report, describe_machine, fmt, machine_info,
-                                         make_report, markdown_table, pct)
-from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
+from . import engines as E
+from .common import (BenchSetup, add_common_arguments, apply_sizes,
+                     engine_options, int_list, int_range, run_cli, setup,
+                     size_help)
+from .report import (Report, describe_machine, fmt, machine_info,
+                     make_report, markdown_table, pct)
+from .workload import BenchRequest, WorkloadConfig, make_workload
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +65,30 @@ SIZES: dict[str, tuple[Any, Any]] = {
     "prefix_output_len": ((16, 128), (16, 32)),
 }
 
-TARGET_HF_STATIC = 3.0
-TARGET_HF_CONTINUOUS = 1.5
-TARGET_KV_WASTE = 0.04
-# vllm_lite / llama-server output tokens/s per precision.
-TARGET_LLAMA_CPP = {"float32": 1.3, "bfloat16": 2.5, "int8": 1.5, "int4": 1.5, "gguf": 1.5}
+def goal(text: str) -> tuple[str, float]:
+    """``ENGINE=RATIO`` (``--goal``): vllm_lite's output tokens/s at least RATIO x ENGINE's."""
+    name, sep, value = text.partition("=")
+    try:
+        ratio = float(value)
+    except ValueError:
+        ratio = math.nan
+    if not sep or not 0 < ratio < math.inf:
+        raise argparse.ArgumentTypeError(f"expected ENGINE=RATIO with RATIO > 0, got {text!r}")
+    peers = [e for e in (*E.ENGINES, E.LLAMA_CPP) if e != E.VLLM_LITE]
+    if name not in peers:
+        raise argparse.ArgumentTypeError(f"unknown engine {name!r} in {text!r} (one of "
+                                         f"{', '.join(peers)})")
+    return name, ratio
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,6 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     def both(key: str) -> str:
         return size_help(SIZES, key)
 
+    p.add_argument("--goal", type=goal, action="append", default=[], metavar="ENGINE=RATIO",
+                   help="report whether vllm_lite's output tokens/s is at least RATIO x "
+                        "ENGINE's (repeatable; the project's goals are in the README); none "
+                        "by default")
+    p.add_argument("--goal-kv-waste", type=fraction, default=None, metavar="FRACTION",
+                   help="report whether vllm_lite's KV waste stays under FRACTION "
+                        "(default: no goal)")
     p.add_argument("--num-requests", type=int, help=f"requests {both('num_requests')}")
     p.add_argument("--input-len", type=int_range, help=f"prompt lengths MIN-MAX {both('input_len')}")
     p.add_argument("--output-len", type=int_range,
@@ -98,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds generate_batch may take before it is reported as n/a")
     p.add_argument("--llama-cpp-bin", default=None,
                    help="folder of llama-server (engine llama_cpp; default: the newest build "
-                        "of bench/peers/llama_cpp.sh)")
+                        "of benchmarks/peers/llama_cpp.sh)")
     p.add_argument("--llama-cpp-slots", type=int, default=None,
                    help="llama-server's parallel slots (-np; default: --max-num-seqs, at "
                         "most the number of requests)")
@@ -304,12 +335,12 @@ def run(args: argparse.Namespace) -> Report:
 
 def run_llama_cpp_peer(s: BenchSetup, requests: Sequence[BenchRequest],
                        args: argparse.Namespace, stem: str) -> E.RunResult:
-    """llama-server on the GGUF of this run's precision (vllm_lite.benchmarks.llama_cpp)."""
-    from vllm_lite.benchmarks import llama_cpp
+    """llama-server on the GGUF of this run's precision (benchmarks/llama_cpp.py)."""
+    from . import llama_cpp
     from vllm_lite.models.gguf import gguf_source
 
     if s.device.type != "cpu":
-        raise ValueError("engine llama_cpp runs on the CPU only (bench/peers/llama_cpp.sh "
+        raise ValueError("engine llama_cpp runs on the CPU only (benchmarks/peers/llama_cpp.sh "
                          "builds it without GPU support)")
     bin_dir = llama_cpp.find_bin(args.llama_cpp_bin)
     precision = s.quantization or s.dtype_name
@@ -368,34 +399,24 @@ def _sweep_rows(results: Sequence[E.RunResult], key: str) -> list[list[Any]]:
             for r in results]
 
 
-def targets(main: E.RunResult, peers: Sequence[E.RunResult],
-            wl: WorkloadConfig | None = None) -> list[str]:
-    """The project's targets, each reported as met / missed (never asserted). The KV-waste
-    target was set for the default and --quick lengths: shorter sequences waste more of
-    their last block by nature, so other lengths are reported with that said."""
+def goals(main: E.RunResult, peers: Sequence[E.RunResult],
+          args: argparse.Namespace) -> list[str]:
+    """The goals given on the command line (--goal, --goal-kv-waste), each reported as
+    met / missed, never asserted."""
     lines = []
-    for peer in peers:
-        if peer.engine == E.LLAMA_CPP:
-            goal = TARGET_LLAMA_CPP.get(peer.settings.get("precision", ""), 1.0)
-        else:
-            goal = TARGET_HF_STATIC if peer.engine == E.HF_STATIC else TARGET_HF_CONTINUOUS
-        ratio = _speedup(main, peer)
-        if ratio is None:
-            lines.append(f"- vllm_lite vs {peer.engine}: n/a ({peer.error}); target >= {goal}x")
-        else:
-            lines.append(f"- vllm_lite vs {peer.engine}: {ratio:.2f}x output tokens/s "
-                         f"(target >= {goal}x): {'met' if ratio >= goal else 'MISSED'}")
-    if main.kv is not None:
-        bs = main.settings["block_size"]
-        status = "met" if main.kv.waste < TARGET_KV_WASTE else "MISSED"
-        note = "" if bs == 16 else " (target is stated for block size 16)"
-        lengths = [(SIZES["input_len"][i], SIZES["output_len"][i]) for i in (0, 1)]
-        if wl is not None and (tuple(wl.input_len), tuple(wl.output_len)) not in lengths:
-            stated = " and ".join(f"{a[0]}-{a[1]} / {b[0]}-{b[1]}" for a, b in lengths)
-            note += (" (target is stated for the default and --quick lengths, prompts / "
-                     f"outputs of {stated} tokens)")
-        lines.append(f"- vllm_lite KV waste at block size {bs}: {pct(main.kv.waste)} "
-                     f"(target < {pct(TARGET_KV_WASTE, 0)}): {status}{note}")
+    for engine, ratio_goal in args.goal:
+        for peer in [p for p in peers if p.engine == engine] or [None]:
+            ratio = None if peer is None else _speedup(main, peer)
+            if ratio is None:
+                why = "not run" if peer is None else peer.error
+                lines.append(f"- vllm_lite vs {engine}: n/a ({why}); goal >= {ratio_goal}x")
+            else:
+                lines.append(f"- vllm_lite vs {engine}: {ratio:.2f}x output tokens/s (goal >= "
+                             f"{ratio_goal}x): {'met' if ratio >= ratio_goal else 'MISSED'}")
+    if args.goal_kv_waste is not None and main.kv is not None:
+        status = "met" if main.kv.waste < args.goal_kv_waste else "MISSED"
+        lines.append(f"- vllm_lite KV waste at block size {main.settings['block_size']}: "
+                     f"{pct(main.kv.waste)} (goal < {pct(args.goal_kv_waste)}): {status}")
     return lines
 
 
@@ -430,8 +451,9 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
         report.add(f"Each engine ran the workload {args.repeats} times back to back; the "
                    f"table shows its run with the median time. Output tok/s of every run, "
                    f"in order: {runs}.")
-    target_lines = targets(main, peers, wl)  # the report and its JSON
-    report.add("### Targets (reported, not asserted)\n\n" + "\n".join(target_lines))
+    goal_lines = goals(main, peers, args)  # the report and its JSON
+    if goal_lines:
+        report.add("### Goals (reported, not asserted)\n\n" + "\n".join(goal_lines))
     if tp_runs:
         rows = []
         for r in [main, *tp_runs]:
@@ -486,7 +508,7 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
         "max_num_seqs_sweep": [r.to_dict() for r in seqs_sweep],
         "prefix_caching": {"workload": prefix_wl.__dict__ if prefix_wl else None,
                            "runs": [r.to_dict() for r in prefix_runs]},
-        "targets": target_lines,
+        "goals": goal_lines,
     }
     if not figures:
         return
@@ -574,7 +596,7 @@ def plot_sweeps(plt: Any, bs_sweep: Sequence[E.RunResult], seqs_sweep: Sequence[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/throughput.py",
+    parser = argparse.ArgumentParser(prog="benchmarks/throughput.py",
                                      description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

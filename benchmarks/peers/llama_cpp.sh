@@ -3,7 +3,7 @@
 # PyPI sdist of llama-cpp-python vendors, and converts a GGUF model to the precisions the
 # throughput benchmark compares (F32, BF16, Q8_0; the input file is kept as its own type).
 #
-#   bash bench/peers/llama_cpp.sh [MODEL.gguf]
+#   bash benchmarks/peers/llama_cpp.sh [MODEL.gguf]
 #
 # Installs into $VLLM_LITE_PEERS (default ~/.cache/vllm_lite/peers)/llama.cpp-<version>/:
 #   bin/llama-server, bin/llama-quantize, and models/<name>.<TYPE>.gguf for each type.

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vllm_lite.benchmarks import RESULTS_DIR
+from . import RESULTS_DIR
 
 logger = logging.getLogger(__name__)
 

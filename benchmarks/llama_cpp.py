@@ -1,6 +1,6 @@
 """llama.cpp's ``llama-server`` as a throughput peer (engine ``llama_cpp``).
 
-``bench/peers/llama_cpp.sh`` builds ``llama-server`` and ``llama-quantize`` (CPU, static)
+``benchmarks/peers/llama_cpp.sh`` builds ``llama-server`` and ``llama-quantize`` (CPU, static)
 from the source the PyPI sdist of llama-cpp-python vendors and converts the default GGUF
 to F32 / BF16 / Q8_0 next to them (``<root>/llama.cpp-<version>/{bin,models}``). A run
 starts the server with N slots and one unified KV cache (``-np N -kvu``), the benchmark's
@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from vllm_lite.benchmarks.engines import LLAMA_CPP, RunResult, _progress, median_run
-from vllm_lite.benchmarks.workload import BenchRequest
+from .engines import LLAMA_CPP, RunResult, _progress, median_run
+from .workload import BenchRequest
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +52,14 @@ GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_
 
 def find_bin(explicit: str | None) -> Path:
     """The folder holding llama-server: ``explicit``, else the newest build of
-    bench/peers/llama_cpp.sh. ValueError when there is none."""
+    benchmarks/peers/llama_cpp.sh. ValueError when there is none."""
     if explicit:
         folder = Path(explicit).expanduser()
     else:
         builds = sorted(PEERS_ROOT.glob("llama.cpp-*/bin"), key=lambda p: p.stat().st_mtime)
         if not builds:
             raise ValueError("no llama.cpp build found under "
-                             f"{PEERS_ROOT}; run `bash bench/peers/llama_cpp.sh` first "
+                             f"{PEERS_ROOT}; run `bash benchmarks/peers/llama_cpp.sh` first "
                              "or pass --llama-cpp-bin")
         folder = builds[-1]
     if not (folder / "llama-server").is_file():
@@ -75,7 +75,7 @@ def model_file(bin_dir: Path, precision: str) -> Path:
     files = sorted((bin_dir.parent / "models").glob(f"*.{kind}.gguf"))
     if not files:
         raise ValueError(f"no {kind} GGUF in {bin_dir.parent / 'models'}; run "
-                         "`bash bench/peers/llama_cpp.sh` to convert the model")
+                         "`bash benchmarks/peers/llama_cpp.sh` to convert the model")
     return files[0]
 
 

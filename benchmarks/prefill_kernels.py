@@ -1,4 +1,4 @@
-"""Prefill-attention kernel benchmark (`bench/kernels.py --prefill`): varlen_paged_attention
+"""Prefill-attention kernel benchmark (`benchmarks/kernels.py --prefill`): varlen_paged_attention
 against the engine's previous prefill path and, on CUDA, FlashAttention's varlen kernel.
 
 Workload per (dtype, heads, cached prefix): --prefill-seqs sequences (8) of
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace, timer_cls: Any) -> str:
 def _machine_line(torch: Any, ops: Any, dev: str) -> str:
     """What ran: the CPU or GPU, threads, and the CPU kernels' ISA build (the build decides
     the CPU kernel's speed, so a table without it cannot be compared)."""
-    from vllm_lite.benchmarks.kernels import cpu_model
+    from .kernels import cpu_model
 
     if dev == "cuda":
         return f"- machine: {torch.cuda.get_device_name(0)}; torch {torch.__version__}"

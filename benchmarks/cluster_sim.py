@@ -1,6 +1,6 @@
 """Cluster simulation: 1-64 replicas of this engine behind a router, on a virtual clock.
 
-    python3 bench/cluster_sim.py [--quick] [--calibrate | --calibration FILE]
+    python3 benchmarks/cluster_sim.py [--quick] [--calibrate | --calibration FILE]
                                  [--replicas 1,2,4,8,16,32,64] [--arrival poisson|bursty] ...
 
 Each simulated replica is a real :class:`~vllm_lite.core.scheduler.Scheduler` with its
@@ -32,6 +32,10 @@ and PNG figures beside it.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/cluster_sim.py
+    import _checkout
+    _checkout.run_as_module(__file__)
+
 import argparse
 import bisect
 import hashlib
@@ -52,14 +56,14 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_lite.benchmarks import engines as E
-from vllm_lite.benchmarks.common import (BENCH_ENGINE_OPTIONS, apply_sizes, engine_options,
-                                         int_list, int_range, run_cli, setup, size_help)
-from vllm_lite.benchmarks.latency import (PERCENTILES, LatencyResult, RequestTiming,
-                                          poisson_arrivals)
-from vllm_lite.benchmarks.report import (DEFAULT_OUT, Report, describe_machine, fmt,
-                                         machine_info, markdown_table, pct)
-from vllm_lite.benchmarks.workload import BenchRequest, WorkloadConfig, make_workload
+from . import engines as E
+from .common import (BENCH_ENGINE_OPTIONS, apply_sizes, engine_options,
+                     int_list, int_range, run_cli, setup, size_help)
+from .latency import (PERCENTILES, LatencyResult, RequestTiming,
+                      poisson_arrivals)
+from .report import (DEFAULT_OUT, Report, describe_machine, fmt,
+                     machine_info, markdown_table, pct)
+from .workload import BenchRequest, WorkloadConfig, make_workload
 from vllm_lite.config import DEFAULT_MODEL, THREADS_HELP, CacheConfig, EngineArgs, SchedulerConfig
 from vllm_lite.core.prefix_cache import extend_block_hashes, hash_block
 from vllm_lite.core.scheduler import AppendToken, GroupUpdate, Scheduler, SchedulerOutput
@@ -1326,7 +1330,7 @@ def plot_calibration(plt: Any, cal: Calibration) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/cluster_sim.py",
+    parser = argparse.ArgumentParser(prog="benchmarks/cluster_sim.py",
                                      description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run_cli("cluster_sim", run, parser.parse_args(argv))

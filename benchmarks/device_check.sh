@@ -4,19 +4,19 @@
 #   2. runs the CUDA kernel tests and the check that _C shares torch's C++ runtime
 #      (pytest tests/ops -k "cuda or cpp_runtime"; after a test that kills the process,
 #      the tests after it still run),
-#   3. runs the kernel benchmarks (bench/kernels.py --device cuda: decode, then --prefill),
-#   4. times decode steps on CUDA (bench/step_profile.py --decode-time: ms per step at 1,
+#   3. runs the kernel benchmarks (benchmarks/kernels.py --device cuda: decode, then --prefill),
+#   4. times decode steps on CUDA (benchmarks/step_profile.py --decode-time: ms per step at 1,
 #      32 and 256 sequences, eager and with CUDA graphs, bfloat16), then runs the engine
-#      benchmark: bench/throughput.py on 256 requests (prompts 32-512 tokens, 128 output
+#      benchmark: benchmarks/throughput.py on 256 requests (prompts 32-512 tokens, 128 output
 #      tokens, EOS ignored; vllm_lite against HF generate and generate_batch, bfloat16, no
-#      sweeps), then bench/latency.py --quick if time is left; with the default model
+#      sweeps), then benchmarks/latency.py --quick if time is left; with the default model
 #      (smollm2-135m) when it is installed, else a random-weight model of the same
 #      architecture (the speed is the same),
-# and writes logs and tables to OUTDIR (default: $OUT if set, else bench/results/device).
+# and writes logs and tables to OUTDIR (default: $OUT if set, else benchmarks/results/device).
 # Each stage has a time limit so the whole script ends in under 10 minutes; a stage that
 # fails does not stop the later ones. OUTDIR/summary.md gives each stage's status.
 #
-#   bash bench/device_check.sh [OUTDIR]
+#   bash benchmarks/device_check.sh [OUTDIR]
 #
 # Files in OUTDIR (8, what the device tool brings back): summary.md, build.log, tests.log,
 # bench.log, engine.log, kernels_cuda_<stamp>.md, prefill_kernels_cuda_<stamp>.md, and
@@ -31,7 +31,7 @@ set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
-OUTDIR="${1:-${OUT:-$ROOT/bench/results/device}}"
+OUTDIR="${1:-${OUT:-$ROOT/benchmarks/results/device}}"
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 # A rerun replaces the previous run's files (keeps OUTDIR at 8 files).
@@ -193,21 +193,20 @@ else
   # ENGINE_S stays set aside for stage 4.
   (( L > $(left) - ENGINE_S )) && L=$(( $(left) - ENGINE_S ))
   (( L < 30 )) && L=30
-  # The CUDA grid; the target shape (fp16, 32/32x128, batch 64, ctx 1024) runs
-  # first, and the benchmark starts no new shape 30 s before its limit so that the table
-  # is always written (SIGINT from timeout also makes it write what it has).
+  # The CUDA grid (BENCH_ARGS may add goals: --goal-copy-bw, --goal-vs-sdpa); the
+  # benchmark starts no new shape 30 s before its limit so that the table is always written (SIGINT from timeout also makes it write what it has).
   # The prefill benchmark (varlen_paged_attention vs gather + SDPA and flash_attn's
   # varlen kernel) gets PREFILL_S of it, after the decode grid.
   PREFILL_S="${PREFILL_S:-45}"
   LD=$(( L - PREFILL_S )); (( LD < 30 )) && LD=30
   DEADLINE=$(awk -v l="$LD" 'BEGIN { d = (l - 30) / 60; if (d < 0.2) d = 0.2; printf "%.2f", d }')
   (  # a subshell: its exit sets RC
-    echo "$PY bench/kernels.py --device cuda --out $OUTDIR --deadline-min $DEADLINE ${BENCH_ARGS:-}   (limit ${LD} s)"
-    timeout -s INT -k 20 "$LD" "$PY" bench/kernels.py --device cuda --out "$OUTDIR" \
+    echo "$PY benchmarks/kernels.py --device cuda --out $OUTDIR --deadline-min $DEADLINE ${BENCH_ARGS:-}   (limit ${LD} s)"
+    timeout -s INT -k 20 "$LD" "$PY" benchmarks/kernels.py --device cuda --out "$OUTDIR" \
       --deadline-min "$DEADLINE" ${BENCH_ARGS:-}
     RC1=$?
-    echo "$PY bench/kernels.py --device cuda --prefill --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out $OUTDIR   (limit ${PREFILL_S} s)"
-    timeout -s INT -k 10 "$PREFILL_S" "$PY" bench/kernels.py --device cuda --prefill \
+    echo "$PY benchmarks/kernels.py --device cuda --prefill --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out $OUTDIR   (limit ${PREFILL_S} s)"
+    timeout -s INT -k 10 "$PREFILL_S" "$PY" benchmarks/kernels.py --device cuda --prefill \
       --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out "$OUTDIR"
     RC2=$?
     exit $(( RC1 != 0 ? RC1 : RC2 ))
@@ -258,9 +257,9 @@ EOF
     # Decode step time, eager and with CUDA graphs (each engine captures its graphs at
     # start), at 1, 32 and 256 sequences decoding together.
     DL=$(( L / 4 )); (( DL < 40 )) && DL=40
-    echo "$PY bench/step_profile.py --decode-time --device cuda --dtype bfloat16" \
+    echo "$PY benchmarks/step_profile.py --decode-time --device cuda --dtype bfloat16" \
          "--model $MODEL --batch-sizes 1,32,256 --out $ENGINE_DIR   (limit ${DL} s)"
-    timeout -s INT -k 15 "$DL" "$PY" bench/step_profile.py --decode-time --device cuda \
+    timeout -s INT -k 15 "$DL" "$PY" benchmarks/step_profile.py --decode-time --device cuda \
       --dtype bfloat16 --model "$MODEL" --batch-sizes 1,32,256 --out "$ENGINE_DIR"
     echo "decode rc $?"
     # 256 requests at once (prompts 32-512, 128 output tokens, EOS ignored) against HF
@@ -268,18 +267,18 @@ EOF
     # may compile or capture graphs at start: it gets a bound of its own; SIGINT from
     # timeout makes the benchmark write the report without the unfinished peer.
     TL=$(( $(left) - 40 )); (( TL < 60 )) && TL=60
-    echo "$PY bench/throughput.py --device cuda --dtype bfloat16 --no-sweeps" \
+    echo "$PY benchmarks/throughput.py --device cuda --dtype bfloat16 --no-sweeps" \
          "--num-requests 256 --input-len 32-512 --output-len 128 --model $MODEL" \
          "--hf-timeout 90 --out $ENGINE_DIR   (limit ${TL} s)"
-    timeout -s INT -k 15 "$TL" "$PY" bench/throughput.py --device cuda --dtype bfloat16 \
+    timeout -s INT -k 15 "$TL" "$PY" benchmarks/throughput.py --device cuda --dtype bfloat16 \
       --no-sweeps --num-requests 256 --input-len 32-512 --output-len 128 --model "$MODEL" \
       --hf-timeout 90 --out "$ENGINE_DIR" --no-progress ${ENGINE_ARGS:-}
     echo "throughput rc $?"
     LL=$(left)
     if (( LL >= 45 )); then
-      echo "$PY bench/latency.py --device cuda --quick --dtype bfloat16 --model $MODEL" \
+      echo "$PY benchmarks/latency.py --device cuda --quick --dtype bfloat16 --model $MODEL" \
            "--out $ENGINE_DIR   (limit $(( LL - 10 )) s)"
-      timeout -s INT -k 10 "$(( LL - 10 ))" "$PY" bench/latency.py --device cuda --quick \
+      timeout -s INT -k 10 "$(( LL - 10 ))" "$PY" benchmarks/latency.py --device cuda --quick \
         --dtype bfloat16 --model "$MODEL" --out "$ENGINE_DIR" --no-progress
       echo "latency rc $?"
     else
@@ -296,7 +295,7 @@ EOF
 fi
 
 # ---- summary -----------------------------------------------------------------------
-engine_table() {  # engine_table KIND FROM TO TARGETS: a table and the target lines of an engine report
+engine_table() {  # engine_table KIND FROM TO LINES: a table and the goal lines of an engine report
   local md
   md="$(ls -t "$OUTDIR"/engine/"$1"_cuda_*.md 2>/dev/null | head -n 1)"
   [[ -z "$md" ]] && return 0
@@ -317,11 +316,11 @@ engine_table() {  # engine_table KIND FROM TO TARGETS: a table and the target li
   echo
   echo "total $(elapsed) s"
   MD="$(ls -t "$OUTDIR"/kernels_cuda_*.md 2>/dev/null | head -n 1)"
-  if [[ -n "$MD" ]]; then
+  if [[ -n "$MD" ]] && grep -q '^### Goals' "$MD"; then
     echo
-    echo "Benchmark targets (from $(basename "$MD")):"
+    echo "Kernel goals (from $(basename "$MD")):"
     echo
-    sed -n '/^### Targets/,$p' "$MD" | tail -n +2
+    sed -n '/^### Goals/,$p' "$MD" | tail -n +2
   fi
   DMD="$OUTDIR/engine/step_profile.md"
   if [[ -f "$DMD" ]]; then

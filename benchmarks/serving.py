@@ -15,16 +15,20 @@ own view (/metrics: preemptions, KV cache usage) is read after each rate.
 Prompts are random words put through the server's /tokenize and cut to exactly
 --input-len token ids, so every model gets real, equally long prompts.
 
-Against a running server:      python3 bench/serving.py --base-url http://127.0.0.1:8000
-Starting one itself (default): python3 bench/serving.py --model smollm2-135m
+Against a running server:      python3 benchmarks/serving.py --base-url http://127.0.0.1:8000
+Starting one itself (default): python3 benchmarks/serving.py --model smollm2-135m
 The quick mode (about a minute on 2 CPU cores with the default model):
-                               python3 bench/serving.py --quick
+                               python3 benchmarks/serving.py --quick
 
 Writes a markdown table (also printed), a JSON file and a PNG plot to
-bench/results/serving_<timestamp>.{md,json,png}.
+benchmarks/results/serving_<timestamp>.{md,json,png}.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/serving.py
+    import _checkout
+    _checkout.run_as_module(__file__)
 
 import argparse
 import asyncio

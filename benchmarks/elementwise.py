@@ -12,13 +12,18 @@ Writes ``elementwise.md`` to --out and prints it.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/elementwise.py
+    import _checkout
+    _checkout.run_as_module(__file__)
+
 import argparse
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_lite.benchmarks import RESULTS_DIR
-from vllm_lite.benchmarks.common import time_us
+from . import RESULTS_DIR
+from .common import time_us
 from vllm_lite.config import THREADS_HELP, set_threads
 
 log = logging.getLogger(__name__)
@@ -169,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_args(args: argparse.Namespace) -> int:
-    from vllm_lite.benchmarks.common import run_markdown_report
+    from .common import run_markdown_report
 
     return run_markdown_report("vllm-lite bench elementwise", run, args, "elementwise.md")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from vllm_lite.benchmarks.workload import BenchRequest
+from .workload import BenchRequest
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ VLLM_LITE = "vllm_lite"
 HF_STATIC = "hf_generate"
 HF_CONTINUOUS = "hf_generate_batch"
 ENGINES = (VLLM_LITE, HF_STATIC, HF_CONTINUOUS)
-# bench throughput's extra peer (vllm_lite.benchmarks.llama_cpp); other benchmarks refuse it.
+# bench throughput's extra peer (benchmarks/llama_cpp.py); other benchmarks refuse it.
 LLAMA_CPP = "llama_cpp"
 
 

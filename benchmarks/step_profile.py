@@ -31,15 +31,20 @@ call: on the CPU it runs synchronously). It should stay flat as the context grow
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/step_profile.py
+    import _checkout
+    _checkout.run_as_module(__file__)
+
 import argparse
 import logging
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from vllm_lite.benchmarks import RESULTS_DIR
-from vllm_lite.benchmarks.common import int_list
+from . import RESULTS_DIR
+from .common import int_list
 from vllm_lite.config import KV_CACHE_DTYPES, THREADS_HELP, EngineArgs, set_threads
 
 log = logging.getLogger(__name__)
@@ -222,7 +227,7 @@ def host_time(args: argparse.Namespace) -> str:
     import torch
 
     from vllm_lite import ops
-    from vllm_lite.benchmarks.cluster_sim import tiny_random_llama
+    from .cluster_sim import tiny_random_llama
 
     for key, value in (HOST_QUICK if args.quick else HOST_FULL).items():
         if getattr(args, key) is None:
@@ -444,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_args(args: argparse.Namespace) -> int:
-    from vllm_lite.benchmarks.common import run_markdown_report
+    from .common import run_markdown_report
 
     return run_markdown_report("vllm-lite bench profile", run, args, "step_profile.md")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
