@@ -1,7 +1,8 @@
 // Makes the extension importable as the Python module vllm_lite._C: importing it loads the
 // shared library, which runs the op registrations in torch_bindings.cpp. It also exposes
-// the CPU ISA selection (cpu/cpu_isa.h) and packed_linear's panel width and kernels. Only the Python build compiles this file; the
-// CMake build links the same ops without Python.
+// the CPU ISA selection (cpu/cpu_isa.h) and packed_linear's panel width and kernels. Only
+// the extension target (vllm_lite_python) compiles this file; the library vllm_lite_kernels
+// links the same kernel objects without Python.
 #include <Python.h>
 
 #include <c10/util/Exception.h>
