@@ -107,7 +107,6 @@ L=$(limit "$BUILD_S")
   echo "TORCH_CUDA_ARCH_LIST=$ARCH VLLM_LITE_TARGET=cuda MAX_JOBS=${MAX_JOBS:-$(nproc)}" \
        "$PY setup.py build_ext --inplace   (limit ${L} s)"
   TORCH_CUDA_ARCH_LIST="$ARCH" VLLM_LITE_TARGET=cuda MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
-    NVCC_THREADS="${NVCC_THREADS:-2}" \
     timeout -k 10 "$L" "$PY" setup.py build_ext --inplace
 } > "$OUTDIR/build.log" 2>&1
 RC=$?
