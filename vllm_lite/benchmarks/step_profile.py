@@ -85,8 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decode step's host time (step minus the paged-attention "
                         "kernel's time) with a micro random Llama, per --contexts")
     p.add_argument("--contexts", type=int_list, default=None,
-                   help=f"--host-time: prompt lengths (default {HOST_FULL['contexts']}; "
-                        f"--quick {HOST_QUICK['contexts']})")
+                   help=f"--host-time: prompt lengths (default "
+                        f"{','.join(map(str, HOST_FULL['contexts']))}; --quick "
+                        f"{','.join(map(str, HOST_QUICK['contexts']))})")
     p.add_argument("--num-seqs", type=int, default=None,
                    help=f"--host-time: sequences decoding together (default "
                         f"{HOST_FULL['num_seqs']}; --quick {HOST_QUICK['num_seqs']})")
