@@ -4,6 +4,7 @@ write no cache slot, and greedy generation with graphs equals eager token for to
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -149,5 +150,6 @@ def test_greedy_with_graphs_equals_eager_token_for_token(tmp_path: Path) -> None
                           for k in (1, 3, 8, 13)]
         llm.llm_engine.shutdown()
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     assert results[False] == results[True]

@@ -338,6 +338,8 @@ def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
 def decode_time(args: argparse.Namespace) -> str:
     """The --decode-time report: ms per decode step at each --batch-sizes, with and
     without CUDA graphs (on a GPU; eager only on the CPU)."""
+    import gc
+
     import torch
 
     from vllm_lite import LLM
@@ -371,6 +373,10 @@ def decode_time(args: argparse.Namespace) -> str:
         finally:
             llm.llm_engine.shutdown()
             del llm
+            # The next engine sizes its KV cache from what is free: this one's must go.
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     for n in sizes:
         cells = [f"{results[n, e] * 1e3:.3f}" for e in modes]
         last = results[n, modes[-1]]
