@@ -90,8 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decode step's host time (step minus the paged-attention "
                         "kernel's time) with a micro random Llama, per --contexts")
     p.add_argument("--contexts", type=int_list, default=None,
-                   help=f"--host-time: prompt lengths (default {HOST_FULL['contexts']}; "
-                        f"--quick {HOST_QUICK['contexts']})")
+                   help=f"--host-time: prompt lengths (default "
+                        f"{','.join(map(str, HOST_FULL['contexts']))}; --quick "
+                        f"{','.join(map(str, HOST_QUICK['contexts']))})")
     p.add_argument("--num-seqs", type=int, default=None,
                    help=f"--host-time: sequences decoding together (default "
                         f"{HOST_FULL['num_seqs']}; --quick {HOST_QUICK['num_seqs']})")
@@ -342,6 +343,8 @@ def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
 def decode_time(args: argparse.Namespace) -> str:
     """The --decode-time report: ms per decode step at each --batch-sizes, with and
     without CUDA graphs (on a GPU; eager only on the CPU)."""
+    import gc
+
     import torch
 
     from vllm_lite import LLM
@@ -375,6 +378,10 @@ def decode_time(args: argparse.Namespace) -> str:
         finally:
             llm.llm_engine.shutdown()
             del llm
+            # The next engine sizes its KV cache from what is free: this one's must go.
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     for n in sizes:
         cells = [f"{results[n, e] * 1e3:.3f}" for e in modes]
         last = results[n, modes[-1]]

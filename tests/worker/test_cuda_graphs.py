@@ -4,6 +4,7 @@ write no cache slot, and greedy generation with graphs equals eager token for to
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -149,5 +150,24 @@ def test_greedy_with_graphs_equals_eager_token_for_token(tmp_path: Path) -> None
                           for k in (1, 3, 8, 13)]
         llm.llm_engine.shutdown()
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     assert results[False] == results[True]
+
+
+def test_on_the_cpu_enforce_eager_is_accepted_and_changes_nothing(tmp_path: Path) -> None:
+    from models.helpers import make_config, save_hf_model
+    from vllm_lite import LLM, SamplingParams
+
+    save_hf_model(make_config("llama"), tmp_path)
+    prompts = [{"prompt_token_ids": [5, 9, 31, 7][:k]} for k in (1, 4, 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = {}
+    for eager in (True, False):
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", enforce_eager=eager,
+                  max_model_len=64, kv_cache_space=0.01)
+        assert llm.llm_engine.runner.graphs is None
+        assert not llm.llm_engine.executor.worker.uses_cuda_graphs()
+        got[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+    assert got[True] == got[False] and all(len(t) == 6 for t in got[True])

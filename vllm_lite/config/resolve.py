@@ -80,6 +80,14 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         raise ValueError(f"num_gpu_blocks_override must be a positive int, got {override!r}")
     quantization = resolve_quantization(model_config["quantization"], model_config["gguf_file"],
                                         hf_config, device.type)
+    if quantization is not None:
+        from vllm_lite.models.registry import get_model_class
+
+        model_cls = get_model_class(getattr(hf_config, "architectures", None))
+        if not getattr(model_cls, "quantizable", True):
+            raise ValueError(f"quantization={quantization!r} is not implemented for "
+                             f"{model_cls.__name__} (mixture-of-experts weights); use "
+                             f"quantization='none'")
     cpus = None
     if args.cpu_threads_bind is not None:
         if device.type != "cpu":
@@ -121,6 +129,7 @@ def _model_config(args: EngineArgs) -> dict[str, Any]:
     from vllm_lite.models.gguf import gguf_source
     from vllm_lite.models.gptq_awq import checkpoint_quantization
     from vllm_lite.models.loader import read_hf_config
+    from vllm_lite.models.registry import get_model_class
 
     max_logprobs = check_int("max_logprobs", args.max_logprobs, 0)
     timeout = check_number("chat_template_timeout", args.chat_template_timeout)
@@ -149,6 +158,9 @@ def _model_config(args: EngineArgs) -> dict[str, Any]:
     quantization = checkpoint_quantization(quantization, path)
     # Checks config.json's sizes; a bad file is a ValueError naming the key.
     hf_config = read_hf_config(path)
+    # The architecture is one the engine runs, with settings it covers (MoE routing, GLM's
+    # rotary): refused here, before a worker starts, naming the field.
+    get_model_class(getattr(hf_config, "architectures", None)).check_config(hf_config)
     limit = getattr(hf_config, "max_position_embeddings", None)
     max_model_len = args.max_model_len
     if max_model_len is None:

@@ -310,6 +310,12 @@ class ParallelConfig:
         if inter % tp:
             raise ValueError(f"tensor_parallel_size {tp} must divide the model's "
                              f"intermediate_size ({inter})")
+        # A mixture of experts' experts (and shared expert) split like the dense MLP.
+        for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            size = getattr(hf_config, key, None)
+            if isinstance(size, int) and size % tp:
+                raise ValueError(f"tensor_parallel_size {tp} must divide the model's "
+                                 f"{key} ({size})")
         if quantization == "int4":
             head_dim = getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // heads
             # Row-parallel shards split the input dimension: whole int4 groups per rank.

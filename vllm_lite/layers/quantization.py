@@ -309,6 +309,13 @@ def quantize_model(model: nn.Module, method: str | None, skip: tuple[nn.Module, 
     layer."""
     if check_quantization(method) is None:
         return 0
+    from vllm_lite.layers.moe import FusedMoE
+
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        # Its experts (most of its weights) are not nn.Linear layers: quantizing the rest
+        # alone would be the option half applied.
+        raise ValueError(f"quantization={method!r} is not implemented for mixture-of-experts "
+                         f"models ({type(model).__name__}); run it unquantized")
     targets = [(parent, f"{pname}.{name}" if pname else name, name, child)
                for pname, parent in model.named_modules()
                for name, child in parent.named_children()

@@ -133,8 +133,11 @@ class Worker:
 
     def uses_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs: on a GPU, with one rank (tensor-parallel ranks
-        run eagerly), unless enforce_eager."""
+        run eagerly), for a model whose forward can be captured (``supports_cuda_graphs``,
+        default True: the torch MoE block sizes its expert GEMMs on the host), unless
+        enforce_eager."""
         return (torch.device(self.device).type == "cuda" and self.tp is None
+                and getattr(self.model, "supports_cuda_graphs", True)
                 and not self.config.model_config.enforce_eager)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
