@@ -114,6 +114,11 @@ DEFAULT_INT4_GROUP_SIZE = 128
 #: What the KV cache stores (vLLM's kv_cache_dtype values): "auto" = the model dtype; the
 #: fp8 ones ("fp8" = "fp8_e4m3") 1 byte per element, in uint8 caches.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+#: How the KV cache is laid out (ops.kv_cache_shapes): "split" = vLLM's paged layout (key
+#: [blocks, kv_heads, head_size / x, block_size, x], value [blocks, kv_heads, head_size,
+#: block_size]); "flash" = both [blocks, block_size, kv_heads, head_size]. The kernels tell
+#: them apart by the key cache's rank.
+KV_CACHE_LAYOUTS = ("split", "flash")
 
 
 #: ``quantization`` values besides the methods: "none" runs the weights in --dtype even
@@ -175,6 +180,11 @@ class EngineArgs:
         "auto", "what the KV cache stores: auto (the --dtype) or fp8 (= fp8_e4m3) / fp8_e5m2: "
         "1 byte per element, so 2x the blocks of bfloat16 and 4x those of float32 in the same "
         "memory, at fp8 precision (scales 1.0)", choices=KV_CACHE_DTYPES)
+    kv_cache_layout: str = _opt(
+        "split", "the KV cache's layout: split (vLLM's paged layout: key in 16-byte chunks "
+        "of a block's tokens, value token-contiguous per dim) or flash ([block, token, "
+        "kv head, dim] for both, as reshape_and_cache_flash writes; CPU only)",
+        choices=KV_CACHE_LAYOUTS)
     enable_chunked_prefill: bool = _opt(
         False, "split long prompts across steps, mixed with decodes")
     preemption_mode: str | None = _opt(
@@ -259,8 +269,12 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size, swap_space_gib=swap,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_prefix_caching=self.enable_prefix_caching, cache_dtype=self.kv_cache_dtype)
+            enable_prefix_caching=self.enable_prefix_caching, cache_dtype=self.kv_cache_dtype,
+            cache_layout=self.kv_cache_layout)
         device = resolve_device(self.device)
+        if self.kv_cache_layout == "flash" and device.type != "cpu":
+            raise ValueError("kv_cache_layout 'flash' runs on the CPU only: the CUDA attention "
+                             f"kernels read the split layout (device {device})")
         parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                          distributed_timeout=self.distributed_timeout)
         scheduler_config = SchedulerConfig(
@@ -372,6 +386,8 @@ class CacheConfig:
     enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
     # kv_cache_dtype: what the cache stores ("auto" = the model dtype, or fp8).
     cache_dtype: str = EngineArgs.kv_cache_dtype
+    # kv_cache_layout: "split" or "flash" (KV_CACHE_LAYOUTS).
+    cache_layout: str = EngineArgs.kv_cache_layout
     # Fraction of device blocks new prompts may not take, so running sequences can grow.
     watermark: float = 0.01
 
@@ -396,6 +412,9 @@ class CacheConfig:
         if not isinstance(self.cache_dtype, str) or self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.cache_dtype!r}")
+        if not isinstance(self.cache_layout, str) or self.cache_layout not in KV_CACHE_LAYOUTS:
+            raise ValueError(f"kv_cache_layout must be one of {', '.join(KV_CACHE_LAYOUTS)}, "
+                             f"got {self.cache_layout!r}")
         self.watermark = check_number("watermark", self.watermark)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
