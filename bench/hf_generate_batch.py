@@ -28,6 +28,17 @@ use_checkout_if_built()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder (default: vllm_lite's default model)")
@@ -81,9 +92,10 @@ def main() -> int:
         del model
 
     base_tps, base_outs = results["sdpa"]
-    print(f"CPU: {platform.processor() or platform.machine()}, torch threads "
+    print(f"CPU: {_cpu_name()}, torch threads "
           f"{torch.get_num_threads()}, {a.dtype}, {a.num_prompts} prompts of {lo}-{hi} "
-          f"tokens, {a.max_new_tokens} new tokens each, best of {a.repeat}")
+          f"tokens, {a.max_new_tokens} new tokens each, best of {a.repeat}; load average "
+          f"{os.getloadavg()[0]:.1f}")
     print("| attention | generated tok/s | vs sdpa | prompts equal to sdpa |")
     print("|---|---:|---:|---:|")
     for impl, (tps, outs) in results.items():

@@ -183,7 +183,7 @@ class EngineArgs:
     kv_cache_layout: str = _opt(
         "split", "the KV cache's layout: split (vLLM's paged layout: key in 16-byte chunks "
         "of a block's tokens, value token-contiguous per dim) or flash ([block, token, "
-        "kv head, dim] for both, as reshape_and_cache_flash writes; CPU only)",
+        "kv head, dim] for both, as reshape_and_cache_flash writes)",
         choices=KV_CACHE_LAYOUTS)
     enable_chunked_prefill: bool = _opt(
         False, "split long prompts across steps, mixed with decodes")
@@ -272,9 +272,6 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching, cache_dtype=self.kv_cache_dtype,
             cache_layout=self.kv_cache_layout)
         device = resolve_device(self.device)
-        if self.kv_cache_layout == "flash" and device.type != "cpu":
-            raise ValueError("kv_cache_layout 'flash' runs on the CPU only: the CUDA attention "
-                             f"kernels read the split layout (device {device})")
         parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                          distributed_timeout=self.distributed_timeout)
         scheduler_config = SchedulerConfig(
