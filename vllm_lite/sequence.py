@@ -37,11 +37,13 @@ class SequenceStatus(enum.Enum):
 
     @staticmethod
     def is_finished(status: SequenceStatus) -> bool:
-        return status in _FINISHED
+        return status in _FINISHED_MEMBERS
 
     @staticmethod
     def get_finished_reason(status: SequenceStatus) -> str | None:
-        return _FINISH_REASONS.get(status)
+        if status not in _FINISHED_MEMBERS:
+            return None  # running: no dict lookup through the enum's hash
+        return _FINISH_REASONS[status]
 
 
 _FINISHED = frozenset(
@@ -52,6 +54,9 @@ _FINISHED = frozenset(
         SequenceStatus.FINISHED_IGNORED,
     }
 )
+# The same as a tuple: membership by identity, without the enum's Python-level __hash__
+# (asked several times per sequence per step).
+_FINISHED_MEMBERS = tuple(_FINISHED)
 # vLLM's finish_reason strings; an ignored prompt reports "length" there too.
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -121,7 +126,18 @@ class Sequence:
         return len(self.output_token_ids)
 
     def get_token_ids(self) -> list[int]:
+        """A new list of every token (a copy: not for the per-step path, see token_slice)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, copying only those."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if stop <= n:
+            return prompt[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return prompt[start:] + self.output_token_ids[:stop - n]
 
     def get_last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
@@ -138,7 +154,7 @@ class Sequence:
         self.cumulative_logprob += logprob
 
     def is_finished(self) -> bool:
-        return SequenceStatus.is_finished(self.status)
+        return self.status in _FINISHED_MEMBERS
 
     def reset_state_for_recompute(self) -> None:
         """Forget the KV progress; the tokens stay and are recomputed as a prompt."""
@@ -204,18 +220,26 @@ class SequenceGroup:
         # A seeded request's random generator (the sampler creates it at the request's
         # first sampled step; every sequence of the request draws from it, in row order).
         self.generator: Any = None
+        self._prompt_copy: list[int] | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return next(iter(self.seqs_dict.values())).prompt_token_ids
 
+    def prompt_token_ids_for_output(self) -> list[int]:
+        """A copy of the prompt's ids that every RequestOutput of the request shares: made
+        once, not at every step (a caller changing it cannot reach the engine's)."""
+        if self._prompt_copy is None:
+            self._prompt_copy = list(self.prompt_token_ids)
+        return self._prompt_copy
+
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
             return list(self.seqs_dict.values())
-        return [seq for seq in self.seqs_dict.values() if seq.status == status]
+        return [seq for seq in self.seqs_dict.values() if seq.status is status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs_dict.values() if not seq.is_finished()]
+        return [seq for seq in self.seqs_dict.values() if seq.status not in _FINISHED_MEMBERS]
 
     def num_seqs(self, status: SequenceStatus | None = None) -> int:
         return len(self.get_seqs(status))
@@ -235,9 +259,11 @@ class SequenceGroup:
 
     def awaiting_first_sample(self) -> bool:
         """No sequence has sampled yet, so best_of children are still to be forked."""
-        return len(self.seqs_dict) == 1 and all(
-            not seq.output_token_ids for seq in self.seqs_dict.values()
-        )
+        if len(self.seqs_dict) != 1:
+            return False
+        for seq in self.seqs_dict.values():
+            return not seq.output_token_ids
+        return False
 
     def get_max_num_running_seqs(self) -> int:
         """Sequences this group may run at once: best_of before the fork, else the live ones."""
@@ -246,7 +272,10 @@ class SequenceGroup:
         return len(self.get_unfinished_seqs())
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs_dict.values())
+        for seq in self.seqs_dict.values():
+            if seq.status not in _FINISHED_MEMBERS:
+                return False
+        return True
 
     def __repr__(self) -> str:
         return (

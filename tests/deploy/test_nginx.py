@@ -201,9 +201,12 @@ def _body(rng: random.Random, stream: bool, max_tokens: int, **kw: Any) -> dict[
             "max_tokens": max_tokens, "stream": stream, **kw}
 
 
-def _reference(offline: Any, body: dict[str, Any]) -> list[int]:
-    return offline.generate([body["prompt"]], offline_params(body),
-                            use_tqdm=False)[0].outputs[0].token_ids
+def _references(offline: Any, bodies: list[dict[str, Any]]) -> list[list[int]]:
+    """The offline engine's tokens for each body, in one batch (seeded sampling does not
+    depend on the batch, so each equals its own single run)."""
+    outs = offline.generate([b["prompt"] for b in bodies], [offline_params(b) for b in bodies],
+                            use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_config_is_valid_for_any_number_of_replicas(tmp_path: Path) -> None:
@@ -231,8 +234,7 @@ def test_sixty_concurrent_requests_spread_over_both(cluster: Cluster, offline: A
             return await asyncio.gather(*(one(k, b) for k, b in zip(kinds, bodies)))
 
     outs = asyncio.run(run())
-    for kind, body, out in zip(kinds, bodies, outs):
-        ref = _reference(offline, body)
+    for kind, body, out, ref in zip(kinds, bodies, outs, _references(offline, bodies)):
         if kind == "cancel":
             assert out[0] and ref[:len(out[0])] == out[0]
         else:
@@ -256,7 +258,7 @@ def test_prefix_key_pins_a_replica(cluster: Cluster) -> None:
     assert len(set().union(*seen.values())) == 2, seen  # 8 keys use both replicas
 
 
-def _load(url: str, offline: Any, stop_at: list[float], seed: int,
+def _load(url: str, stop_at: list[float], seed: int,
           concurrency: int = 4) -> list[dict[str, Any]]:
     """Requests in ``concurrency`` loops until time ``stop_at[0]`` (mutable: the test moves
     it), alternating plain and streamed: one record per request."""
@@ -282,8 +284,6 @@ def _load(url: str, offline: Any, stop_at: list[float], seed: int,
             await asyncio.gather(*(worker(w, client) for w in range(concurrency)))
 
     asyncio.run(run())
-    for rec in records:
-        rec["ref"] = _reference(offline, rec["body"])
     return records
 
 
@@ -296,7 +296,7 @@ def _in_thread(fn: Any, *args: Any) -> tuple[Any, Any]:
 
 def test_rolling_restart_loses_nothing(cluster: Cluster, offline: Any) -> None:
     stop_at = [time.monotonic() + 600]
-    t, box = _in_thread(_load, cluster.nginx.url, offline, stop_at, 1)
+    t, box = _in_thread(_load, cluster.nginx.url, stop_at, 1)
     restarted_at = []
     try:
         time.sleep(1.0)
@@ -309,8 +309,11 @@ def test_rolling_restart_loses_nothing(cluster: Cluster, offline: Any) -> None:
             cluster.wait_taken_back(i)  # the documented procedure, before the next one
     finally:
         stop_at[0] = 0
-        t.join(120)
+        t.join(TIMEOUT)
+    assert not t.is_alive(), "the load's requests did not finish after it was told to stop"
     records = box["out"]
+    for rec, ref in zip(records, _references(offline, [r["body"] for r in records])):
+        rec["ref"] = ref
     failed = [r for r in records if "error" in r or r["ids"] != r["ref"]]
     assert not failed, failed[:3]
     # Load really ran across both restarts.
@@ -348,7 +351,7 @@ def test_killed_replica_fails_its_streams_cleanly(cluster: Cluster, offline: Any
         return upstream, status, got, time.monotonic()
 
     stop_at = [time.monotonic() + 600]
-    t, box = _in_thread(_load, cluster.nginx.url, offline, stop_at, 2)
+    t, box = _in_thread(_load, cluster.nginx.url, stop_at, 2)
 
     async def run() -> tuple[list[Any], float]:
         started: list[str] = []
@@ -365,12 +368,12 @@ def test_killed_replica_fails_its_streams_cleanly(cluster: Cluster, offline: Any
         time.sleep(2.0)  # later requests: all on the survivor
     finally:
         stop_at[0] = 0
-        t.join(120)
+        t.join(TIMEOUT)
+    assert not t.is_alive(), "the load's requests did not finish after it was told to stop"
     upstreams = [up for up, _, _, _ in results]
     assert victim_addr in upstreams and len(set(upstreams)) == 2, upstreams
     cut = 0
-    for body, (up, status, got, ended) in zip(bodies, results):
-        ref = _reference(offline, body)
+    for body, (up, status, got, ended), ref in zip(bodies, results, _references(offline, bodies)):
         assert got == ref[:len(got)], (up, status)  # never a wrong token
         if up != victim_addr or ended < killed_at:
             assert status == "done" and got == ref, (up, status)
@@ -379,6 +382,8 @@ def test_killed_replica_fails_its_streams_cleanly(cluster: Cluster, offline: Any
             cut += status != "done"
     assert cut >= 1, results
     records = box["out"]
+    for rec, ref in zip(records, _references(offline, [r["body"] for r in records])):
+        rec["ref"] = ref
     later = [r for r in records if r["start"] > killed_at]
     assert later and all("error" not in r and r["ids"] == r["ref"] for r in later), later[:3]
     # Earlier ones in flight on the victim may have failed, but cleanly: a prefix of the

@@ -51,6 +51,40 @@ def make_config(name: str) -> Any:
 
 CONFIG_NAMES = ["llama", "llama3_tied", "llama_linear_bias", "mistral", "qwen2", "qwen3"]
 
+# GLM and the mixture-of-experts models (tests/models/test_glm_moe.py).
+GLM_MOE_CONFIG_NAMES = ["glm", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+def make_glm_moe_config(name: str) -> Any:
+    """A tiny config of GLM / GLM-4 (partial interleaved rotary) and of each MoE family:
+    8 experts, several routed per token, layers of both kinds where the family has them."""
+    import transformers as tf
+
+    base = {**BASE, "pad_token_id": 0, "eos_token_id": 0}
+    if name == "glm":
+        return tf.GlmConfig(**base, head_dim=16)
+    if name == "glm4":
+        return tf.Glm4Config(**{**base, "num_hidden_layers": 3}, head_dim=32,
+                             attention_bias=False)
+    if name == "mixtral":
+        return tf.MixtralConfig(**{**base, "intermediate_size": 32}, num_local_experts=8,
+                                num_experts_per_tok=2)
+    if name == "qwen2_moe":
+        # Layer 1 dense (mlp_only_layers), 0 and 2 experts + the gated shared expert.
+        return tf.Qwen2MoeConfig(**{**base, "num_hidden_layers": 3}, num_experts=8,
+                                 num_experts_per_tok=3, moe_intermediate_size=16,
+                                 shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                                 norm_topk_prob=False)
+    if name == "qwen3_moe":
+        # decoder_sparse_step 2: layer 1 routes, layer 0 is dense.
+        return tf.Qwen3MoeConfig(**base, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=24, decoder_sparse_step=2,
+                                 norm_topk_prob=True)
+    if name == "olmoe":
+        return tf.OlmoeConfig(**base, num_experts=8, num_experts_per_tok=2, clip_qkv=2.0,
+                              norm_topk_prob=False)
+    raise KeyError(name)
+
 
 def make_hf_model(config: Any, seed: int = 0) -> torch.nn.Module:
     """A seeded random HF model in float32; norm weights and biases are randomized too
@@ -64,6 +98,9 @@ def make_hf_model(config: Any, seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                # MoE routers may start at zero (every expert tied): make them route.
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     return model.eval()

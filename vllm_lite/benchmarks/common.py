@@ -86,7 +86,7 @@ BENCH_ENGINE_OPTIONS = ("model", "dtype", "device", "seed", "kv_cache_space", "b
                         "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
                         "enable_chunked_prefill", "preemption_mode", "scheduling_policy",
                         "num_gpu_blocks_override", "quantization", "quantization_group_size",
-                        "kv_cache_dtype")
+                        "kv_cache_dtype", "enforce_eager")
 # Those of them handed to LLM as they are (model, dtype, device are resolved in setup()).
 _PASSED_THROUGH = BENCH_ENGINE_OPTIONS[3:]
 

@@ -24,7 +24,7 @@ from vllm_lite.core.beam_search import BeamCandidate, Hypothesis, ScoredCandidat
 from vllm_lite.core.scheduler import (AppendToken, DropSeq, Finish, ForkSeq, GroupUpdate,
                                       NewHypothesis, ScheduledSequenceGroup, SchedulerOutput,
                                       SeqUpdate)
-from vllm_lite.detokenizer import IncrementalDetokenizer, token_texts_after
+from vllm_lite.detokenizer import TEXT_CONTEXT, IncrementalDetokenizer, token_texts_after
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.errors import InternalError
 from vllm_lite.layers.sampler import Logprob, SampleOutput
@@ -77,27 +77,31 @@ class OutputProcessor:
             if group.is_finished():
                 continue
             params = group.sampling_params
-            sampled_ids = {s.seq_id for s in sched.seqs if s.do_sample}
-            if params.use_beam_search:
-                if not sampled_ids:
-                    continue
-                live = {s.seq_id for s in group.get_seqs(SequenceStatus.RUNNING)}
-                if sampled_ids != live:
-                    raise InternalError(f"beam request {group.request_id!r} sampled "
-                                        f"{sorted(sampled_ids)} but runs {sorted(live)}")
-                cands = beams.get(group.request_id)
-                if not cands or any(c.parent_seq_id not in live for c in cands):
-                    raise InternalError(f"beam request {group.request_id!r} got candidates "
-                                        f"{cands!r} for beams {sorted(live)}")
+            if not params.use_beam_search:
+                expected = params.best_of if group.awaiting_first_sample() else 1
+                for sched_seq in sched.seqs:
+                    if not sched_seq.do_sample:
+                        continue
+                    seq_id = sched_seq.seq_id
+                    seq = group.get_seq(seq_id)
+                    if seq is None or seq.is_finished():
+                        continue
+                    s = samples.get(seq_id)
+                    if s is None or len(s.token_ids) != expected or len(s.logprobs) != expected:
+                        raise InternalError(f"seq {seq_id} must get {expected} sample(s), "
+                                            f"got {s!r}")
                 continue
-            expected = params.best_of if group.awaiting_first_sample() else 1
-            for seq_id in sampled_ids:
-                seq = group.get_seq(seq_id)
-                if seq is None or seq.is_finished():
-                    continue
-                s = samples.get(seq_id)
-                if s is None or len(s.token_ids) != expected or len(s.logprobs) != expected:
-                    raise InternalError(f"seq {seq_id} must get {expected} sample(s), got {s!r}")
+            sampled_ids = {s.seq_id for s in sched.seqs if s.do_sample}
+            if not sampled_ids:
+                continue
+            live = {s.seq_id for s in group.get_seqs(SequenceStatus.RUNNING)}
+            if sampled_ids != live:
+                raise InternalError(f"beam request {group.request_id!r} sampled "
+                                    f"{sorted(sampled_ids)} but runs {sorted(live)}")
+            cands = beams.get(group.request_id)
+            if not cands or any(c.parent_seq_id not in live for c in cands):
+                raise InternalError(f"beam request {group.request_id!r} got candidates "
+                                    f"{cands!r} for beams {sorted(live)}")
         return samples, beams
 
     def _decide(self, group: SequenceGroup, sched: ScheduledSequenceGroup,
@@ -124,6 +128,14 @@ class OutputProcessor:
         """A group's first random sample carries best_of tokens: samples 1.. fork children
         sharing the sequence's blocks, each continuing from the sequence as it stood."""
         tops = sample.top_logprobs
+        if len(sample.token_ids) == 1:  # the usual step: one token, no fork
+            token = sample.token_ids[0]
+            finish = self.stop_checker.check_token(
+                group.sampling_params, group.eos_token_id, token, seq.get_output_len() + 1,
+                seq.get_len() + 1)
+            output, finish = self._advance(group, seq, token, tops[0] if tops else None,
+                                           finish, fork=False)
+            return [AppendToken(seq.seq_id, token, sample.logprobs[0], output, finish)]
         ids = {k: next_seq_id() for k in range(1, len(sample.token_ids))}
         ups: list[SeqUpdate] = []
         own: SeqUpdate | None = None
@@ -197,7 +209,10 @@ class OutputProcessor:
         if params.logprobs is not None and entry is not None:
             state.logprobs.append(entry)
             if detok:
-                self._decode_logprobs(entry, seq.get_token_ids(), group)
+                # Only the last tokens shape a token's text: no full copy per step.
+                n = seq.get_len()
+                self._decode_logprobs(entry, seq.token_slice(max(0, n - TEXT_CONTEXT), n),
+                                      group)
         if not detok:
             return state, finish
         det = state.detokenizer
@@ -226,7 +241,7 @@ class OutputProcessor:
         prompt = group.prompt_token_ids
         for pos, entry in enumerate(chunk, start):
             if entry is not None:
-                self._decode_logprobs(entry, prompt[:pos], group)
+                self._decode_logprobs(entry, prompt[max(0, pos - TEXT_CONTEXT):pos], group)
 
     def _detokenizes(self, params: Any) -> bool:
         return self.tokenizer is not None and params.detokenize

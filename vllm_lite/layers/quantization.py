@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from vllm_lite import ops
-from vllm_lite.config import DEFAULT_INT4_GROUP_SIZE, check_quantization
+from vllm_lite.config.schema import DEFAULT_INT4_GROUP_SIZE, check_quantization
 from vllm_lite.errors import InternalError
 from vllm_lite.models.gguf_quant import Int4Weight, Int8GroupWeight, pack_nibbles
 
@@ -309,6 +309,13 @@ def quantize_model(model: nn.Module, method: str | None, skip: tuple[nn.Module, 
     layer."""
     if check_quantization(method) is None:
         return 0
+    from vllm_lite.layers.moe import FusedMoE
+
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        # Its experts (most of its weights) are not nn.Linear layers: quantizing the rest
+        # alone would be the option half applied.
+        raise ValueError(f"quantization={method!r} is not implemented for mixture-of-experts "
+                         f"models ({type(model).__name__}); run it unquantized")
     targets = [(parent, f"{pname}.{name}" if pname else name, name, child)
                for pname, parent in model.named_modules()
                for name, child in parent.named_children()

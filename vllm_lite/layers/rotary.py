@@ -5,6 +5,11 @@ indexed by each token's position inside the native ``rotary_embedding`` op, so a
 batch of tokens from many sequences (each at its own offset) is rotated in one call, with
 no per-sequence work.
 
+Layouts: HF's rotate_half (GPT-NeoX: pairs (i, i + rot_dim / 2); Llama, Qwen, ...) or
+the interleaved one (GPT-J: pairs (2i, 2i + 1); GLM), over the first ``rotary_dim``
+features of each head (all of them but for a partial rotary, as GLM's half), the rest
+passing through unchanged.
+
 Supported ``rope_type``s: ``default``, ``linear``, ``llama3`` (HF's formulas, bit for bit
 in float32) and ``dynamic``. ``dynamic`` (NTK) in HF recomputes the frequencies from the
 *current* sequence length once it exceeds ``max_position_embeddings``; below that it is
@@ -47,7 +52,9 @@ def rope_parameters_of(config: Any) -> dict[str, Any]:
 
 def compute_inv_freq(head_size: int, params: dict[str, Any]) -> torch.Tensor:
     """Inverse frequencies [head_size // 2] in float32, following transformers'
-    ``modeling_rope_utils`` for the supported rope types."""
+    ``modeling_rope_utils`` for the supported rope types; ``head_size`` is the rotated
+    dimension (a model with a partial rotary passes its rotary_dim and no
+    ``partial_rotary_factor``)."""
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -83,19 +90,26 @@ def compute_inv_freq(head_size: int, params: dict[str, Any]) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to q and k of a flat token batch.
 
-    The table is a float32, non-persistent buffer [max_position, head_size] (cos in the
+    The table is a float32, non-persistent buffer [max_position, rotary_dim] (cos in the
     first half, sin in the second): float32 whatever the model dtype, as HF computes
-    cos/sin in float32 and casts them to the activation dtype.
+    cos/sin in float32 and casts them to the activation dtype. ``head_size``: the heads'
+    size; ``rotary_dim`` (default all of it): how many leading features of each head
+    rotate; ``is_neox``: rotate_half pairs, else interleaved ones (see the module doc).
     """
 
-    def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
+    def __init__(self, head_size: int, max_position: int, params: dict[str, Any],
+                 rotary_dim: int | None = None, is_neox: bool = True) -> None:
         super().__init__()
-        if head_size % 2:
-            raise ValueError(f"rotary head_size must be even, got {head_size}")
+        rotary_dim = head_size if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+            raise ValueError(f"rotary dimension must be even and in (0, head_size "
+                             f"{head_size}], got {rotary_dim}")
         self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.is_neox = is_neox
         self.max_position = max_position
         self.rope_type = params["rope_type"]
-        inv_freq = compute_inv_freq(head_size, params)
+        inv_freq = compute_inv_freq(rotary_dim, params)
         t = torch.arange(max_position, dtype=torch.int64).to(torch.float)
         freqs = t[:, None] * inv_freq[None, :]  # HF: position.float() * inv_freq, in float32
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.float32)
@@ -112,10 +126,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q [T, num_heads(, )head_size] and k [T, num_kv_heads(, )head_size] in
         place (any token stride: slices of a fused qkv projection), positions int64 [T],
-        with the native ``rotary_embedding`` op: HF's rotate_half rounding, the float32
-        table cast to q's dtype as HF casts cos / sin."""
-        ops.rotary_embedding(positions, q, k, self.head_size, self.cos_sin_cache, True)
+        with the native ``rotary_embedding`` op: HF's rounding, the float32 table cast to
+        q's dtype as HF casts cos / sin."""
+        ops.rotary_embedding(positions, q, k, self.head_size, self.cos_sin_cache, self.is_neox)
 
     def extra_repr(self) -> str:
-        return f"head_size={self.head_size}, max_position={self.max_position}, rope_type={self.rope_type}"
+        partial = "" if self.rotary_dim == self.head_size else f", rotary_dim={self.rotary_dim}"
+        return (f"head_size={self.head_size}{partial}, is_neox={self.is_neox}, "
+                f"max_position={self.max_position}, rope_type={self.rope_type}")
 

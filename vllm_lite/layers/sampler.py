@@ -609,7 +609,11 @@ class Sampler:
                 [rows[flat_rows[j]].params.logprobs for j in want_top],
             )
             top_dicts = dict(zip(want_top, dicts))
-        toks_l, lps_l = flat_tokens.tolist(), flat_lp.tolist()
+        # One copy to the host for the step's tokens and their logprobs (float64 holds
+        # every token id exactly, and every float32 logprob).
+        toks_f, lps_l = torch.stack((flat_tokens.to(torch.float64),
+                                     flat_lp.to(torch.float64))).tolist()
+        toks_l = [int(t) for t in toks_f]
         j = 0
         for i in order:
             n = tokens[i].numel()

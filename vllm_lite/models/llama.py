@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,10 @@ class LayerOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: bool = False  # RMSNorm of each head of q and k (Qwen3)
+    # With qk_norm: one RMSNorm over all of q's (k's) heads at once instead (OLMoE).
+    qk_norm_over_heads: bool = False
+    clip_qkv: float | None = None  # q, k, v clamped to [-clip, clip] (OLMoE's option)
 
 
 def _head_dim(config: Any) -> int:
@@ -166,9 +169,17 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=opts.qkv_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=opts.o_bias)
+        self.qk_norm_over_heads = opts.qk_norm and opts.qk_norm_over_heads
+        self.clip_qkv = opts.clip_qkv
+        if self.qk_norm_over_heads and shard.size > 1:
+            # Its statistics span every rank's heads: it would need a reduction of its own.
+            raise ValueError("a q/k norm over all heads (OLMoE) is not implemented with "
+                             "tensor parallelism; use tensor_parallel_size 1")
         if opts.qk_norm:
-            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            q_dim, k_dim = ((self.q_size, self.kv_size) if self.qk_norm_over_heads
+                            else (self.head_dim, self.head_dim))
+            self.q_norm: RMSNorm | None = RMSNorm(q_dim, eps=config.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(k_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         # One table shared by all layers (they are identical) unless none is given.
@@ -180,9 +191,14 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
-            # Qwen3: per-head RMSNorm of q and k, before rotary (as HF).
-            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+            if self.qk_norm_over_heads:  # OLMoE: over all heads at once
+                q, k = self.q_norm(q), self.k_norm(k)
+            else:  # Qwen3: per-head RMSNorm of q and k, before rotary (as HF)
+                q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+                k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        if self.clip_qkv is not None:  # after the norms, before rotary (as HF)
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         # In place, on the fused output's columns (or the normed copies).
         self.rotary_emb(positions, q, k)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -196,14 +212,19 @@ class LlamaMLP(nn.Module):
     row-parallel."""
 
     def __init__(self, config: Any, opts: LayerOptions,
-                 tp: TensorParallelGroup | None = None) -> None:
+                 tp: TensorParallelGroup | None = None, intermediate_size: int | None = None,
+                 reduce: bool = True) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
         self.tp = tp
+        # intermediate_size: config.intermediate_size unless given (an MoE's shared
+        # expert); reduce=False leaves the ranks' partial sums to the caller's all-reduce.
+        self.full_intermediate_size = intermediate_size or config.intermediate_size
+        self.reduce = reduce
         self.intermediate_start, self.intermediate_size = Shard.of(tp).range(
-            config.intermediate_size)
+            self.full_intermediate_size)
         self.gate_up_proj = Linear(
             config.hidden_size, 2 * self.intermediate_size, bias=opts.mlp_bias, gated=True
         )
@@ -214,7 +235,8 @@ class LlamaMLP(nn.Module):
         # A Linear fuses the activation into its GEMM where it can; a quantized layer
         # (layers/quantization.py) in its place gives [gate | up].
         act = proj(x, silu_and_mul=True) if isinstance(proj, Linear) else ops.silu_and_mul(proj(x))
-        return all_reduce(self.tp, self.down_proj(act))
+        out = self.down_proj(act)
+        return all_reduce(self.tp, out) if self.reduce else out
 
 
 class DecodeSettings(NamedTuple):
@@ -250,23 +272,35 @@ class DecodeParts:
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, opts: LayerOptions, max_position: int,
                  rotary_emb: RotaryEmbedding | None = None,
-                 tp: TensorParallelGroup | None = None) -> None:
+                 tp: TensorParallelGroup | None = None, layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, opts, max_position, rotary_emb, tp)
-        self.mlp = LlamaMLP(config, opts, tp)
+        self.mlp = self.make_mlp(config, opts, tp, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_mlp(self, config: Any, opts: LayerOptions, tp: TensorParallelGroup | None,
+                 layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward block (a subclass's may be a mixture of
+        experts, vllm_lite.models.moe)."""
+        return LlamaMLP(config, opts, tp)
 
     def decode_parts(self, dtype: torch.dtype) -> DecodeParts | None:
         """This layer's tensors and settings for ``ops.llama_decode_layers``, which runs what
         forward runs for a decode step on the CPU; None where forward would run anything
         else (tensor parallelism, Qwen3's q/k norms, a projection none of the call's ops
-        serves: see each layer's ``decode_form``; no KV cache)."""
+        serves: see each layer's ``decode_form``; no KV cache; a feed-forward block other
+        than LlamaMLP or a layer forward other than this class's; a rotary other than
+        rotate_half over whole heads)."""
         attn, mlp = self.self_attn, self.mlp
         core = attn.attn
-        if (attn.tp is not None or mlp.tp is not None or attn.q_norm is not None
+        rotary = attn.rotary_emb
+        if (type(self).forward is not LlamaDecoderLayer.forward
+                or type(mlp) is not LlamaMLP or attn.tp is not None or mlp.tp is not None
+                or attn.q_norm is not None or attn.clip_qkv is not None
                 or core.k_cache is None or core.v_cache is None
-                or attn.rotary_emb.head_size != core.head_size):
+                or rotary.head_size != core.head_size or rotary.rotary_dim != core.head_size
+                or not rotary.is_neox):
             return None
         projections = tuple(
             lin.decode_form(dtype) if hasattr(lin, "decode_form") else None
@@ -300,15 +334,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """``layer_cls`` (default LlamaDecoderLayer) builds each layer; ``rotary_emb`` (default
+    rotate_half over whole heads with the config's rope settings) is shared by all."""
+
     def __init__(self, config: Any, opts: LayerOptions, max_position: int,
-                 tp: TensorParallelGroup | None = None) -> None:
+                 tp: TensorParallelGroup | None = None,
+                 layer_cls: type[LlamaDecoderLayer] | None = None,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.rotary_emb = RotaryEmbedding(_head_dim(config), max_position,
-                                          rope_parameters_of(config))
+        self.rotary_emb = rotary_emb if rotary_emb is not None else RotaryEmbedding(
+            _head_dim(config), max_position, rope_parameters_of(config))
+        layer_cls = layer_cls or LlamaDecoderLayer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, opts, max_position, self.rotary_emb, tp)
-            for _ in range(config.num_hidden_layers)
+            layer_cls(config, opts, max_position, self.rotary_emb, tp, layer_idx=i)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -423,9 +463,13 @@ class LlamaForCausalLM(nn.Module):
     checkpoint's tensors, and ``compute_logits`` gathers the vocabulary (all ranks call it).
     """
 
+    # Each decoder layer's class (a subclass of LlamaDecoderLayer).
+    decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+
     def __init__(self, config: Any, max_model_len: int | None = None,
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        self.check_config(config)
         self.config = config
         self.tp = tp
         max_position = max_model_len or config.max_position_embeddings
@@ -438,7 +482,8 @@ class LlamaForCausalLM(nn.Module):
                 "contexts up to %d tokens (cap max_model_len there)",
                 type(self).__name__, self.sliding_window, self.sliding_window,
             )
-        self.model = LlamaModel(config, self.layer_options(config), max_position, tp)
+        self.model = LlamaModel(config, self.layer_options(config), max_position, tp,
+                                self.decoder_layer_cls, self.rotary_embedding(config, max_position))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # The head holds the embedding's vocabulary rows (its own copy unless tied).
         self.lm_head = Linear(config.hidden_size, self.model.embed_tokens.num_embeddings,
@@ -447,11 +492,22 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
+    def check_config(cls, config: Any) -> None:
+        """ValueError naming the config field for a setting this class cannot run; called
+        first, before anything is allocated or any weight read. The Llama family has
+        nothing to check beyond read_hf_config's sizes (its MoE and GLM subclasses do)."""
+
+    @classmethod
     def layer_options(cls, config: Any) -> LayerOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return LayerOptions(
             qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
         )
+
+    @classmethod
+    def rotary_embedding(cls, config: Any, max_position: int) -> RotaryEmbedding:
+        """The rotary table every layer shares: rotate_half over whole heads."""
+        return RotaryEmbedding(_head_dim(config), max_position, rope_parameters_of(config))
 
     @staticmethod
     def _sliding_window(config: Any) -> int | None:
@@ -477,15 +533,10 @@ class LlamaForCausalLM(nn.Module):
         parameter (or fused shard) that no tensor filled.
         """
         params = dict(self.named_parameters())
-        expected: set[tuple[str, str | int | None]] = set()
+        expected: set[tuple[str, Any]] = set()
         for name in params:
-            if ".qkv_proj." in name:
-                expected.update((name, s) for s in ("q", "k", "v"))
-            elif ".gate_up_proj." in name:
-                expected.update((name, s) for s in (0, 1))
-            else:
-                expected.add((name, None))
-        loaded: set[tuple[str, str | int | None]] = set()
+            expected.update((name, s) for s in self._shards_of(name))
+        loaded: set[tuple[str, Any]] = set()
         unexpected: list[str] = []
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name or "rotary_emb.cos_cached" in hf_name \
@@ -493,25 +544,21 @@ class LlamaForCausalLM(nn.Module):
                 continue  # old checkpoints saved the rotary buffers; we recompute them
             if self.tie_word_embeddings and hf_name == "lm_head.weight":
                 continue  # tied: the embedding is the head (some checkpoints store both)
-            name, shard = hf_name, None
-            for hf_part, our_part, shard_id in _STACKED:
-                if hf_part in hf_name:
-                    name, shard = hf_name.replace(hf_part, our_part), shard_id
+            for name, shard, part in self._checkpoint_targets(hf_name, tensor):
+                param = params.get(name)
+                if param is None:
+                    unexpected.append(hf_name)
                     break
-            param = params.get(name)
-            if param is None:
-                unexpected.append(hf_name)
-                continue
-            target = self._shard_view(param, name, shard)
-            tensor = self._rank_part(name, shard, tensor)
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} does not "
-                    f"match the model's {tuple(target.shape)} (config mismatch?)"
-                )
-            with torch.no_grad():
-                target.copy_(tensor)
-            loaded.add((name, shard))
+                target = self._shard_view(param, name, shard)
+                part = self._rank_part(name, shard, part)
+                if target.shape != part.shape:
+                    raise ValueError(
+                        f"weight {hf_name}: checkpoint shape {tuple(part.shape)} does not "
+                        f"match the model's {tuple(target.shape)} (config mismatch?)"
+                    )
+                with torch.no_grad():
+                    target.copy_(part)
+                loaded.add((name, shard))
         if unexpected:
             raise ValueError(
                 f"unexpected weights in the checkpoint for {type(self).__name__}: "
@@ -525,6 +572,24 @@ class LlamaForCausalLM(nn.Module):
                 f"{names[:20]}{' ...' if len(names) > 20 else ''}"
             )
         self.prepare_for_cpu()
+
+    def _shards_of(self, name: str) -> tuple[Any, ...]:
+        """The shards of parameter ``name`` that checkpoint tensors fill, each once (None:
+        the whole parameter)."""
+        if ".qkv_proj." in name:
+            return ("q", "k", "v")
+        if ".gate_up_proj." in name:
+            return (0, 1)
+        return (None,)
+
+    def _checkpoint_targets(self, hf_name: str, tensor: torch.Tensor
+                            ) -> list[tuple[str, Any, torch.Tensor]]:
+        """(our parameter name, its shard, the tensor for it) for a checkpoint tensor: HF's
+        separate q/k/v and gate/up projections fill rows of the fused ones."""
+        for hf_part, our_part, shard_id in _STACKED:
+            if hf_part in hf_name:
+                return [(hf_name.replace(hf_part, our_part), shard_id, tensor)]
+        return [(hf_name, None, tensor)]
 
     def prepare_for_cpu(self) -> None:
         """Puts every projection and the head in the CPU GEMM's preferred weight form
@@ -586,7 +651,8 @@ class LlamaForCausalLM(nn.Module):
             kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
             index, part_starts = "qkv".index(shard), (0, heads * d, (heads + kv_heads) * d)
         else:
-            index, part_starts = shard, (0, cfg.intermediate_size)
+            mlp = self.get_submodule(module.rpartition(".")[0])
+            index, part_starts = shard, (0, mlp.full_intermediate_size)
         start, size = segments[index]
         return tensor.narrow(0, start - part_starts[index], size)
 
@@ -598,13 +664,15 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is None:
             return None
         attn = self.model.layers[0].self_attn
-        mlp = self.model.layers[0].mlp
         d = attn.head_dim
         q_all = attn.num_heads * self.tp.size * d
         kv_all = (getattr(self.config, "num_key_value_heads", None)
                   or self.config.num_attention_heads) * d
-        inter = self.config.intermediate_size
-        i0, n = mlp.intermediate_start, mlp.intermediate_size
+        if module.endswith((".gate_up_proj", ".down_proj")):
+            # Its MLP's slice (an MoE model's dense and shared-expert MLPs differ in size).
+            mlp = self.get_submodule(module.rpartition(".")[0])
+            inter = mlp.full_intermediate_size
+            i0, n = mlp.intermediate_start, mlp.intermediate_size
         if module.endswith(".qkv_proj"):
             kv0, nkv = attn.kv_head_start * d, attn.num_kv_heads * d
             return 0, [(attn.head_start * d, attn.num_heads * d), (q_all + kv0, nkv),
@@ -625,8 +693,8 @@ class LlamaForCausalLM(nn.Module):
             attn = self.model.layers[0].self_attn
             q, kv = attn.q_size, attn.kv_size
             start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-        else:  # gate (0) / up (1) of gate_up_proj
-            size = self.model.layers[0].mlp.intermediate_size
+        else:  # gate (0) / up (1) of gate_up_proj: its MLP's intermediate size
+            size = self.get_submodule(name.rsplit(".", 2)[0]).intermediate_size
             start = shard * size
         return param.data.narrow(0, start, size)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_lite.config import DEFAULT_MODEL
+from vllm_lite.config.schema import DEFAULT_MODEL
 from vllm_lite.models.gguf import resolve_model
 from vllm_lite.models.gptq_awq import dequantized_weights, read_spec
 from vllm_lite.models.registry import get_model_class
@@ -140,6 +140,18 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _mlp_params(config: Any) -> int:
+    """A layer's feed-forward parameters: the dense SwiGLU MLP's, or a mixture of experts'
+    (each expert's, the router's, a shared expert's), counted as if every layer had them."""
+    hidden = config.hidden_size
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if not experts:
+        return 3 * hidden * config.intermediate_size
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+    return experts * (3 * hidden * inter + hidden) + 3 * hidden * shared + hidden
+
+
 def estimate_model_bytes(config: Any, dtype: torch.dtype, max_model_len: int | None = None) -> int:
     """Bytes the model's parameters and buffers take (within a few per cent): embeddings,
     the untied lm_head, per layer the QKV / output / MLP projections and norms, and the
@@ -148,10 +160,9 @@ def estimate_model_bytes(config: Any, dtype: torch.dtype, max_model_len: int | N
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = _head_dim(config)
-    inter = config.intermediate_size
     per_layer = (hidden * (heads + 2 * kv_heads) * head_dim  # fused QKV
                  + heads * head_dim * hidden                  # o_proj
-                 + 3 * hidden * inter                         # gate/up and down
+                 + _mlp_params(config)                        # MLP or experts
                  + 2 * hidden + 2 * head_dim)                 # norms (q/k norms for Qwen3)
     params = vocab * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
     params += config.num_hidden_layers * per_layer + hidden
@@ -355,6 +366,8 @@ def load_model(
     path = resolve_model(path)
     config = read_hf_config(path)
     model_cls = get_model_class(getattr(config, "architectures", None))
+    # The architecture's own settings (MoE routing, GLM's rotary) before sizes are used.
+    model_cls.check_config(config)
     torch_dtype = resolve_dtype(dtype, config)
     check_model_memory(config, torch_dtype, torch.device(device), max_model_len,
                        1 if tp is None else tp.size)

@@ -1,0 +1,177 @@
+"""Mixture-of-experts feed-forward block: a router picks ``top_k`` of ``num_experts`` SwiGLU
+experts per token and the block returns their outputs' weighted sum.
+
+One function does the whole block's arithmetic, :func:`fused_moe`; its signature is the
+schema of the native op meant to replace it (``torch.ops.vllm_lite.fused_moe``), so that
+swap happens in that one function and nothing else changes:
+
+    fused_moe(Tensor hidden, Tensor router_logits, Tensor w13, Tensor w2, int top_k,
+              bool renormalize) -> Tensor
+
+- ``hidden`` [T, H] (float32, float16 or bfloat16; rows contiguous);
+- ``router_logits`` [T, E], any float dtype (the router GEMM's output, in the model's
+  dtype as HF computes it);
+- ``w13`` [E, 2I, H]: each expert's [gate | up] rows, the dense MLP's gate_up layout;
+- ``w2`` [E, H, I]: each expert's down projection;
+- returns [T, H] in ``hidden``'s dtype.
+
+Routing (:func:`select_experts`, the models' shared normalisation): softmax over the E
+logits in float32, the ``top_k`` largest probabilities (ties to the lower expert id, as
+torch.topk), divided by their sum when ``renormalize`` (Mixtral always; Qwen-MoE and OLMoE
+when ``norm_topk_prob``). The experts: tokens grouped by expert (a stable sort of the
+T * top_k (token, expert) pairs), per expert one GEMM of its rows by its gate_up, SiLU-and-mul,
+one GEMM by its down projection; each row times its routing weight (float32), summed back
+into its token's row in float32 and rounded once to the dtype. An expert no token chose
+costs nothing.
+
+Limits (:data:`MAX_NUM_EXPERTS`, :data:`MAX_TOP_K`) are what the kernels promise to cover;
+:func:`check_moe_config` refuses a model past them when it loads, naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_lite import ops
+from vllm_lite.distributed.group import TensorParallelGroup
+from vllm_lite.distributed.layers import Shard, all_reduce
+
+#: The most experts a layer may have (the largest released MoE checkpoints have 256).
+MAX_NUM_EXPERTS = 512
+#: The most experts a token may be routed to.
+MAX_TOP_K = 32
+
+
+def _check_count(field: str, value: Any, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise ValueError(f"config field {field} must be an int in [1, {limit}], got {value!r}")
+    return value
+
+
+def check_moe_config(num_experts: tuple[str, Any], top_k: tuple[str, Any],
+                     intermediate_size: tuple[str, Any],
+                     renormalize: tuple[str, Any] | None = None) -> None:
+    """The MoE settings of a config, each given as (field name, value): ValueError naming
+    the field for one the MoE layer cannot run (a count past the limits, top_k above the
+    expert count, a size that is not a positive int, a normalisation flag that is not a
+    bool). Models call it before building anything."""
+    experts = _check_count(num_experts[0], num_experts[1], MAX_NUM_EXPERTS)
+    k = _check_count(top_k[0], top_k[1], MAX_TOP_K)
+    if k > experts:
+        raise ValueError(f"config field {top_k[0]} ({k}) exceeds {num_experts[0]} ({experts}): "
+                         f"a token cannot be routed to more experts than there are")
+    name, size = intermediate_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"config field {name} must be a positive int, got {size!r}")
+    if renormalize is not None and not isinstance(renormalize[1], bool):
+        raise ValueError(f"config field {renormalize[0]} must be true or false (whether the "
+                         f"top-k routing weights are renormalised), got {renormalize[1]!r}")
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, top_k], expert ids int64 [T, top_k]): softmax of the logits in
+    float32, its top_k, renormalised to sum 1 when ``renormalize``."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """The MoE block's output [T, H] (see the module doc for the contract, which is the
+    native op's schema): routing, grouped expert GEMMs, weighted sum in token order."""
+    tokens = hidden.shape[0]
+    num_experts = w13.shape[0]
+    out = torch.zeros(tokens, w2.shape[1], dtype=torch.float32, device=hidden.device)
+    if tokens == 0:
+        return out.to(hidden.dtype)
+    weights, ids = select_experts(router_logits, top_k, renormalize)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    rows = hidden.index_select(0, order // top_k)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    expert_out = torch.empty(rows.shape[0], w2.shape[1], dtype=hidden.dtype,
+                             device=hidden.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        x = rows[start:start + n]
+        expert_out[start:start + n] = F.linear(ops.silu_and_mul(F.linear(x, w13[e])), w2[e])
+        start += n
+    weighted = expert_out.float() * weights.reshape(-1)[order].unsqueeze(1)
+    out.index_add_(0, order // top_k, weighted)
+    return out.to(hidden.dtype)
+
+
+class Router(nn.Module):
+    """A small replicated projection without bias (the router's [E, H], the shared
+    expert's sigmoid gate [1, H]): not an nn.Linear, so weight quantization leaves it in
+    the model's dtype (a quantized router would route tokens differently)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedMoE(nn.Module):
+    """A layer's routed experts' weights: ``w13_weight`` [E, 2I, H] and ``w2_weight``
+    [E, H, I], I being this rank's slice of the experts' intermediate features under
+    tensor parallelism (cut as the dense MLP's: each rank returns a partial sum)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 intermediate_size: int, renormalize: bool,
+                 tp: TensorParallelGroup | None = None) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_start, self.intermediate_size = Shard.of(tp).range(intermediate_size)
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size,
+                                                   hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size,
+                                                  self.intermediate_size))
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return fused_moe(hidden, router_logits, self.w13_weight, self.w2_weight, self.top_k,
+                         self.renormalize)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}")
+
+
+class SparseMoeBlock(nn.Module):
+    """The feed-forward block of an MoE layer: ``gate`` (the router), ``experts``
+    (:class:`FusedMoE`) and, for Qwen2-MoE, a ``shared_expert`` (a dense MLP every token
+    runs, built by the model with reduce=False) scaled by ``sigmoid(shared_expert_gate(x))``
+    and added. Under tensor parallelism one all-reduce sums the ranks' partial outputs."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 intermediate_size: int, renormalize: bool,
+                 tp: TensorParallelGroup | None = None,
+                 shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = FusedMoE(hidden_size, num_experts, top_k, intermediate_size,
+                                renormalize, tp)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Router(hidden_size, 1) if shared_expert is not None else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden, self.gate(hidden))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return all_reduce(self.tp, out)
