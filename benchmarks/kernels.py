@@ -58,7 +58,7 @@ from typing import Any
 from collections.abc import Callable
 
 from . import RESULTS_DIR, prefill_kernels
-from vllm_lite.config import THREADS_HELP, EngineArgs
+from vllm_lite.config import KV_CACHE_LAYOUTS, THREADS_HELP, EngineArgs
 
 log = logging.getLogger("bench.kernels")
 
@@ -131,6 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=EngineArgs.block_size,
                    help="tokens per KV block of the paged pools (default: %(default)s, the "
                         "engine's)")
+    p.add_argument("--kv-cache-layout", choices=KV_CACHE_LAYOUTS,
+                   default=EngineArgs.kv_cache_layout,
+                   help="the pool's layout: split (vLLM's paged) or flash ([block, token, "
+                        "kv head, dim]); the kernels read either")
     p.add_argument("--pool-gib", type=float, default=2.0,
                    help="minimum size of each KV pool (K + V), GiB; grows to the largest shape")
     p.add_argument("--mem-gib", type=float, default=None,
@@ -494,7 +498,8 @@ class Bench:
         bs = self.args.block_size
         block_bytes = 2 * heads.kv * heads.size * bs * self.elem(dtype)
         num_blocks = max(1, math.ceil(pool_bytes / block_bytes))
-        kshape, vshape = ops.kv_cache_shapes(num_blocks, heads.kv, heads.size, bs, tdt)
+        kshape, vshape = ops.kv_cache_shapes(num_blocks, heads.kv, heads.size, bs, tdt,
+                                             self.args.kv_cache_layout)
         t0 = time.perf_counter()
         if self.device == "cpu":  # as the engine's CPU pools (worker/cache_engine.py)
             from vllm_lite.worker.cpu_malloc import empty_huge_pages
@@ -507,7 +512,8 @@ class Bench:
         if self.device == "cuda":
             torch.cuda.synchronize()
         info = {"dtype": SHORT_DTYPE[dtype], "heads": heads.name, "num_blocks": num_blocks,
-                "block_size": bs, "GiB": num_blocks * block_bytes / GIB,
+                "block_size": bs, "layout": self.args.kv_cache_layout,
+                "GiB": num_blocks * block_bytes / GIB,
                 "fill_s": round(time.perf_counter() - t0, 2)}
         log.info("pool %s %s: %d blocks of %d tokens, %.2f GiB (filled in %.1f s)",
                  info["dtype"], heads.name, num_blocks, bs, info["GiB"], info["fill_s"])
@@ -524,6 +530,14 @@ class Bench:
         torch = self.torch
         kc, vc = pool["k"], pool["v"]
         bs, kv, hs = self.args.block_size, heads.kv, heads.size
+        if kc.dim() == 4:  # the flash layout: [block, token, kv head, dim], K and V alike
+            for cache, out in ((kc, k_out), (vc, v_out)):
+                st = stage.view(-1)[: idx.numel() * cache[0].numel()].view(
+                    (idx.numel(),) + tuple(cache.shape[1:]))
+                torch.index_select(cache, 0, idx, out=st)
+                out.view(batch, kv, nbps, bs, hs).copy_(
+                    st.view(batch, nbps, bs, kv, hs).permute(0, 3, 1, 2, 4))
+            return
         x = kc.shape[-1]
         ks = stage.view(-1)[: idx.numel() * kc[0].numel()].view((idx.numel(),) + tuple(kc.shape[1:]))
         torch.index_select(kc, 0, idx, out=ks)
@@ -548,7 +562,7 @@ class Bench:
         row: dict[str, Any] = {
             "dtype": SHORT_DTYPE[s.dtype], "heads": h.name, "num_heads": h.q,
             "num_kv_heads": h.kv, "head_size": h.size, "batch": s.batch, "ctx": s.ctx,
-            "block_size": bs, "kv_bytes": kv_bytes, "pool_GiB": round(pool["info"]["GiB"], 2),
+            "block_size": bs, "layout": a.kv_cache_layout, "kv_bytes": kv_bytes, "pool_GiB": round(pool["info"]["GiB"], 2),
             "auto": "v2" if ops.use_v2(s.ctx, s.batch, h.q) else "v1", "kernels": {},
         }
         t_setup = time.perf_counter()

@@ -140,11 +140,16 @@ PagedAttentionDims check_attention_common(
 
   d.cache_dtype = kind;
   d.x = key_chunk_elems(query.scalar_type(), kind);
-  check_head_size_fits_x(op, d.head_size, d.x, kv_cache_dtype);
-  check_dim(op, key_cache, "key_cache", 5,
-            "[num_blocks, num_kv_heads, head_size / x, block_size, x]");
+  TORCH_CHECK(key_cache.dim() == 5 || key_cache.dim() == 4, op,
+              ": key_cache must be 5-D [num_blocks, num_kv_heads, head_size / x, block_size, x] "
+              "(split layout) or 4-D [num_blocks, block_size, num_kv_heads, head_size] (flash "
+              "layout), got ", key_cache.dim(), "-D shape ", key_cache.sizes());
+  d.flash_layout = key_cache.dim() == 4;
+  if (!d.flash_layout) check_head_size_fits_x(op, d.head_size, d.x, kv_cache_dtype);
   check_dim(op, value_cache, "value_cache", 4,
-            "[num_blocks, num_kv_heads, head_size, block_size]");
+            d.flash_layout ? "[num_blocks, block_size, num_kv_heads, head_size] (the flash "
+                             "layout, as key_cache)"
+                           : "[num_blocks, num_kv_heads, head_size, block_size]");
   check_cache_dtype(op, key_cache, "key_cache", query.scalar_type(), kind);
   check_cache_dtype(op, value_cache, "value_cache", query.scalar_type(), kind);
   check_contiguous(op, key_cache, "key_cache");
@@ -155,16 +160,27 @@ PagedAttentionDims check_attention_common(
   d.num_kv_heads = num_kv_heads;
   d.block_size = block_size;
   d.num_blocks = key_cache.size(0);
-  const std::vector<int64_t> want_k{d.num_blocks, num_kv_heads, d.head_size / d.x, block_size,
-                                    d.x};
-  TORCH_CHECK(key_cache.sizes() == at::IntArrayRef(want_k), op, ": key_cache must have shape ",
-              at::IntArrayRef(want_k), " for num_kv_heads=", num_kv_heads,
-              ", head_size=", d.head_size, ", block_size=", block_size, ", x=", d.x, ", got ",
-              key_cache.sizes());
-  const std::vector<int64_t> want_v{d.num_blocks, num_kv_heads, d.head_size, block_size};
-  TORCH_CHECK(value_cache.sizes() == at::IntArrayRef(want_v), op,
-              ": value_cache must have shape ", at::IntArrayRef(want_v), ", got ",
-              value_cache.sizes());
+  if (d.flash_layout) {
+    const std::vector<int64_t> want{d.num_blocks, block_size, num_kv_heads, d.head_size};
+    TORCH_CHECK(key_cache.sizes() == at::IntArrayRef(want), op, ": key_cache must have shape ",
+                at::IntArrayRef(want), " (flash layout) for num_kv_heads=", num_kv_heads,
+                ", head_size=", d.head_size, ", block_size=", block_size, ", got ",
+                key_cache.sizes());
+    TORCH_CHECK(value_cache.sizes() == at::IntArrayRef(want), op,
+                ": value_cache must have key_cache's shape ", at::IntArrayRef(want),
+                " (flash layout), got ", value_cache.sizes());
+  } else {
+    const std::vector<int64_t> want_k{d.num_blocks, num_kv_heads, d.head_size / d.x, block_size,
+                                      d.x};
+    TORCH_CHECK(key_cache.sizes() == at::IntArrayRef(want_k), op, ": key_cache must have shape ",
+                at::IntArrayRef(want_k), " for num_kv_heads=", num_kv_heads,
+                ", head_size=", d.head_size, ", block_size=", block_size, ", x=", d.x, ", got ",
+                key_cache.sizes());
+    const std::vector<int64_t> want_v{d.num_blocks, num_kv_heads, d.head_size, block_size};
+    TORCH_CHECK(value_cache.sizes() == at::IntArrayRef(want_v), op,
+                ": value_cache must have shape ", at::IntArrayRef(want_v), ", got ",
+                value_cache.sizes());
+  }
 
   TORCH_CHECK(d.num_heads % num_kv_heads == 0, op, ": num_heads (", d.num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");

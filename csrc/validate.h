@@ -28,7 +28,12 @@ struct PagedAttentionDims {
   int64_t block_size;
   int64_t num_blocks;
   int64_t max_blocks_per_seq;
-  int64_t x;  // elements per 16-byte chunk of the key cache
+  int64_t x;  // elements per 16-byte chunk of the key cache (split layout)
+  // The caches' layout, told apart by the key cache's rank: false = the split layout
+  // (key [num_blocks, num_kv_heads, head_size / x, block_size, x], value [num_blocks,
+  // num_kv_heads, head_size, block_size]); true = the flash layout (key and value
+  // [num_blocks, block_size, num_kv_heads, head_size], what reshape_and_cache_flash writes).
+  bool flash_layout;
   KvCacheDType cache_dtype;
   int64_t q_stride_seq;
   int64_t q_stride_head;

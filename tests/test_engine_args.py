@@ -210,7 +210,7 @@ def _non_defaults(model_dir: Path) -> dict[str, Any]:
         "swap_space": 0.02, "enable_prefix_caching": True, "enable_chunked_prefill": True,
         "preemption_mode": "swap", "scheduling_policy": "priority", "seed": 7,
         "num_gpu_blocks_override": 12, "max_logprobs": 5, "quantization": "int4",
-        "quantization_group_size": 32, "kv_cache_dtype": "fp8_e5m2",
+        "quantization_group_size": 32, "kv_cache_dtype": "fp8_e5m2", "kv_cache_layout": "flash",
         "tensor_parallel_size": 2, "distributed_timeout": 30.0, "cpu_threads_bind": "auto",
         "enforce_eager": True,
         "chat_template_timeout": 2.5, "chat_template_max_chars": 4096,

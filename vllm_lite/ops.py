@@ -54,10 +54,18 @@ def kv_cache_x(dtype: torch.dtype) -> int:
 
 
 def kv_cache_shapes(
-    num_blocks: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype
+    num_blocks: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
+    layout: str = "split",
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the paged key and value caches for one layer; ``dtype`` is the cache
-    tensors' (``kv_cache_storage_dtype``: uint8 for fp8, so x = 16)."""
+    tensors' (``kv_cache_storage_dtype``: uint8 for fp8, so x = 16). ``layout`` "split"
+    (vLLM's paged layout) or "flash" ([num_blocks, block_size, num_kv_heads, head_size] for
+    both): the attention kernels tell them apart by the key cache's rank."""
+    if layout == "flash":
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        return shape, shape
+    if layout != "split":
+        raise ValueError(f"kv cache layout must be 'split' or 'flash', got {layout!r}")
     x = kv_cache_x(dtype)
     return (
         (num_blocks, num_kv_heads, head_size // x, block_size, x),

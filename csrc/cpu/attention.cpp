@@ -146,15 +146,16 @@ void prefetch_task(const AttentionParams& p, int64_t t) {
   const int64_t elem = cache_element_bytes(p.cache_dtype);
   const int64_t tile = p.head_size * p.block_size * elem;
   const int64_t block_stride = p.num_kv_heads * tile;
+  const int64_t head_at = kv_head_offset(p.flash_layout, kh, p.head_size, p.block_size) * elem;
   const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
   const int64_t first = start / p.block_size;
   const int64_t last = std::min(len - 1, start + p.partition_size - 1) / p.block_size;
   const int64_t blocks = std::max<int64_t>(1, kTaskPrefetchBytes / tile);
   for (int64_t b = first; b <= last && b < first + blocks; ++b) {
-    const int64_t at = table[b] * block_stride + kh * tile;
+    const int64_t at = table[b] * block_stride + head_at;
     for (const void* base : {p.key_cache, p.value_cache}) {
-      const char* c = static_cast<const char*>(base) + at;
-      for (int64_t i = 0; i < tile; i += 64) __builtin_prefetch(c + i, 0, 1);
+      prefetch_kv_tile(static_cast<const char*>(base) + at, p.flash_layout, p.head_size,
+                       p.block_size, p.num_kv_heads, elem);
     }
   }
 }
@@ -243,6 +244,7 @@ AttentionParams make_params(const PagedAttentionDims& d, const at::Tensor& query
   p.q_stride_head = d.q_stride_head;
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
+  p.flash_layout = d.flash_layout;
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;

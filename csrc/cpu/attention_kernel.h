@@ -3,9 +3,13 @@
 // loops over fixed-width lane arrays let the compiler vectorize for that target (SSE2/NEON
 // for generic, AVX2+FMA, AVX-512) with no intrinsics, so every build stays portable.
 //
-// Layouts (vLLM v0.6): key_cache [num_blocks, num_kv_heads, head_size / x, block_size, x]
-// with x = 16 bytes / cache element; value_cache [num_blocks, num_kv_heads, head_size,
-// block_size]; query [num_seqs, num_heads, head_size] (strided rows allowed).
+// Layouts: the split layout (vLLM v0.6): key_cache [num_blocks, num_kv_heads, head_size /
+// x, block_size, x] with x = 16 bytes / cache element; value_cache [num_blocks,
+// num_kv_heads, head_size, block_size]. The flash layout (p.flash_layout): both [num_blocks,
+// block_size, num_kv_heads, head_size], a token's head_size elements contiguous (the K pass
+// then folds VW tokens' per-lane dot products as the split layout's does with x lanes, and
+// the V pass keeps dims across the lanes). query [num_seqs, num_heads, head_size] (strided
+// rows allowed).
 // Cache elements: the query's dtype, or fp8 (e4m3fn / e5m2 bytes, x = 16) holding
 // key / k_scale and value / v_scale: converted exactly to float32 as they are loaded, with
 // k_scale folded into the query and v_scale into the output.
@@ -164,16 +168,23 @@ struct KeyPrefetcher {
   int64_t tile_bytes;
   int64_t last_block;  // logical index of the partition's last block
   int64_t distance;    // blocks ahead
+  bool flash;          // the tile's layout (prefetch_kv_tile)
+  int64_t D, bs, kv_heads, elem;
 
   KeyPrefetcher(const void* b, const int32_t* t, int64_t stride_bytes, int64_t tile,
-                int64_t first_block, int64_t last)
-      : base(b), table(t), block_stride_bytes(stride_bytes), tile_bytes(tile), last_block(last) {
+                int64_t first_block, int64_t last, bool flash_layout, int64_t head_size,
+                int64_t block_size, int64_t num_kv_heads, int64_t elem_bytes)
+      : base(b), table(t), block_stride_bytes(stride_bytes), tile_bytes(tile), last_block(last),
+        flash(flash_layout), D(head_size), bs(block_size), kv_heads(num_kv_heads),
+        elem(elem_bytes) {
     const int64_t d = 16384 / tile;
     distance = d < 1 ? 1 : (d > 16 ? 16 : d);
     for (int64_t k = 1; k < distance && first_block + k <= last_block; ++k) fetch(first_block + k);
   }
   VLLM_LITE_INLINE void fetch(int64_t logical) const {
-    prefetch_tile(static_cast<const char*>(base) + table[logical] * block_stride_bytes, tile_bytes);
+    const char* tile = static_cast<const char*>(base) + table[logical] * block_stride_bytes;
+    if (!flash) return prefetch_tile(tile, tile_bytes);
+    prefetch_kv_tile(tile, true, D, bs, kv_heads, elem);
   }
   // Call once per block, with that block's logical index.
   VLLM_LITE_INLINE void step(int64_t logical) const {
@@ -352,6 +363,9 @@ struct Task {
   int64_t D, bs;
   const int32_t* table;     // the sequence's block table
   int64_t block_stride;     // elements between blocks of the cache
+  bool flash;               // the caches' layout (AttentionParams::flash_layout)
+  int64_t ts;               // flash layout: elements between a tile's tokens
+  int64_t kv_heads;
   const T* kc;              // this KV head's tile in block 0 of each cache
   const T* vc;
   int64_t tile_bytes;       // one (block, KV head) tile
@@ -369,8 +383,11 @@ struct Task {
         bs(p.block_size),
         table(p.block_tables + s * p.max_blocks_per_seq),
         block_stride(p.num_kv_heads * p.head_size * p.block_size),
-        kc(static_cast<const T*>(p.key_cache) + kh * D * bs),
-        vc(static_cast<const T*>(p.value_cache) + kh * D * bs),
+        flash(p.flash_layout),
+        ts(kv_flash_token_stride(p.num_kv_heads, p.head_size)),
+        kv_heads(p.num_kv_heads),
+        kc(static_cast<const T*>(p.key_cache) + kv_head_offset(flash, kh, D, bs)),
+        vc(static_cast<const T*>(p.value_cache) + kv_head_offset(flash, kh, D, bs)),
         tile_bytes(D * bs * static_cast<int64_t>(sizeof(T))) {}
   bool empty() const { return start >= len; }
   int64_t n() const { return end - start; }
@@ -383,15 +400,21 @@ struct Task {
 template <typename T, typename KeyBlock>
 VLLM_LITE_INLINE void walk_blocks(const Task<T>& k, Runs<T>& runs, KeyBlock&& key_block) {
   runs.count = 0;
-  const KeyPrefetcher kpf(k.kc, k.table, k.block_stride * static_cast<int64_t>(sizeof(T)),
-                          k.tile_bytes, k.start / k.bs, (k.end - 1) / k.bs);
+  constexpr int64_t elem = static_cast<int64_t>(sizeof(T));
+  const KeyPrefetcher kpf(k.kc, k.table, k.block_stride * elem, k.tile_bytes, k.start / k.bs,
+                          (k.end - 1) / k.bs, k.flash, k.D, k.bs, k.kv_heads, elem);
   for (int64_t t = k.start; t < k.end;) {
     const int64_t block = k.table[t / k.bs];
     const int64_t off = t % k.bs;
     const int64_t cnt = k.bs - off < k.end - t ? k.bs - off : k.end - t;
     kpf.step(t / k.bs);
-    prefetch_tile(k.vc + block * k.block_stride, k.tile_bytes);
-    runs.tile[runs.count] = k.vc + block * k.block_stride + off;
+    if (k.flash) {
+      prefetch_kv_tile(k.vc + block * k.block_stride, true, k.D, k.bs, k.kv_heads, elem);
+    } else {
+      prefetch_tile(k.vc + block * k.block_stride, k.tile_bytes);
+    }
+    // The run's first value: its row in the flash layout, its dim-0 element in the split.
+    runs.tile[runs.count] = k.vc + block * k.block_stride + off * (k.flash ? k.ts : 1);
     runs.first[runs.count] = t - k.start;
     runs.len[runs.count++] = cnt;
     key_block(k.kc + block * k.block_stride, off, cnt, t - k.start);
@@ -487,7 +510,94 @@ VLLM_LITE_INLINE void softmax(const AttentionParams& p, int64_t s, int64_t part,
   }
 }
 
-template <KvDType DT>
+// The flash layout's K pass over VW consecutive tokens of a block (from kt, ts elements
+// apart): a token's dims are contiguous, so each of its vectors holds VW dims of one token;
+// VW per-token accumulators fold into one vector of VW logits as key_vectors' do (LPT =
+// VW). Needs head_size % VW == 0. q: NG query heads' rows (q_stride floats apart).
+template <typename E, int64_t NG>
+VLLM_LITE_INLINE void key_rows(const typename E::T* kt, int64_t ts, int64_t D, const float* q,
+                               int64_t q_stride, float* lg, int64_t lg_stride) {
+  FV acc[VW][NG] = {};
+  for (int64_t i = 0; i < D; i += VW) {
+    FV qv[NG];
+    for (int64_t g = 0; g < NG; ++g) qv[g] = load_vec<FV>(q + g * q_stride + i);
+    for (int64_t u = 0; u < VW; ++u) {
+      const FV kv = E::template load<VW>(kt + u * ts + i);
+      for (int64_t g = 0; g < NG; ++g) acc[u][g] += qv[g] * kv;
+    }
+  }
+  for (int64_t g = 0; g < NG; ++g) {
+    FV r[VW];
+    for (int64_t u = 0; u < VW; ++u) r[u] = acc[u][g];
+    for (int64_t w = VW; w > 1; w /= 2) {
+      for (int64_t i = 0; i < w / 2; ++i) r[i] = pair_sums<VW>(r[2 * i], r[2 * i + 1]);
+    }
+    store_vec(lg + g * lg_stride, r[0]);
+  }
+}
+
+// key_rows for all G query heads, key_heads<VW>() at a time.
+template <typename E>
+VLLM_LITE_INLINE void key_rows_all(const typename E::T* kt, int64_t ts, int64_t D, int64_t G,
+                                   const float* q, int64_t q_stride, float* lg,
+                                   int64_t lg_stride) {
+  constexpr int64_t HG = key_heads<VW>();
+  int64_t g = 0;
+  for (; g + HG <= G; g += HG) {
+    key_rows<E, HG>(kt, ts, D, q + g * q_stride, q_stride, lg + g * lg_stride, lg_stride);
+  }
+  for (; g < G; ++g) {
+    key_rows<E, 1>(kt, ts, D, q + g * q_stride, q_stride, lg + g * lg_stride, lg_stride);
+  }
+}
+
+// The flash layout's V pass for NG query heads and NV vectors of dims from d: out[g, d..] =
+// sum_t p[g, t] * V[t, d..], dims across the lanes (a token's values are contiguous), so no
+// lane reduction is needed.
+template <typename E, int64_t NG, int64_t NV>
+VLLM_LITE_INLINE void value_rows_block(const Runs<typename E::T>& runs, int64_t ts, int64_t d,
+                                       const float* const* probs, float* const* outs,
+                                       float v_scale) {
+  FV acc[NG][NV] = {};
+  for (int64_t r = 0; r < runs.count; ++r) {
+    const typename E::T* row = runs.tile[r] + d;
+    const int64_t i0 = runs.first[r];
+    for (int64_t i = 0; i < runs.len[r]; ++i) {
+      FV v[NV];
+      for (int64_t j = 0; j < NV; ++j) v[j] = E::template load<VW>(row + i * ts + j * VW);
+      for (int64_t g = 0; g < NG; ++g) {
+        const FV pg = FV{} + probs[g][i0 + i];
+        for (int64_t j = 0; j < NV; ++j) acc[g][j] += pg * v[j];
+      }
+    }
+  }
+  for (int64_t g = 0; g < NG; ++g) {
+    for (int64_t j = 0; j < NV; ++j) store_vec(outs[g] + d + j * VW, acc[g][j] * v_scale);
+  }
+}
+
+template <typename E, int64_t NG>
+VLLM_LITE_INLINE void value_rows(const Runs<typename E::T>& runs, int64_t ts, int64_t D,
+                                 const float* const* probs, float* const* outs, float v_scale) {
+  int64_t d = 0;
+  for (; d + 2 * VW <= D; d += 2 * VW) {
+    value_rows_block<E, NG, 2>(runs, ts, d, probs, outs, v_scale);
+  }
+  for (; d + VW <= D; d += VW) value_rows_block<E, NG, 1>(runs, ts, d, probs, outs, v_scale);
+  for (; d < D; ++d) {  // head_size % VW dims (a multiple of 8 on a 16-float build)
+    for (int64_t g = 0; g < NG; ++g) {
+      float acc = 0.0f;
+      for (int64_t r = 0; r < runs.count; ++r) {
+        for (int64_t i = 0; i < runs.len[r]; ++i) {
+          acc += probs[g][runs.first[r] + i] * E::to_float(runs.tile[r][i * ts + d]);
+        }
+      }
+      outs[g][d] = acc * v_scale;
+    }
+  }
+}
+
+template <KvDType DT, bool Flash>
 void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   using E = Elem<DT>;
   using T = typename E::T;
@@ -515,21 +625,34 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
   }
   for (int64_t d = D; d < Dp; ++d) kbuf[d] = 0.0f;
   // key_vectors needs VW tokens in one block run: none with blocks smaller than that.
-  if (k.bs >= VW) repeat_query<X>(q, Dp, G, D, qrep);
+  if (!Flash && k.bs >= VW) repeat_query<X>(q, Dp, G, D, qrep);
+  // key_rows needs whole vectors of dims too.
+  const int64_t vec_tokens = !Flash || D % VW == 0 ? VW : k.bs + 1;
 
   // 1. K pass: VW tokens at a time where the run has them (key_vectors); the rest per
   // token: its key in float32, then every head's dot product.
   Runs<T> runs;
   walk_blocks(k, runs, [&](const T* kblk, int64_t off, int64_t cnt, int64_t first) {
     int64_t i0 = 0;
-    for (; i0 + VW <= cnt; i0 += VW) {
-      key_vectors_all<E>(kblk + (off + i0) * X, k.bs, D, G, qrep, logits + first + i0, P);
+    for (; i0 + vec_tokens <= cnt; i0 += VW) {
+      if constexpr (Flash) {
+        key_rows_all<E>(kblk + (off + i0) * k.ts, k.ts, D, G, q, Dp, logits + first + i0, P);
+      } else {
+        key_vectors_all<E>(kblk + (off + i0) * X, k.bs, D, G, qrep, logits + first + i0, P);
+      }
     }
     for (int64_t i = i0; i < cnt; ++i) {
-      const T* kt = kblk + (off + i) * X;
-      for (int64_t c = 0; c < D / X; ++c) {
-        for (int64_t j = 0; j < X; j += CW) {
-          store_vec(kbuf + c * X + j, E::template load<CW>(kt + c * k.bs * X + j));
+      if constexpr (Flash) {
+        const T* kt = kblk + (off + i) * k.ts;
+        int64_t j = 0;
+        for (; j + VW <= D; j += VW) store_vec(kbuf + j, E::template load<VW>(kt + j));
+        for (; j < D; ++j) kbuf[j] = E::to_float(kt[j]);
+      } else {
+        const T* kt = kblk + (off + i) * X;
+        for (int64_t c = 0; c < D / X; ++c) {
+          for (int64_t j = 0; j < X; j += CW) {
+            store_vec(kbuf + c * X + j, E::template load<CW>(kt + c * k.bs * X + j));
+          }
         }
       }
       float* lg = logits + first + i;
@@ -551,6 +674,11 @@ void attention_task(const AttentionParams& p, int64_t task, float* scratch) {
 
   // 3. V pass, four heads at a time (then the remainder).
   int64_t g = 0;
+  if constexpr (Flash) {
+    for (; g + 4 <= G; g += 4) value_rows<E, 4>(runs, k.ts, D, probs + g, outs + g, p.v_scale);
+    for (; g < G; ++g) value_rows<E, 1>(runs, k.ts, D, probs + g, outs + g, p.v_scale);
+    return;
+  }
   for (; g + 4 <= G; g += 4) value_pass<E, 4>(runs, k.bs, D, probs + g, outs + g, p.v_scale);
   switch (G - g) {
     case 3: value_pass<E, 3>(runs, k.bs, D, probs + g, outs + g, p.v_scale); break;
@@ -574,19 +702,28 @@ namespace vllm_lite::cpu {
 namespace {
 
 void run_task(const AttentionParams& p, int64_t task, float* scratch) {
+  if (p.flash_layout) {
+    switch (p.cache_dtype) {
+      case KvDType::kFp8E4M3: return attention_task<KvDType::kFp8E4M3, true>(p, task, scratch);
+      case KvDType::kFp8E5M2: return attention_task<KvDType::kFp8E5M2, true>(p, task, scratch);
+      case KvDType::kFloat32: return attention_task<KvDType::kFloat32, true>(p, task, scratch);
+      case KvDType::kFloat16: return attention_task<KvDType::kFloat16, true>(p, task, scratch);
+      case KvDType::kBFloat16: return attention_task<KvDType::kBFloat16, true>(p, task, scratch);
+    }
+  }
   switch (p.cache_dtype) {
-    case KvDType::kFp8E4M3: return attention_task<KvDType::kFp8E4M3>(p, task, scratch);
-    case KvDType::kFp8E5M2: return attention_task<KvDType::kFp8E5M2>(p, task, scratch);
-    case KvDType::kFloat32: return attention_task<KvDType::kFloat32>(p, task, scratch);
-    case KvDType::kFloat16: return attention_task<KvDType::kFloat16>(p, task, scratch);
+    case KvDType::kFp8E4M3: return attention_task<KvDType::kFp8E4M3, false>(p, task, scratch);
+    case KvDType::kFp8E5M2: return attention_task<KvDType::kFp8E5M2, false>(p, task, scratch);
+    case KvDType::kFloat32: return attention_task<KvDType::kFloat32, false>(p, task, scratch);
+    case KvDType::kFloat16: return attention_task<KvDType::kFloat16, false>(p, task, scratch);
     case KvDType::kBFloat16:
 #if defined(VLLM_LITE_BF16_DOT)
       return attention_task_bf16dp(p, task, scratch);
 #elif defined(VLLM_LITE_BF16_AVX2)
       if (bf16_avx2_fits(p)) return attention_task_bf16_avx2(p, task, scratch);
-      return attention_task<KvDType::kBFloat16>(p, task, scratch);
+      return attention_task<KvDType::kBFloat16, false>(p, task, scratch);
 #else
-      return attention_task<KvDType::kBFloat16>(p, task, scratch);
+      return attention_task<KvDType::kBFloat16, false>(p, task, scratch);
 #endif
   }
 }

@@ -19,8 +19,12 @@ struct AttentionParams {
   const void* query;  // [num_seqs, num_heads, head_size] with the strides below
   int64_t q_stride_seq;
   int64_t q_stride_head;
-  const void* key_cache;    // [num_blocks, num_kv_heads, head_size / x, block_size, x]
-  const void* value_cache;  // [num_blocks, num_kv_heads, head_size, block_size]
+  // Split layout: key [num_blocks, num_kv_heads, head_size / x, block_size, x], value
+  // [num_blocks, num_kv_heads, head_size, block_size]. Flash layout (flash_layout): both
+  // [num_blocks, block_size, num_kv_heads, head_size].
+  const void* key_cache;
+  const void* value_cache;
+  bool flash_layout;
   const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
   const int32_t* seq_lens;      // [num_seqs]
   const float* alibi_slopes;    // [num_heads] or null
@@ -59,6 +63,7 @@ struct VarlenParams {
   int64_t q_stride_head;
   const void* key_cache;    // as AttentionParams
   const void* value_cache;
+  bool flash_layout;
   const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq]
   const int32_t* seq_lens;         // [num_seqs], context including the new tokens
   const int32_t* query_start_loc;  // [num_seqs + 1]
@@ -81,6 +86,36 @@ struct VarlenParams {
   float* out;
   uint16_t* out_bf16;
 };
+
+// Where the tile of one (block, KV head) lies in either cache layout, in elements: its
+// offset from the block's start, and the distance between its tokens' rows of head_size
+// elements in the flash layout (in the split layout the tile is one contiguous run of
+// head_size x block_size elements).
+inline int64_t kv_head_offset(bool flash, int64_t kh, int64_t head_size, int64_t block_size) {
+  return flash ? kh * head_size : kh * head_size * block_size;
+}
+inline int64_t kv_flash_token_stride(int64_t num_kv_heads, int64_t head_size) {
+  return num_kv_heads * head_size;
+}
+
+// Requests a (block, KV head) tile into the outer caches (locality 1; see
+// attention_kernel.h's prefetch_tile): contiguous in the split layout, block_size rows of
+// head_size elements in the flash layout. tile points at the tile's first element.
+inline void prefetch_kv_tile(const void* tile, bool flash, int64_t head_size, int64_t block_size,
+                             int64_t num_kv_heads, int64_t elem_bytes) {
+  const char* c = static_cast<const char*>(tile);
+  if (!flash) {
+    const int64_t bytes = head_size * block_size * elem_bytes;
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 1);
+    return;
+  }
+  const int64_t row = head_size * elem_bytes;
+  const int64_t stride = num_kv_heads * row;
+  for (int64_t t = 0; t < block_size; ++t, c += stride) {
+    for (int64_t i = 0; i < row; i += 64) __builtin_prefetch(c + i, 0, 1);
+    __builtin_prefetch(c + row - 1, 0, 1);  // a row need not start on a cache line
+  }
+}
 
 // Query rows of a task padded to whole vectors of any build (16 floats): the kernel keeps
 // rows across the vector lanes.

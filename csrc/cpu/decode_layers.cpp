@@ -12,7 +12,7 @@
 //   layer 0:      residual = hidden; hidden = rms_norm(residual)        (norm_weights[0])
 //   later layers: fused_add_rms_norm(hidden, residual)                  (norm_weights[2l])
 //   qkv = projection 4l (hidden)                                  [T, (H + 2 KVH) * D]
-//   rotary_embedding on qkv's q and k columns (neox); reshape_and_cache of k and v
+//   rotary_embedding on qkv's q and k columns (neox); reshape_and_cache(_flash) of k, v
 //   attn_out = paged_attention v1, or v2 with the given scratch        [T, H, D]
 //   hidden = projection 4l + 1 (attn_out)
 //   fused_add_rms_norm(hidden, residual)                              (norm_weights[2l + 1])
@@ -105,8 +105,10 @@ at::Tensor llama_decode_layers(
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
     rotary_embedding(positions, q, k, head_size, cos_sin_cache, /*is_neox=*/true);
     at::Tensor k_cache = key_caches[l], v_cache = value_caches[l];
-    reshape_and_cache(k.view({T, num_kv_heads, head_size}), v.view({T, num_kv_heads, head_size}),
-                      k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale);
+    // The caches' layout is the key cache's rank, as the attention kernels tell it.
+    const auto write_kv = k_cache.dim() == 4 ? reshape_and_cache_flash : reshape_and_cache;
+    write_kv(k.view({T, num_kv_heads, head_size}), v.view({T, num_kv_heads, head_size}), k_cache,
+             v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale);
     const at::Tensor q3 = q.view({T, heads, head_size});
     if (v2) {
       at::Tensor es = *exp_sums, ml = *max_logits, to = *tmp_out;

@@ -78,6 +78,7 @@ void varlen_paged_attention(at::Tensor& out, const at::Tensor& query,
   p.q_stride_head = d.q_stride_head;
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
+  p.flash_layout = d.flash_layout;
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();

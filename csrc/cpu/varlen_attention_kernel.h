@@ -3,8 +3,8 @@
 // sets VLLM_LITE_VARLEN_ISA_FN, then includes this one.
 //
 // Layouts: query [num_tokens, num_heads, head_size] flat over sequences (sequence i's rows
-// are query_start_loc[i] .. query_start_loc[i + 1]); the caches in the paged layouts of
-// attention_kernel.h (the new tokens' K/V already written). Query token j of a sequence
+// are query_start_loc[i] .. query_start_loc[i + 1]); the caches in the split or flash
+// layout of attention_kernel.h (the new tokens' K/V already written). Query token j of a sequence
 // with n new tokens and context length L sits at position L - n + j and sees positions
 // 0 .. L - n + j (bottom-right causal).
 //
@@ -232,7 +232,7 @@ struct VarlenTile {
   }
 };
 
-template <KvDType DT>
+template <KvDType DT, bool Flash>
 void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
   using E = Elem<DT>;
   using T = typename E::T;
@@ -242,8 +242,9 @@ void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
 
   VarlenTile g(p, task, scratch);
   const int64_t D = g.D, Dp = g.Dp, bs = g.bs, rows = g.rows, rp = g.rp;
-  const T* kc = static_cast<const T*>(p.key_cache) + g.kh * D * bs;
-  const T* vc = static_cast<const T*>(p.value_cache) + g.kh * D * bs;
+  const T* kc = static_cast<const T*>(p.key_cache) + kv_head_offset(Flash, g.kh, D, bs);
+  const T* vc = static_cast<const T*>(p.value_cache) + kv_head_offset(Flash, g.kh, D, bs);
+  const int64_t ts = kv_flash_token_stride(p.num_kv_heads, D);  // flash layout only
   float* qt = g.qt;
   float* k = g.k;
   float* v = g.v;
@@ -274,6 +275,16 @@ void varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
     g.for_each_run(c0, cnt, [&](int64_t at, int64_t off, int64_t t, int64_t run) {
       const T* kb = kc + at;
       const T* vb = vc + at;
+      if constexpr (Flash) {
+        // A token's keys and values are contiguous rows; V^T takes each value row apart
+        // (through `row`, free once q^T is built).
+        for (int64_t i = 0; i < run; ++i) {
+          convert_run<E>(kb + (off + i) * ts, D, k + (t + i) * Dp);
+          convert_run<E>(vb + (off + i) * ts, D, row);
+          for (int64_t d = 0; d < D; ++d) v[d * C + t + i] = row[d];
+        }
+        return;
+      }
       for (int64_t i = 0; i < run; ++i) {
         float* kr = k + (t + i) * Dp;
         for (int64_t c = 0; c < D / X; ++c) {
@@ -324,16 +335,25 @@ namespace vllm_lite::cpu {
 namespace {
 
 void run_varlen_task(const VarlenParams& p, int64_t task, float* scratch) {
+  if (p.flash_layout) {
+    switch (p.cache_dtype) {
+      case KvDType::kFp8E4M3: return varlen_task<KvDType::kFp8E4M3, true>(p, task, scratch);
+      case KvDType::kFp8E5M2: return varlen_task<KvDType::kFp8E5M2, true>(p, task, scratch);
+      case KvDType::kFloat32: return varlen_task<KvDType::kFloat32, true>(p, task, scratch);
+      case KvDType::kFloat16: return varlen_task<KvDType::kFloat16, true>(p, task, scratch);
+      case KvDType::kBFloat16: return varlen_task<KvDType::kBFloat16, true>(p, task, scratch);
+    }
+  }
   switch (p.cache_dtype) {
-    case KvDType::kFp8E4M3: return varlen_task<KvDType::kFp8E4M3>(p, task, scratch);
-    case KvDType::kFp8E5M2: return varlen_task<KvDType::kFp8E5M2>(p, task, scratch);
-    case KvDType::kFloat32: return varlen_task<KvDType::kFloat32>(p, task, scratch);
-    case KvDType::kFloat16: return varlen_task<KvDType::kFloat16>(p, task, scratch);
+    case KvDType::kFp8E4M3: return varlen_task<KvDType::kFp8E4M3, false>(p, task, scratch);
+    case KvDType::kFp8E5M2: return varlen_task<KvDType::kFp8E5M2, false>(p, task, scratch);
+    case KvDType::kFloat32: return varlen_task<KvDType::kFloat32, false>(p, task, scratch);
+    case KvDType::kFloat16: return varlen_task<KvDType::kFloat16, false>(p, task, scratch);
     case KvDType::kBFloat16:
 #ifdef VLLM_LITE_BF16_DOT
       return varlen_task_bf16dp(p, task, scratch);  // the query is bf16 too (validate.cpp)
 #else
-      return varlen_task<KvDType::kBFloat16>(p, task, scratch);
+      return varlen_task<KvDType::kBFloat16, false>(p, task, scratch);
 #endif
   }
 }

@@ -184,6 +184,18 @@ __device__ __forceinline__ uint4 load_unit(const T* p) {
   }
 }
 
+// N elements of T, stride elements apart from p (the flash layout's tokens of one dim), in
+// load_unit<T, N>'s chunk (element i at byte i * sizeof(T)).
+template <typename T, int N>
+__device__ __forceinline__ uint4 load_unit_strided(const T* p, int64_t stride) {
+  static_assert(kUnitBytes<T, N> == 16 || (is_fp8_v<T> && kUnitBytes<T, N> == 8), "unit");
+  uint4 c = zero_chunk();
+  unsigned char* bytes = reinterpret_cast<unsigned char*>(&c);
+#pragma unroll
+  for (int i = 0; i < N; ++i) memcpy(bytes + i * sizeof(T), p + i * stride, sizeof(T));
+  return c;
+}
+
 // The first N elements of a chunk from load_unit<T, N> -> N floats.
 template <typename T, int N>
 __device__ __forceinline__ void unit_to_float(const uint4& c, float* out) {

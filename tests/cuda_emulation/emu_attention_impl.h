@@ -38,6 +38,8 @@ void launch_attention(const AttentionArgs& d, void* out, float* exp_sums, float*
   p.q_stride_seq = d.q_stride_seq;
   p.q_stride_head = d.q_stride_head;
   p.kv_block_stride = d.num_kv_heads * d.head_size * d.block_size;
+  p.flash_layout = d.flash_layout;
+  p.kv_token_stride = d.num_kv_heads * d.head_size;
   p.num_blocks = d.num_blocks;
   p.max_tokens = std::max<int64_t>(0, std::min<int64_t>(max_tokens, INT_MAX - attn::kChunkTokens));
   p.num_heads = static_cast<int>(d.num_heads);

@@ -200,6 +200,7 @@ void read_attention_args(const Case& c, emu_ops::AttentionArgs& a) {
   a.block_tables = static_cast<const int32_t*>(c.p("block_tables"));
   a.seq_lens = static_cast<const int32_t*>(c.p("seq_lens"));
   a.alibi_slopes = static_cast<const float*>(c.p_or_null("alibi_slopes"));
+  a.flash_layout = c.i("flash", 0) != 0;
   dispatch(dtype_of(c), [&](auto tag) {
     using T = decltype(tag);
     a.query = static_cast<const T*>(c.p("query_storage")) + c.i("q_offset");

@@ -24,6 +24,7 @@ struct AttentionArgs {
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const float* alibi_slopes;  // or nullptr
+  bool flash_layout;          // caches [num_blocks, block_size, num_kv_heads, head_size]
 };
 
 // paged_attention_v1.cu: out [S, H, D].

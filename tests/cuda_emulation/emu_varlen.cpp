@@ -33,7 +33,7 @@ void varlen_paged_attention(const VarlenArgs& d, void* out) {
       plan, d.num_seqs, d.num_tokens, d.num_heads, d.num_kv_heads, d.head_size, d.block_size,
       d.num_blocks, d.max_blocks_per_seq, d.q_stride_seq, d.q_stride_head, d.scale,
       d.k_scale, d.v_scale, out, d.query, d.key_cache, d.value_cache, d.block_tables,
-      d.seq_lens, d.query_start_loc, d.alibi_slopes);
+      d.seq_lens, d.query_start_loc, d.alibi_slopes, d.flash_layout);
   cuda_emu::launch(varlen::varlen_kernel_for<T, CT>(static_cast<int>(d.head_size)),
                    dim3(static_cast<unsigned>(plan.grid_x)), dim3(varlen::kThreads),
                    plan.smem_bytes, "varlen_paged_attention_kernel", p);

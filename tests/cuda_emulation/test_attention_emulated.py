@@ -30,6 +30,7 @@ from ops.reference import (  # tests/ is on sys.path (rootdir-based packages)
     nan_like,
     num_partitions,
     ref_paged_attention,
+    split_to_flash,
 )
 from . import harness
 from .conftest import case_dir
@@ -59,6 +60,7 @@ class Case:
     k_scale: float = 1.0
     v_scale: float = 1.0
     corrupt: int = 0  # table entries inside the lengths replaced by ids outside the pool
+    flash: bool = False  # the caches in the flash layout (split_to_flash of the same values)
 
     @property
     def msl(self) -> int:
@@ -127,6 +129,18 @@ def _cases() -> list[Case]:
     cases.append(Case("corrupt-ids-mha-f32", F32, 2, 2, 48, 16, (100, 530), corrupt=3))
     cases.append(Case("corrupt-ids-gqa-bf16", BF16, 8, 2, 128, 32, (200, 70), corrupt=3,
                       sms=1))
+    # The flash layout: every block size and dtype, one head and several per CTA, a head
+    # size with a partly empty value row group, several partitions, corrupt ids.
+    cases.append(Case("flash-lens-b8-f32-d64", F32, 8, 2, 64, 8, (1, 7, 8, 9, PARTITION_SIZE + 3),
+                      sms=1, flash=True))
+    cases.append(Case("flash-gqa-b16-f16-d128-alibi", F16, 8, 2, 128, 16, (1, 300, 17, 0),
+                      alibi=True, flash=True))
+    cases.append(Case("flash-mha-b32-bf16-d72", BF16, 2, 2, 72, 32, (31, PARTITION_SIZE + 18, 3),
+                      flash=True))
+    cases.append(Case("flash-multi-part-bf16-64to1", BF16, 64, 1, 64, 32, (700, 5), sms=1,
+                      flash=True))
+    cases.append(Case("flash-corrupt-ids-mha-f32", F32, 2, 2, 48, 16, (100, 530), corrupt=3,
+                      flash=True))
     return cases
 
 
@@ -172,6 +186,8 @@ def prepare(c: Case, root) -> Prepared:
     ref_kv = (kv.key_cache, kv.value_cache, kv.block_tables)
     if c.corrupt:
         ref_kv, kv.block_tables = _corrupt_table(c, kv, g)
+    if c.flash:  # the kernel reads the same values in the flash layout
+        kv.key_cache, kv.value_cache = split_to_flash(kv.key_cache, kv.value_cache)
     slopes = alibi_slopes(c.num_heads) if c.alibi else None
     scale = 1.0 / math.sqrt(c.head_size)
     storage, q_off = harness.storage_of(query)
@@ -187,7 +203,7 @@ def prepare(c: Case, root) -> Prepared:
            num_blocks=kv.key_cache.shape[0], max_blocks_per_seq=cols,
            q_stride_seq=query.stride(0), q_stride_head=query.stride(1), q_offset=q_off,
            max_seq_len=c.msl, sms=c.sms, scale=scale, k_scale=c.k_scale, v_scale=c.v_scale,
-           num_partitions=p)
+           num_partitions=p, flash=int(c.flash))
     cd.buf("query_storage", storage, out=True)
     cd.buf("key_cache", kv.key_cache, out=True)
     cd.buf("value_cache", kv.value_cache, out=True)

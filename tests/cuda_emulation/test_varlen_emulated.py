@@ -29,6 +29,7 @@ from ops.reference import (  # tests/ is on sys.path (rootdir-based packages)
     dtype_name,
     make_paged_kv,
     ref_varlen_paged_attention,
+    split_to_flash,
 )
 from . import harness
 from .conftest import case_dir
@@ -57,6 +58,7 @@ class Case:
     k_scale: float = 1.0
     v_scale: float = 1.0
     corrupt: bool = False  # metadata the launcher did not validate: check only for faults
+    flash: bool = False  # the caches in the flash layout (the reference reads them so too)
 
 
 # (context, new tokens): a whole prompt, a decode row, a chunk after a prefix, an empty
@@ -95,6 +97,16 @@ CASES = [
          table_fill="garbage", table_extra_cols=3, corrupt=True),
     Case("corrupt-f32-d64-b32", F32, 4, 4, 64, 32, ((70, 20), (33, 10)),
          table_fill="garbage", table_extra_cols=2, corrupt=True),
+    # The flash layout: each dtype and block size, GQA / MHA / MQA, a head size below its
+    # bucket, corrupt metadata.
+    Case("flash-gqa-f32-d64-b8", F32, 8, 2, 64, 8, ((37, 37), (300, 1), (129, 20), (0, 0)),
+         flash=True),
+    Case("flash-gqa-f16-d128-b16-alibi", F16, 8, 2, 128, 16, ((150, 70), (1, 1), (260, 1)),
+         alibi=True, flash=True),
+    Case("flash-mha-bf16-d64-b32", BF16, 4, 4, 64, 32, ((100, 100), (333, 5)), flash=True),
+    Case("flash-mqa6-bf16-d80-b8", BF16, 6, 1, 80, 8, ((180, 45), (24, 1), (9, 9)), flash=True),
+    Case("flash-corrupt-f16-d128-b8", F16, 8, 2, 128, 8, ((40, 12), (30, 5), (9, 3)),
+         table_fill="garbage", table_extra_cols=3, corrupt=True, flash=True),
 ]
 
 
@@ -155,6 +167,8 @@ def prepare(c: Case, root) -> Prepared:
     storage, q_off = harness.storage_of(query)
     out = torch.full((num_tokens, c.num_heads, c.head_size), float("nan"), dtype=c.dtype)
     seq_lens, tables = kv.seq_lens, kv.block_tables
+    if c.flash:
+        kv.key_cache, kv.value_cache = split_to_flash(kv.key_cache, kv.value_cache)
     if c.corrupt:
         seq_lens, qsl, tables = _corrupt(c, kv, qsl, num_tokens)
 
@@ -164,7 +178,7 @@ def prepare(c: Case, root) -> Prepared:
            block_size=c.block_size, num_blocks=kv.key_cache.shape[0], max_blocks_per_seq=cols,
            q_stride_seq=query.stride(0), q_stride_head=query.stride(1), q_offset=q_off,
            max_query_len=max(news) + c.max_query_len_extra, scale=scale,
-           k_scale=c.k_scale, v_scale=c.v_scale)
+           k_scale=c.k_scale, v_scale=c.v_scale, flash=int(c.flash))
     cd.buf("query_storage", storage, out=True)
     cd.buf("key_cache", kv.key_cache, out=True)
     cd.buf("value_cache", kv.value_cache, out=True)

@@ -71,9 +71,12 @@ def _token_ids(outs: list[RequestOutput]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_greedy_matches_hf(ckpt) -> None:
+@pytest.mark.parametrize("layout", ["split", "flash"])
+def test_greedy_matches_hf(ckpt, layout: str) -> None:
     name, folder, _, refs = ckpt
-    llm = _llm(folder)
+    llm = _llm(folder, kv_cache_layout=layout)
+    k_cache = llm.llm_engine.cache_engine.gpu_cache[0][0]
+    assert k_cache.dim() == (4 if layout == "flash" else 5)
     outs = llm.generate(_prompts(), _greedy(), use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == _prompts()
     assert _token_ids(outs) == refs
@@ -92,6 +95,13 @@ VARIANTS = {
     "chunked_prefill": dict(enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4),
     "max_num_seqs_1": dict(max_num_seqs=1),
     "prefix_caching": dict(enable_prefix_caching=True),
+    # The flash layout where blocks move (swap, copy-on-write forks use the same ops) and
+    # prefills mix with decodes.
+    "flash_preempt_swap": dict(kv_cache_layout="flash", num_gpu_blocks_override=14,
+                               preemption_mode="swap"),
+    "flash_chunked_prefill_prefix": dict(kv_cache_layout="flash", enable_chunked_prefill=True,
+                                         max_num_batched_tokens=8, max_num_seqs=4,
+                                         enable_prefix_caching=True),
 }
 
 
@@ -101,7 +111,7 @@ def test_scheduling_variants_match_hf(ckpt, variant: str) -> None:
     llm = _llm(folder, **VARIANTS[variant])
     outs = llm.generate(_prompts(), _greedy(), use_tqdm=False)
     assert _token_ids(outs) == refs
-    if variant.startswith("preempt"):
+    if "preempt" in variant:
         mode = VARIANTS[variant]["preemption_mode"]
         assert llm.llm_engine.scheduler.num_preemptions[mode] > 0
     _assert_all_free(llm)

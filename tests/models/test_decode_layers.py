@@ -101,6 +101,22 @@ def test_one_call_decode_with_paged_attention_v2(tmp_path: Path, counted: list[i
     assert fused == _generate(llm, prompts, False, 6, counted)
 
 
+def test_one_call_decode_on_the_flash_layout(tmp_path: Path, counted: list[int]) -> None:
+    """kv_cache_layout="flash": the one call writes with reshape_and_cache_flash and
+    attends over the 4-D caches, bit for bit as the layers' own path (int8 weights: the
+    one call takes them on every CPU build)."""
+    save_hf_model(make_config("llama"), tmp_path, seed=random.randrange(1 << 30))
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=4, kv_cache_space=0.02,
+              swap_space=0, quantization="int8", kv_cache_layout="flash")
+    assert llm.llm_engine.cache_engine.gpu_cache[0][0].dim() == 4
+    rng = random.Random()
+    prompts = [[rng.randrange(BASE["vocab_size"]) for _ in range(rng.randint(1, 40))]
+               for _ in range(4)]
+    fused = _generate(llm, prompts, True, 10, counted)
+    assert counted[0] >= 9
+    assert fused == _generate(llm, prompts, False, 10, counted)
+
+
 def test_forward_hooks_take_the_layers_path(tmp_path: Path, counted: list[int]) -> None:
     _needs_packed(torch.float32)
     save_hf_model(make_config("llama"), tmp_path)

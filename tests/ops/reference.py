@@ -113,11 +113,23 @@ def ref_gather_kv(
     blk = table_row.cpu().long()[t // block_size]
     off = t % block_size
     kc, vc = key_cache.cpu(), value_cache.cpu()
+    if kc.dim() == 4:  # flash layout: [num_blocks, block_size, num_kv_heads, head_size]
+        return kc[blk, off], vc[blk, off]
     num_kv_heads = kc.shape[1]
     head_size = kc.shape[2] * kc.shape[4]
     # Advanced indices at dims 0 and 3 of K ([t] and [t]) go first: [T, kvh, D/x, x].
     k = kc[blk, :, :, off, :].reshape(seq_len, num_kv_heads, head_size)
     v = vc[blk, :, :, off]  # [T, kvh, D]
+    return k, v
+
+
+def split_to_flash(key_cache: torch.Tensor, value_cache: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same caches (NaN-poisoned slots included) in the flash layout [num_blocks,
+    block_size, num_kv_heads, head_size], contiguous."""
+    nb, kvh, dx, bs, x = key_cache.shape
+    k = key_cache.permute(0, 3, 1, 2, 4).reshape(nb, bs, kvh, dx * x).contiguous()
+    v = value_cache.permute(0, 3, 1, 2).contiguous()
     return k, v
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -35,6 +35,7 @@ from .reference import (
     dtype_name,
     make_paged_kv,
     nan_like,
+    split_to_flash,
     num_partitions,
     ref_paged_attention,
 )
@@ -59,6 +60,7 @@ class AttnCase:
     k_scale: float = 1.0
     v_scale: float = 1.0
     extra_partitions: int = 0  # v2 scratch wider than max_seq_len needs
+    flash: bool = False  # the caches in the flash layout (split_to_flash)
 
     @property
     def seed(self) -> int:
@@ -155,6 +157,12 @@ def _boundary_cases() -> list[AttnCase]:
 
 BOUNDARY = _boundary_cases()
 
+# The flash layout ([num_blocks, block_size, num_kv_heads, head_size] K and V, told apart by
+# the key cache's rank): the grid's reduced cases (every dtype x regime, both ALiBi
+# settings) and the odd block sizes, with the same caches permuted into it.
+FLASH = [replace(c, id=f"{c.id}-flash", flash=True)
+         for c in GRID + BOUNDARY if c.reduced]
+
 
 # ---------------------------------------------------------------------------------------
 
@@ -182,7 +190,10 @@ def build(case: AttnCase, device: str, query: torch.Tensor | None = None) -> Inp
         query = torch.randn(len(case.seq_lens), case.num_heads, case.head_size, generator=g)
         query = query.to(case.dtype).to(device)
     slopes = alibi_slopes(case.num_heads).to(device) if case.alibi else None
-    return Inputs(case, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+    kc, vc = kv.key_cache, kv.value_cache
+    if case.flash:
+        kc, vc = split_to_flash(kc, vc)
+    return Inputs(case, query, kc, vc, kv.block_tables, kv.seq_lens,
                   slopes, case.scale_mult / math.sqrt(case.head_size))
 
 
@@ -292,6 +303,11 @@ def test_grid_covers_every_axis_value():
 
 @pytest.mark.grid(GRID)
 def test_paged_attention_grid(backend, case):
+    check_case(build(case, backend.device))
+
+
+@pytest.mark.grid(FLASH)
+def test_paged_attention_flash_layout(backend, case):
     check_case(build(case, backend.device))
 
 

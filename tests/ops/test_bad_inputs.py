@@ -184,8 +184,21 @@ def test_cache_dtype_and_shape(device):
     expect_error(replace(a, key_cache=wrong_x), re.escape(
         "paged_attention: key_cache must have shape [10, 2, 16, 16, 4] for num_kv_heads=2, "
         "head_size=64, block_size=16, x=4, got [10, 2, 8, 16, 8]"))
-    expect_error(replace(a, key_cache=a.key_cache[..., 0]),
-                 r"paged_attention: key_cache must be 5-D")
+    expect_error(replace(a, key_cache=a.key_cache[..., 0, 0]),
+                 r"paged_attention: key_cache must be 5-D .* \(split layout\) or 4-D "
+                 r".* \(flash layout\), got 3-D")
+    # A 4-D key cache is the flash layout: its shape, and the value cache's, must match.
+    flash_k = torch.zeros(10, 16, 2, 64, device=device)
+    expect_error(replace(a, key_cache=flash_k), re.escape(
+        "paged_attention: value_cache must have key_cache's shape [10, 16, 2, 64] "
+        "(flash layout), got [10, 2, 64, 16]"))
+    expect_error(replace(a, key_cache=flash_k[:, :, :1].contiguous(),
+                         value_cache=flash_k[:, :, :1].contiguous()), re.escape(
+        "paged_attention: key_cache must have shape [10, 16, 2, 64] (flash layout) for "
+        "num_kv_heads=2, head_size=64, block_size=16, got [10, 16, 1, 64]"))
+    expect_error(replace(a, key_cache=flash_k, value_cache=a.value_cache[..., 0]),
+                 re.escape("paged_attention: value_cache must be 4-D [num_blocks, block_size, "
+                           "num_kv_heads, head_size] (the flash layout, as key_cache)"))
 
 
 def test_num_heads_not_multiple_of_kv_heads(device):

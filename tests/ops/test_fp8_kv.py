@@ -23,7 +23,7 @@ from vllm_lite import ops
 
 from .reference import (DTYPES, FP8_DTYPES, assert_bitwise_equal, dtype_name, fp8_bytes,
                         make_paged_kv, nan_like, ref_paged_attention, ref_reshape_and_cache,
-                        to_fp8_caches, tol)
+                        split_to_flash, to_fp8_caches, tol)
 
 FP8 = FP8_DTYPES
 NAN_BYTE = 0x7F  # NaN in both formats (e5m2: S.11111.11)
@@ -124,14 +124,15 @@ def _attention_cases():
         lens = [[1, 17, 300], [700, 5, 1100], [64], [513, 0, 33]][i % 4]
         kvh, group, d = [(2, 4, 64), (1, 8, 128), (3, 3, 80), (2, 1, 256), (1, 2, 16)][i % 5]
         bs = [16, 8, 32, 5][i % 4]
-        cases.append(pytest.param(fmt, dt, lens, kvh, group, d, bs,
-                                  id=f"{fmt}-{dtype_name(dt)}-L{'_'.join(map(str, lens))}"
-                                     f"-k{kvh}g{group}-d{d}-b{bs}"))
+        for flash in (False, True) if i % 2 == 0 else (False,):
+            cases.append(pytest.param(fmt, dt, lens, kvh, group, d, bs, flash,
+                                      id=f"{fmt}-{dtype_name(dt)}-L{'_'.join(map(str, lens))}"
+                                         f"-k{kvh}g{group}-d{d}-b{bs}{'-flash' if flash else ''}"))
     return cases
 
 
-@pytest.mark.parametrize("fmt,dtype,lens,kvh,group,d,bs", _attention_cases())
-def test_paged_attention_fp8_against_float64(fmt, dtype, lens, kvh, group, d, bs) -> None:
+@pytest.mark.parametrize("fmt,dtype,lens,kvh,group,d,bs,flash", _attention_cases())
+def test_paged_attention_fp8_against_float64(fmt, dtype, lens, kvh, group, d, bs, flash) -> None:
     g = torch.Generator().manual_seed(random.randrange(2**31))
     kv = make_paged_kv(lens, kvh, d, bs, torch.float32, "cpu", g)
     k_scale, v_scale = 0.05, 0.5
@@ -141,6 +142,8 @@ def test_paged_attention_fp8_against_float64(fmt, dtype, lens, kvh, group, d, bs
     q = torch.randn(len(lens), kvh * group, d, generator=g).to(dtype)
     scale = d ** -0.5
     want, _ = ref_paged_attention(q, kd, vd, kvh, scale, kv.block_tables, kv.seq_lens, bs)
+    if flash:  # the same bytes in the flash layout (the kernel tells it by the key's rank)
+        k8, v8 = split_to_flash(k8, v8)
     isa = ops.cpu_isa()
     try:
         for name in ops.cpu_isas():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ from .reference import (
     dtype_name,
     make_paged_kv,
     ref_varlen_paged_attention,
+    split_to_flash,
     tol,
 )
 
@@ -47,6 +48,7 @@ class VarlenCase:
     kv_cache_dtype: str = "auto"
     reduced: bool = True
     cpu_only: bool = False
+    flash: bool = False  # the caches in the flash layout (split_to_flash)
 
     @property
     def seed(self) -> int:
@@ -98,6 +100,10 @@ def _cases() -> list[VarlenCase]:
 
 
 CASES = _cases()
+# The flash layout: the reduced cases (every dtype and shape, fp8 both formats, ALiBi) and
+# the odd block sizes, the same caches permuted into it.
+CASES += [replace(c, id=f"{c.id}-flash", flash=True)
+          for c in CASES if c.reduced or c.id.startswith("b7")]
 
 
 def _fp8_caches(kv, fmt: str, k_scale: float, v_scale: float):
@@ -144,6 +150,8 @@ def build(case: VarlenCase, device: str) -> Inputs:
     if fp8:
         k_scale, v_scale = 0.05, 0.5
         kc, vc, rk, rv = _fp8_caches(kv, case.kv_cache_dtype, k_scale, v_scale)
+    if case.flash:
+        kc, vc = split_to_flash(kc, vc)
     starts = [0]
     for n in news:
         starts.append(starts[-1] + n)

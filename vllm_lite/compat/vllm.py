@@ -17,10 +17,11 @@ What differs from calling ``vllm_lite.ops`` directly is only the calling convent
 - ``convert_fp8`` converts between an fp8 KV cache (uint8 storage) and a float one with the
   same rounding as the fp8 caches of ``reshape_and_cache`` (torch's float8 casts).
 
-The cache layouts are vLLM's: ``reshape_and_cache`` and the attention functions use the
-split key layout [num_blocks, num_kv_heads, head_size / x, block_size, x] and the value
-layout [num_blocks, num_kv_heads, head_size, block_size]; ``reshape_and_cache_flash``
-writes [num_blocks, block_size, num_kv_heads, head_size].
+The cache layouts are vLLM's: ``reshape_and_cache`` writes the split key layout
+[num_blocks, num_kv_heads, head_size / x, block_size, x] and the value layout [num_blocks,
+num_kv_heads, head_size, block_size]; ``reshape_and_cache_flash`` writes [num_blocks,
+block_size, num_kv_heads, head_size]. The attention functions read either, told apart by
+the key cache's rank (5-D split, 4-D flash).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ _EXPORTS = {
     "schema": (
         "GiB", "DEFAULT_MODEL", "DEFAULT_MAX_LOGPROBS", "DEFAULT_MAX_MODEL_LEN", "DTYPE_NAMES",
         "QUANTIZATION_METHODS", "QUANTIZATION_CHOICES", "INT4_GROUP_SIZES",
-        "DEFAULT_INT4_GROUP_SIZE", "KV_CACHE_DTYPES", "POLICIES", "PREEMPTION_MODES",
+        "DEFAULT_INT4_GROUP_SIZE", "KV_CACHE_DTYPES", "KV_CACHE_LAYOUTS", "POLICIES",
+        "PREEMPTION_MODES",
         "SchedulerPolicy", "PreemptionMode", "check_int", "check_number", "check_bool",
         "check_quantization", "kv_cache_block_bytes", "CacheConfig", "SchedulerConfig",
         "ModelConfig", "ParallelConfig", "EngineConfig",

@@ -24,6 +24,7 @@ from vllm_lite.config.schema import (
     DTYPE_NAMES,
     INT4_GROUP_SIZES,
     KV_CACHE_DTYPES,
+    KV_CACHE_LAYOUTS,
     POLICIES,
     PREEMPTION_MODES,
     QUANTIZATION_CHOICES,
@@ -96,6 +97,11 @@ class EngineArgs:
         CacheConfig.kv_cache_dtype, "what the KV cache stores: auto (the --dtype) or fp8 (= fp8_e4m3) / fp8_e5m2: "
         "1 byte per element, so 2x the blocks of bfloat16 and 4x those of float32 in the same "
         "memory, at fp8 precision (scales 1.0)", choices=KV_CACHE_DTYPES)
+    kv_cache_layout: str = _opt(
+        CacheConfig.kv_cache_layout, "the KV cache's layout: split (vLLM's paged layout: key "
+        "in 16-byte chunks of a block's tokens, value token-contiguous per dim) or flash "
+        "([block, token, kv head, dim] for both, as reshape_and_cache_flash writes)",
+        choices=KV_CACHE_LAYOUTS)
     enable_chunked_prefill: bool = _opt(
         SchedulerConfig.enable_chunked_prefill, "split long prompts across steps, mixed with decodes")
     preemption_mode: str | None = _opt(

@@ -46,7 +46,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     cache_config = CacheConfig(
         block_size=args.block_size, swap_space=args.swap_space,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
+        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_layout=args.kv_cache_layout)
     device = resolve_device(args.device)
     parallel_config = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                      distributed_timeout=args.distributed_timeout)

@@ -61,6 +61,11 @@ DEFAULT_INT4_GROUP_SIZE = 128
 #: What the KV cache stores (vLLM's kv_cache_dtype values): "auto" = the model dtype; the
 #: fp8 ones ("fp8" = "fp8_e4m3") 1 byte per element, in uint8 caches.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+#: How the KV cache is laid out (ops.kv_cache_shapes): "split" = vLLM's paged layout (key
+#: [blocks, kv_heads, head_size / x, block_size, x], value [blocks, kv_heads, head_size,
+#: block_size]); "flash" = both [blocks, block_size, kv_heads, head_size]. The kernels tell
+#: them apart by the key cache's rank.
+KV_CACHE_LAYOUTS = ("split", "flash")
 
 
 # -- field checks: a ValueError naming the field ------------------------------------------------
@@ -142,6 +147,8 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     # What the cache stores ("auto" = the model dtype, or fp8).
     kv_cache_dtype: str = "auto"
+    # How the cache is laid out (KV_CACHE_LAYOUTS).
+    kv_cache_layout: str = "split"
     # Fraction of device blocks new prompts may not take, so running sequences can grow.
     watermark: float = 0.01
 
@@ -166,6 +173,10 @@ class CacheConfig:
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if (not isinstance(self.kv_cache_layout, str)
+                or self.kv_cache_layout not in KV_CACHE_LAYOUTS):
+            raise ValueError(f"kv_cache_layout must be one of {', '.join(KV_CACHE_LAYOUTS)}, "
+                             f"got {self.kv_cache_layout!r}")
         _set(self, "watermark", check_number("watermark", self.watermark))
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")

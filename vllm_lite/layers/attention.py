@@ -148,8 +148,12 @@ class Attention(nn.Module):
         if self.k_cache is not None and self.v_cache is not None:
             from vllm_lite import ops  # the native ops; only needed once a cache exists
 
-            ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                  self.kv_cache_dtype, self.k_scale, self.v_scale)
+            # The caches' layout is the key cache's rank (ops.kv_cache_shapes), as the
+            # attention kernels tell it.
+            flash = self.k_cache.dim() == 4
+            write = ops.reshape_and_cache_flash if flash else ops.reshape_and_cache
+            write(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_cache_dtype,
+                  self.k_scale, self.v_scale)
         if meta.is_prompt:
             out = self._prefill(q, k, v, meta)
         else:

@@ -110,12 +110,13 @@ class CacheEngine:
 
     def __init__(self, model: nn.Module, block_size: int, num_gpu_blocks: int,
                  num_cpu_blocks: int, dtype: torch.dtype, device: torch.device,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", kv_cache_layout: str = "split") -> None:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_layout = kv_cache_layout
         self.device = torch.device(device)
         self.layers = model.attention_layers()
         pin = self.device.type == "cuda"
@@ -123,8 +124,8 @@ class CacheEngine:
         self.cpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         for attn in self.layers:
             k_shape, v_shape = ops.kv_cache_shapes(
-                num_gpu_blocks, attn.num_kv_heads, attn.head_size, block_size, dtype
-            )
+                num_gpu_blocks, attn.num_kv_heads, attn.head_size, block_size, dtype,
+                kv_cache_layout)
             # empty, not zeros: a slot is always written before it is read, and on the CPU
             # untouched pages cost no memory. CPU pools lie wholly in huge pages: a decode
             # step reads scattered 2 KiB tiles, fewer TLB misses (cpu_malloc).
@@ -138,8 +139,8 @@ class CacheEngine:
             attn.kv_cache_dtype = kv_cache_dtype
             if num_cpu_blocks > 0:
                 ck_shape, cv_shape = ops.kv_cache_shapes(
-                    num_cpu_blocks, attn.num_kv_heads, attn.head_size, block_size, dtype
-                )
+                    num_cpu_blocks, attn.num_kv_heads, attn.head_size, block_size, dtype,
+                    kv_cache_layout)
                 self.cpu_cache.append((
                     torch.empty(ck_shape, dtype=dtype, pin_memory=pin),
                     torch.empty(cv_shape, dtype=dtype, pin_memory=pin),

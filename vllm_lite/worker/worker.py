@@ -143,7 +143,8 @@ class Worker:
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_engine = CacheEngine(self.model, self.block_size, num_gpu_blocks,
                                         num_cpu_blocks, self.cache_dtype, self.device,
-                                        self.kv_cache_dtype)
+                                        self.kv_cache_dtype,
+                                        self.config.cache_config.kv_cache_layout)
         if self.uses_cuda_graphs():
             self._capture_graphs()
 

@@ -5,6 +5,10 @@
 //                last dim contiguous (read element-wise, any alignment)
 //   key_cache    [num_blocks, num_kv_heads, head_size / x, block_size, x], x = 16 B / elem
 //   value_cache  [num_blocks, num_kv_heads, head_size, block_size]
+//                or both in the flash layout [num_blocks, block_size, num_kv_heads,
+//                head_size] (p.flash_layout): the K pass reads a token's 16-byte chunks
+//                from its row, the V pass gathers a unit's VX tokens of one dim element
+//                by element (load_unit_strided); the rest is the same.
 //                Elements: the query dtype (kv_cache_dtype "auto") or fp8 bytes (uint8,
 //                "fp8" = "fp8_e4m3" / "fp8_e5m2", x = 16, head_size % 16 == 0), decoded
 //                exactly by csrc/fp8.h; k_scale / v_scale are folded into qk_scale and the
@@ -112,6 +116,8 @@ struct AttentionParams {
   int64_t q_stride_seq;       // elements
   int64_t q_stride_head;
   int64_t kv_block_stride;  // elements between blocks: num_kv_heads * head_size * block_size
+  bool flash_layout;        // the caches' layout (PagedAttentionDims::flash_layout)
+  int64_t kv_token_stride;  // flash layout: elements between a block's tokens
   int64_t num_blocks;
   int64_t max_tokens;  // sequence lengths are clamped to [0, max_tokens]
   int num_heads;
@@ -313,10 +319,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
     for (int h = 0; h < kMaxHeadsPerCta; ++h) acc[j][h] = 0.f;
   }
 
-  const int64_t head_offset = static_cast<int64_t>(kvh) * HS * BS;
+  const bool flash = p.flash_layout;
+  const int64_t ts = p.kv_token_stride;
+  const int64_t head_offset = static_cast<int64_t>(kvh) * HS * (flash ? 1 : BS);
   const CT* kc = static_cast<const CT*>(p.key_cache) + head_offset;
   const CT* vc = static_cast<const CT*>(p.value_cache) + head_offset;
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
+  // A key's chunk dc of token t of a block: t * k_tok + dc * k_chunk elements in.
+  const int64_t k_tok = flash ? ts : X;
+  const int64_t k_chunk = flash ? X : BS * X;
 
   for (int c0 = start; c0 < end; c0 += kChunkTokens) {
     const int n = min(kChunkTokens, end - c0);  // tokens of this chunk
@@ -364,12 +375,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
           const int t = t0 + tok;
           const int blk = t < n ? blk_s[t / BS] : -1;
           const CT* kp = kc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
-                        (t % BS) * X;
+                        (t % BS) * k_tok;
           uint4 kr[KC];
 #pragma unroll
           for (int k = 0; k < KC; ++k) {
             const int dc = tg + k * TG;
-            kr[k] = (blk >= 0 && dc < nck) ? load_chunk(kp + dc * (BS * X)) : zero_chunk();
+            kr[k] = (blk >= 0 && dc < nck) ? load_chunk(kp + dc * k_chunk) : zero_chunk();
           }
           // Reduces a lane's partial dot over the TG lanes of its token and stores the
           // logit of head h. All 32 lanes run this (the loops around it are warp-uniform).
@@ -473,15 +484,16 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
           const int b = b0 + u * splits;
           const int blk = b < nb ? blk_s[b] : -1;
           const CT* vb = vc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
-                         vunit * VX;
+                         vunit * VX * (flash ? ts : 1);
 #pragma unroll
           for (int j = 0; j < RGW; ++j) {
             const int rbase = (rg0 + j * wrg) * kGroupRows + vrow;
 #pragma unroll
             for (int k = 0; k < UPR; ++k) {
               const int d = rbase + k * RPI;  // rows past the head (or the bucket) read 0
-              raw[u][j][k] = (blk >= 0 && d < HS) ? load_unit<CT, VX>(vb + d * BS)
-                                                  : zero_chunk();
+              raw[u][j][k] = blk < 0 || d >= HS ? zero_chunk()
+                             : flash        ? load_unit_strided<CT, VX>(vb + d, ts)
+                                            : load_unit<CT, VX>(vb + d * BS);
             }
           }
         }

@@ -49,6 +49,9 @@ PagedAttentionCall::PagedAttentionCall(
   TORCH_CHECK(query.is_cuda(), op, ": the CUDA kernel needs CUDA tensors, got query on ",
               query.device());
   check_cuda_block_size(block_size);
+  TORCH_CHECK(!d_.flash_layout || d_.head_size % d_.x == 0, op, ": head_size ", d_.head_size,
+              " must be a multiple of ", d_.x, " for a flash-layout cache of 16-byte chunks "
+              "on CUDA (kv_cache_dtype '", kv_cache_dtype, "')");
   device_guard_.set_device(query.device());
   stream_ = at::cuda::getCurrentCUDAStream();
   if (should_check_values(stream_)) {
@@ -91,6 +94,8 @@ void PagedAttentionCall::launch(void* out, float* exp_sums, float* max_logits,
   p.q_stride_seq = d.q_stride_seq;
   p.q_stride_head = d.q_stride_head;
   p.kv_block_stride = d.num_kv_heads * d.head_size * d.block_size;
+  p.flash_layout = d.flash_layout;
+  p.kv_token_stride = d.num_kv_heads * d.head_size;
   p.num_blocks = d.num_blocks;
   p.max_tokens = std::max<int64_t>(0, std::min<int64_t>(max_tokens, INT_MAX - kChunkTokens));
   p.num_heads = static_cast<int>(d.num_heads);

@@ -32,6 +32,9 @@ void varlen_paged_attention(at::Tensor& out, const at::Tensor& query,
               query.device());
   TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32, op, ": block_size ",
               block_size, " is not supported on CUDA; use 8, 16 or 32");
+  TORCH_CHECK(!d.flash_layout || d.head_size % d.x == 0, op, ": head_size ", d.head_size,
+              " must be a multiple of ", d.x, " for a flash-layout cache of 16-byte chunks "
+              "on CUDA (kv_cache_dtype '", kv_cache_dtype, "')");
   const c10::cuda::CUDAGuard device_guard(query.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (should_check_values(stream)) {
@@ -53,7 +56,7 @@ void varlen_paged_attention(at::Tensor& out, const at::Tensor& query,
       v_scale, out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
       block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
       query_start_loc.data_ptr<int32_t>(),
-      alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr);
+      alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr, d.flash_layout);
 
   VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query.scalar_type(), op, [&] {
     dispatch_cache_elem<scalar_t>(d.cache_dtype, [&](auto cache_tag) {

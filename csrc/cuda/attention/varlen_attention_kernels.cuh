@@ -6,6 +6,9 @@
 //   out          [num_tokens, num_heads, head_size] (contiguous), the query dtype
 //   key_cache    [num_blocks, num_kv_heads, head_size / x, block_size, x], x = 16 B / elem
 //   value_cache  [num_blocks, num_kv_heads, head_size, block_size]
+//                or both in the flash layout [num_blocks, block_size, num_kv_heads,
+//                head_size] (p.flash_layout): V tiles are then read as K tiles are, a
+//                token's 16-byte chunks from its row.
 //                Elements: the query dtype ("auto") or fp8 bytes (uint8, "fp8" =
 //                "fp8_e4m3" / "fp8_e5m2", x = 16), decoded exactly by csrc/fp8.h.
 //   block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
@@ -139,6 +142,8 @@ struct VarlenParams {
   int64_t q_stride_token;     // elements
   int64_t q_stride_head;
   int64_t kv_block_stride;  // elements between blocks: num_kv_heads * head_size * block_size
+  bool flash_layout;        // the caches' layout (PagedAttentionDims::flash_layout)
+  int64_t kv_token_stride;  // flash layout: elements between a block's tokens
   int64_t num_blocks;
   int64_t num_tokens;  // query_start_loc entries are clamped to [0, num_tokens]
   int max_tokens;      // sequence lengths are clamped to [0, max_tokens]
@@ -255,9 +260,13 @@ __global__ void __launch_bounds__(kThreads) varlen_paged_attention_kernel(const 
     for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
   }
 
-  const int64_t head_offset = static_cast<int64_t>(kvh) * HS * BS;
+  const bool flash = p.flash_layout;
+  const int64_t head_offset = static_cast<int64_t>(kvh) * HS * (flash ? 1 : BS);
   const CT* kc = static_cast<const CT*>(p.key_cache) + head_offset;
   const CT* vc = static_cast<const CT*>(p.value_cache) + head_offset;
+  // A key's chunk c of token t of a block: t * k_tok + c * k_chunk elements in.
+  const int64_t k_tok = flash ? p.kv_token_stride : X;
+  const int64_t k_chunk = flash ? X : static_cast<int64_t>(BS) * X;
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
   // Block id of context position pos (< ctx_end <= max_blocks_per_seq * BS), -1 if bad.
   auto block_of = [&](int pos) {
@@ -268,26 +277,31 @@ __global__ void __launch_bounds__(kThreads) varlen_paged_attention_kernel(const 
   for (int c0 = 0; c0 < ctx_end; c0 += TT) {
     const int cnt = min(TT, ctx_end - c0);  // context tokens of this tile
 
-    // ---- 1. K tile -> kv_s
-    for (int i = tid; i < TT * (HS / X); i += kThreads) {
-      const int t = i % TT;
-      const int c = i / TT;
-      uint4 raw = zero_chunk();
-      if (t < cnt) {
-        const int pos = c0 + t;
-        const int blk = block_of(pos);
-        if (blk >= 0) {
-          raw = load_chunk(kc + blk * p.kv_block_stride + c * (BS * X) + (pos % BS) * X);
+    // ---- 1. K tile -> kv_s. A tile of token rows [TT, HS] (token-major), 16-byte chunks
+    // of a token at a time: the key cache's, and in the flash layout the value cache's.
+    auto load_token_rows = [&](const CT* cache) {
+      for (int i = tid; i < TT * (HS / X); i += kThreads) {
+        const int t = i % TT;
+        const int c = i / TT;
+        uint4 raw = zero_chunk();
+        if (t < cnt) {
+          const int pos = c0 + t;
+          const int blk = block_of(pos);
+          if (blk >= 0) {
+            raw = load_chunk(cache + blk * p.kv_block_stride + c * k_chunk +
+                           (pos % BS) * k_tok);
+          }
+        }
+        float f[X];
+        chunk_to_float<CT>(raw, f);
+        float4* dst = reinterpret_cast<float4*>(kv_s + t * KS + c * X);
+#pragma unroll
+        for (int e = 0; e < X / 4; ++e) {
+          dst[e] = make_float4(f[4 * e], f[4 * e + 1], f[4 * e + 2], f[4 * e + 3]);
         }
       }
-      float f[X];
-      chunk_to_float<CT>(raw, f);
-      float4* dst = reinterpret_cast<float4*>(kv_s + t * KS + c * X);
-#pragma unroll
-      for (int e = 0; e < X / 4; ++e) {
-        dst[e] = make_float4(f[4 * e], f[4 * e + 1], f[4 * e + 2], f[4 * e + 3]);
-      }
-    }
+    };
+    load_token_rows(kc);
     __syncthreads();  // K tile (first tile: q_s too) ready
 
     // ---- 2. QK: lane <-> token, the warp's RW rows -> p_s
@@ -341,7 +355,8 @@ __global__ void __launch_bounds__(kThreads) varlen_paged_attention_kernel(const 
     __syncthreads();  // every warp is done with the K tile
 
     // ---- 4. V tile -> kv_s (token-major)
-    for (int i = tid; i < HS * (TT / VX); i += kThreads) {
+    if (flash) load_token_rows(vc);
+    for (int i = tid; i < (flash ? 0 : HS * (TT / VX)); i += kThreads) {
       const int tc = i % (TT / VX);
       const int d = i / (TT / VX);
       const int t0 = tc * VX;
@@ -484,7 +499,7 @@ inline VarlenParams make_varlen_params(
     int64_t max_blocks_per_seq, int64_t q_stride_token, int64_t q_stride_head, double scale,
     double k_scale, double v_scale, void* out, const void* query, const void* key_cache,
     const void* value_cache, const int32_t* block_tables, const int32_t* seq_lens,
-    const int32_t* query_start_loc, const float* alibi_slopes) {
+    const int32_t* query_start_loc, const float* alibi_slopes, bool flash_layout) {
   VarlenParams p{};
   p.out = out;
   p.query = query;
@@ -497,6 +512,8 @@ inline VarlenParams make_varlen_params(
   p.q_stride_token = q_stride_token;
   p.q_stride_head = q_stride_head;
   p.kv_block_stride = num_kv_heads * head_size * block_size;
+  p.flash_layout = flash_layout;
+  p.kv_token_stride = num_kv_heads * head_size;
   p.num_blocks = num_blocks;
   p.num_tokens = num_tokens;
   const int64_t max_tokens = max_blocks_per_seq * block_size;
