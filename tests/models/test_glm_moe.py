@@ -316,3 +316,32 @@ def test_olmoe_refuses_two_ranks(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="tensor parallelism"):
         OlmoeForCausalLM(make_glm_moe_config("olmoe"), tp=_TwoRanks())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name,dtype", [
+    ("mixtral", "bfloat16"), ("glm4", "bfloat16"),
+    pytest.param("qwen2_moe", "bfloat16", marks=pytest.mark.full_grid),
+    pytest.param("qwen3_moe", "float16", marks=pytest.mark.full_grid),
+    pytest.param("olmoe", "bfloat16", marks=pytest.mark.full_grid),
+])
+def test_half_precision_tracks_float32_hf(tmp_path: Path, name: str, dtype: str) -> None:
+    """Weights, activations and cache in bf16 / fp16 (the MoE block's weighted sum in
+    float32): logits within half-precision rounding of the float32 reference."""
+    from .helpers import PagedCache, make_step
+
+    hf_model = save_hf_model(make_glm_moe_config(name), tmp_path)
+    torch_dtype = getattr(torch, dtype)
+    model, config = load_model(tmp_path, dtype=dtype)
+    mlp = model.model.layers[-1].mlp
+    weight = mlp.down_proj.weight if name == "glm4" else mlp.experts.w13_weight
+    assert weight.dtype == torch_dtype
+    tokens = torch.randint(0, config.vocab_size, (14,), generator=torch.Generator().manual_seed(7))
+    ref = hf_logits(hf_model, tokens)
+    cache = PagedCache(model, num_blocks=8, block_size=4, dtype=torch_dtype)
+    tol = 0.05 * ref.abs().max().item()
+    ids, pos, meta = make_step(cache, [(0, tokens[:12], 0)], is_prompt=True)
+    assert (_run(model, ids, pos, meta).float() - ref[:12]).abs().max().item() < tol
+    for step in range(2):
+        ids, pos, meta = make_step(cache, [(0, tokens[: 13 + step], 12 + step)], is_prompt=False)
+        logits = _run(model, ids, pos, meta).float()
+        assert (logits[0] - ref[12 + step]).abs().max().item() < tol
