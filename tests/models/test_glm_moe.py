@@ -1,14 +1,14 @@
 """GLM, GLM-4 and the mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)
 against Hugging Face transformers in float32: logits step by step (prefill, paged decode,
 prefix-cache hits, chunked prefill), LLM.generate's greedy tokens (also under preemption
-and with prefix caching), the MoE block against a float64 reference, and MoE settings the
-engine refuses at load, before any weight is read."""
+and with prefix caching, and over two tensor-parallel ranks), bf16 / fp16 within rounding,
+the MoE block against a float64 reference, and MoE settings the engine refuses at load,
+before any weight is read."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -136,7 +136,8 @@ def test_missing_expert_weight_is_named(tmp_path: Path) -> None:
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing.*layers\.1\.mlp\.experts\.w13_weight\[\(5, 1\)\]"):
+    missing = r"missing.*layers\.1\.mlp\.experts\.w13_weight\[\(5, 1\)\]"
+    with pytest.raises(ValueError, match=missing):
         load_model(tmp_path)
 
 
@@ -316,3 +317,32 @@ def test_olmoe_refuses_two_ranks(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="tensor parallelism"):
         OlmoeForCausalLM(make_glm_moe_config("olmoe"), tp=_TwoRanks())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name,dtype", [
+    ("mixtral", "bfloat16"), ("glm4", "bfloat16"),
+    pytest.param("qwen2_moe", "bfloat16", marks=pytest.mark.full_grid),
+    pytest.param("qwen3_moe", "float16", marks=pytest.mark.full_grid),
+    pytest.param("olmoe", "bfloat16", marks=pytest.mark.full_grid),
+])
+def test_half_precision_tracks_float32_hf(tmp_path: Path, name: str, dtype: str) -> None:
+    """Weights, activations and cache in bf16 / fp16 (the MoE block's weighted sum in
+    float32): logits within half-precision rounding of the float32 reference."""
+    from .helpers import PagedCache, make_step
+
+    hf_model = save_hf_model(make_glm_moe_config(name), tmp_path)
+    torch_dtype = getattr(torch, dtype)
+    model, config = load_model(tmp_path, dtype=dtype)
+    mlp = model.model.layers[-1].mlp
+    weight = mlp.down_proj.weight if name == "glm4" else mlp.experts.w13_weight
+    assert weight.dtype == torch_dtype
+    tokens = torch.randint(0, config.vocab_size, (14,), generator=torch.Generator().manual_seed(7))
+    ref = hf_logits(hf_model, tokens)
+    cache = PagedCache(model, num_blocks=8, block_size=4, dtype=torch_dtype)
+    tol = 0.05 * ref.abs().max().item()
+    ids, pos, meta = make_step(cache, [(0, tokens[:12], 0)], is_prompt=True)
+    assert (_run(model, ids, pos, meta).float() - ref[:12]).abs().max().item() < tol
+    for step in range(2):
+        ids, pos, meta = make_step(cache, [(0, tokens[: 13 + step], 12 + step)], is_prompt=False)
+        logits = _run(model, ids, pos, meta).float()
+        assert (logits[0] - ref[12 + step]).abs().max().item() < tol
