@@ -64,7 +64,9 @@ MIB = 1 << 20
 
 # "num_heads/num_kv_heads x head_size"; SmolLM2 (135M) is 9/3x64.
 HEAD_ALIASES = {"smollm2": "9/3x64", "llama": "32/32x128", "gqa": "32/8x128"}
-DEFAULT_HEADS = ["32/32x128", "32/8x128", "9/3x64"]
+# CUDA adds a GQA group of 4 (28/4x128), a shape of the tensor-core kernel's targets.
+DEFAULT_HEADS = {"cpu": ["32/32x128", "32/8x128", "9/3x64"],
+                 "cuda": ["32/32x128", "32/8x128", "28/4x128", "9/3x64"]}
 DEFAULT_BATCHES = [1, 8, 32, 64]
 DEFAULT_CONTEXTS = [512, 1024, 4096, 16384]
 DEFAULT_DTYPES = {"cpu": ["bf16", "fp32"], "cuda": ["fp16", "bf16"]}
@@ -74,8 +76,11 @@ QUICK = {
     "heads": ["9/3x64", "32/8x128"],
     "dtypes": {"cpu": ["bf16"], "cuda": ["fp16"]},
 }
+# The GQA decode shapes of the tensor-core kernel's targets: groups of 4, 8 and 3 query
+# heads, batch 64, long contexts.
+TC_TARGETS = [("bf16", h, 64, c) for h in ("32/8x128", "28/4x128", "9/3x64") for c in (4096, 16384)]
 # The target shapes (reported, never asserted); run first so a deadline keeps them.
-TARGET_SHAPES = {"cuda": [("fp16", "32/32x128", 64, 1024)]}
+TARGET_SHAPES = {"cuda": [("fp16", "32/32x128", 64, 1024)] + TC_TARGETS}
 DTYPE_NAMES = {
     "fp32": "float32", "float32": "float32", "float": "float32",
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -125,7 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", nargs="+", type=int, help=f"default: {DEFAULT_BATCHES}")
     p.add_argument("--contexts", nargs="+", type=int, help=f"default: {DEFAULT_CONTEXTS}")
     p.add_argument("--heads", nargs="+",
-                   help="q/kv x head, comma or space separated; default: " + " ".join(DEFAULT_HEADS))
+                   help="q/kv x head, comma or space separated; default: "
+                   + " ".join(DEFAULT_HEADS["cpu"]) + " on CPU, "
+                   + " ".join(DEFAULT_HEADS["cuda"]) + " on CUDA")
     p.add_argument("--block-size", type=int, default=EngineArgs.block_size,
                    help="tokens per KV block of the paged pools (default: %(default)s, the "
                         "engine's)")
@@ -164,7 +171,7 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     args.dtypes = args.dtypes or (QUICK["dtypes"] if args.quick else DEFAULT_DTYPES)[args.device]
     args.batches = args.batches or (QUICK["batches"] if args.quick else DEFAULT_BATCHES)
     args.contexts = args.contexts or (QUICK["contexts"] if args.quick else DEFAULT_CONTEXTS)
-    heads = args.heads or (QUICK["heads"] if args.quick else DEFAULT_HEADS)
+    heads = args.heads or (QUICK["heads"] if args.quick else DEFAULT_HEADS[args.device])
     args.heads = [h for item in heads for h in item.split(",") if h]
     if not 0 < args.bandwidth_gib < math.inf:
         raise ValueError(f"--bandwidth-gib must be a positive number, got {args.bandwidth_gib}")
@@ -968,6 +975,25 @@ class Bench:
                                f"{k['frac_copy_bw']:.0%} of copy bandwidth, "
                                f"{k.get('vs_sdpa', float('nan')):.2f}x SDPA ({r['sdpa_backend']}) "
                                f"time: {'met' if ok else 'missed'}")
+            out += ["", "CUDA GQA decode (the tensor-core kernel on sm_80+), batch 64, bf16: "
+                    "<= 0.8x flash SDPA's time and >= 85% of copy bandwidth:"]
+            for key in TC_TARGETS:
+                hit = [r for r in done if (r["dtype"], r["heads"], r["batch"], r["ctx"]) == key]
+                if not hit:
+                    out.append(f"- {key[1]} ctx {key[3]}: not in this run")
+                for r in hit:
+                    for name in ("v1", "v2"):
+                        k = r["kernels"].get(name, {})
+                        if "ms" not in k:
+                            out.append(f"- {key[1]} ctx {key[3]} {name}: not timed "
+                                       f"({k.get('status')})")
+                            continue
+                        ok = k["frac_copy_bw"] >= 0.85 and k.get("vs_sdpa", 9) <= 0.8
+                        fa = r["kernels"].get("flash_attn", {}).get("ms")
+                        vs_fa = f", {k['ms'] / fa:.2f}x flash_attn" if fa else ""
+                        out.append(f"- {key[1]} ctx {key[3]} {name}: {k['frac_copy_bw']:.0%} of "
+                                   f"copy bandwidth, {k.get('vs_sdpa', float('nan')):.2f}x SDPA "
+                                   f"({r['sdpa_backend']}){vs_fa}: {'met' if ok else 'missed'}")
         return out
 
     def write(self) -> tuple[Path, Path, str]:
