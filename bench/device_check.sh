@@ -5,12 +5,15 @@
 #      (pytest tests/ops -k "cuda or cpp_runtime"; after a test that kills the process,
 #      the tests after it still run),
 #   3. runs the kernel benchmarks (bench/kernels.py --device cuda: decode, then --prefill),
-#   4. runs the engine benchmark on CUDA: bench/throughput.py --quick (vllm_lite against
-#      HF generate and generate_batch, bfloat16, no sweeps), then bench/latency.py --quick
-#      if time is left; with the default model (smollm2-135m) when it is installed, else a
-#      random-weight model of the same architecture (the speed is the same),
+#   4. times decode steps on CUDA (bench/step_profile.py --decode-time: ms per step at 1,
+#      32 and 256 sequences, eager and with CUDA graphs, bfloat16), then runs the engine
+#      benchmark: bench/throughput.py on 256 requests (prompts 32-512 tokens, 128 output
+#      tokens, EOS ignored; vllm_lite against HF generate and generate_batch, bfloat16, no
+#      sweeps), then bench/latency.py --quick if time is left; with the default model
+#      (smollm2-135m) when it is installed, else a random-weight model of the same
+#      architecture (the speed is the same),
 # and writes logs and tables to OUTDIR (default: $OUT if set, else bench/results/device).
-# Each stage has a time limit so the whole script ends in under 8 minutes; a stage that
+# Each stage has a time limit so the whole script ends in under 10 minutes; a stage that
 # fails does not stop the later ones. OUTDIR/summary.md gives each stage's status.
 #
 #   bash bench/device_check.sh [OUTDIR]
@@ -18,10 +21,12 @@
 # Files in OUTDIR (8, what the device tool brings back): summary.md, build.log, tests.log,
 # bench.log, engine.log, kernels_cuda_<stamp>.md, prefill_kernels_cuda_<stamp>.md, and
 # details.tar.gz (env.log, kernels_cuda_<stamp>.json and engine/: the engine reports
-# throughput_cuda_*.md/.json/.png, latency_cuda_*.md/.json/.png).
-# Stage limits (seconds) can be changed with BUILD_S, TESTS_S, BENCH_S, ENGINE_S; TOTAL_S
-# (default 470) caps the sum. The kernel benchmark gets what is left once ENGINE_S is set
-# aside, the engine stage what is left after it.
+# step_profile.md (decode step times), throughput_cuda_*.md/.json/.png,
+# latency_cuda_*.md/.json/.png).
+# Stage limits (seconds) can be changed with BUILD_S, TESTS_S, BENCH_S, ENGINE_S (decode
+# step times and the engine benchmark together); TOTAL_S (default 560) caps the sum. The
+# kernel benchmark gets what is left once ENGINE_S is set aside, the engine stage what is
+# left after it.
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,11 +39,11 @@ rm -f "$OUTDIR"/kernels_cuda_*.md "$OUTDIR"/kernels_cuda_*.json "$OUTDIR"/prefil
 rm -rf "$OUTDIR/engine" "$OUTDIR/details.tar.gz"
 PY="${PYTHON:-python}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-TOTAL_S="${TOTAL_S:-470}"
+TOTAL_S="${TOTAL_S:-560}"
 BUILD_S="${BUILD_S:-270}"
 TESTS_S="${TESTS_S:-90}"
-BENCH_S="${BENCH_S:-180}"
-ENGINE_S="${ENGINE_S:-130}"
+BENCH_S="${BENCH_S:-120}"
+ENGINE_S="${ENGINE_S:-220}"
 START=$(date +%s)
 SUMMARY="$OUTDIR/summary.md"
 declare -a STAGES=()
@@ -250,13 +255,25 @@ model.save_pretrained(folder)
 print("saved", folder)
 EOF
     fi
-    # generate_batch may compile or capture graphs at start: it gets a bound of its own;
-    # SIGINT from timeout makes the benchmark write the report without the unfinished peer.
-    echo "$PY bench/throughput.py --device cuda --quick --dtype bfloat16 --no-sweeps" \
-         "--model $MODEL --hf-timeout 60 --out $ENGINE_DIR   (limit ${L} s)"
-    timeout -s INT -k 15 "$L" "$PY" bench/throughput.py --device cuda --quick \
-      --dtype bfloat16 --no-sweeps --model "$MODEL" --hf-timeout 60 --out "$ENGINE_DIR" \
-      --no-progress ${ENGINE_ARGS:-}
+    # Decode step time, eager and with CUDA graphs (each engine captures its graphs at
+    # start), at 1, 32 and 256 sequences decoding together.
+    DL=$(( L / 4 )); (( DL < 40 )) && DL=40
+    echo "$PY bench/step_profile.py --decode-time --device cuda --dtype bfloat16" \
+         "--model $MODEL --batch-sizes 1,32,256 --out $ENGINE_DIR   (limit ${DL} s)"
+    timeout -s INT -k 15 "$DL" "$PY" bench/step_profile.py --decode-time --device cuda \
+      --dtype bfloat16 --model "$MODEL" --batch-sizes 1,32,256 --out "$ENGINE_DIR"
+    echo "decode rc $?"
+    # 256 requests at once (prompts 32-512, 128 output tokens, EOS ignored) against HF
+    # generate (static batches) and generate_batch (continuous batching). generate_batch
+    # may compile or capture graphs at start: it gets a bound of its own; SIGINT from
+    # timeout makes the benchmark write the report without the unfinished peer.
+    TL=$(( $(left) - 40 )); (( TL < 60 )) && TL=60
+    echo "$PY bench/throughput.py --device cuda --dtype bfloat16 --no-sweeps" \
+         "--num-requests 256 --input-len 32-512 --output-len 128 --model $MODEL" \
+         "--hf-timeout 90 --out $ENGINE_DIR   (limit ${TL} s)"
+    timeout -s INT -k 15 "$TL" "$PY" bench/throughput.py --device cuda --dtype bfloat16 \
+      --no-sweeps --num-requests 256 --input-len 32-512 --output-len 128 --model "$MODEL" \
+      --hf-timeout 90 --out "$ENGINE_DIR" --no-progress ${ENGINE_ARGS:-}
     echo "throughput rc $?"
     LL=$(left)
     if (( LL >= 45 )); then
@@ -273,7 +290,7 @@ EOF
   # The stage passes when the throughput report was written.
   TMD="$(ls -t "$ENGINE_DIR"/throughput_cuda_*.md 2>/dev/null | head -n 1)"
   if [[ -n "$TMD" ]]; then RC=0; else RC=1; fi
-  NOTE="limit ${L} s, engine.log, engine/: $(grep -E '^(throughput|latency) rc|random weights|latency skipped' "$OUTDIR/engine.log" | tr '\n' ' ' | tr '|' '/')"
+  NOTE="limit ${L} s, engine.log, engine/: $(grep -E '^(decode|throughput|latency) rc|random weights|latency skipped' "$OUTDIR/engine.log" | tr '\n' ' ' | tr '|' '/')"
   [[ $RC -ne 0 ]] && NOTE="$NOTE: $(lastline "$OUTDIR/engine.log")"
   stage engine "$RC" "$DT" "$NOTE"
 fi
@@ -306,7 +323,16 @@ engine_table() {  # engine_table KIND FROM TO TARGETS: a table and the target li
     echo
     sed -n '/^### Targets/,$p' "$MD" | tail -n +2
   fi
+  DMD="$OUTDIR/engine/step_profile.md"
+  if [[ -f "$DMD" ]]; then
+    echo
+    echo "Decode step time (from engine/step_profile.md; goal: batch 1 <= 1.5 ms per token):"
+    echo
+    grep -E '^\|' "$DMD"
+  fi
   engine_table throughput '/^## Engines/' '/^Output tokens are/' '^- '
+  echo
+  echo "Goals (256 requests): >= 30,000 output tok/s; >= 10x HF generate_batch (table above)."
   engine_table latency '/^## Batch 1/' '/^### Target/' '^- batch-1'
   if grep -qE 'FAILED|ERROR' "$OUTDIR/tests.log" 2>/dev/null; then
     echo

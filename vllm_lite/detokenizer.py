@@ -31,6 +31,8 @@ from collections.abc import Sequence
 # Tokens of context decoded before the new ones, so a tokenizer that drops or adds a
 # leading space at the start of a decode (SentencePiece) gets the spacing right.
 _WINDOW = 5
+# The context tokens token_texts_after reads (the rest may be left out).
+TEXT_CONTEXT = _WINDOW
 _REPLACEMENT = "\ufffd"
 
 
@@ -114,7 +116,8 @@ def token_texts_after(tokenizer: Any, context: Sequence[int], token_ids: Sequenc
                       skip_special_tokens: bool = True,
                       spaces_between_special_tokens: bool = True) -> list[str]:
     """For each of ``token_ids``: the text it adds after ``context`` (the tokens before it;
-    only the last few are decoded, for the spacing), e.g. a logprob's ``decoded_token``.
+    only the last TEXT_CONTEXT are decoded, for the spacing), e.g. a logprob's
+    ``decoded_token``.
     When the context's text is not a prefix of the extended text (a tokenizer that
     rewrites across the boundary), the token's own text."""
     window = [int(t) for t in context[-_WINDOW:]]

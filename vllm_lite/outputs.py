@@ -79,7 +79,7 @@ def request_output(group: SequenceGroup) -> RequestOutput:
     return RequestOutput(
         request_id=group.request_id,
         prompt=group.prompt,
-        prompt_token_ids=list(group.prompt_token_ids),
+        prompt_token_ids=group.prompt_token_ids_for_output(),
         outputs=completions,
         finished=group.is_finished(),
         prompt_logprobs=(list(group.prompt_logprobs)

@@ -37,7 +37,7 @@ class SequenceStatus(enum.Enum):
 
     @staticmethod
     def is_finished(status: SequenceStatus) -> bool:
-        return status in _FINISHED
+        return status in _FINISHED_MEMBERS
 
     @staticmethod
     def get_finished_reason(status: SequenceStatus) -> str | None:
@@ -52,6 +52,9 @@ _FINISHED = frozenset(
         SequenceStatus.FINISHED_IGNORED,
     }
 )
+# The same as a tuple: membership by identity, without the enum's Python-level __hash__
+# (asked several times per sequence per step).
+_FINISHED_MEMBERS = tuple(_FINISHED)
 # vLLM's finish_reason strings; an ignored prompt reports "length" there too.
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -121,7 +124,18 @@ class Sequence:
         return len(self.output_token_ids)
 
     def get_token_ids(self) -> list[int]:
+        """A new list of every token (a copy: not for the per-step path, see token_slice)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, copying only those."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if stop <= n:
+            return prompt[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return prompt[start:] + self.output_token_ids[:stop - n]
 
     def get_last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
@@ -138,7 +152,7 @@ class Sequence:
         self.cumulative_logprob += logprob
 
     def is_finished(self) -> bool:
-        return SequenceStatus.is_finished(self.status)
+        return self.status in _FINISHED_MEMBERS
 
     def reset_state_for_recompute(self) -> None:
         """Forget the KV progress; the tokens stay and are recomputed as a prompt."""
@@ -204,18 +218,26 @@ class SequenceGroup:
         # A seeded request's random generator (the sampler creates it at the request's
         # first sampled step; every sequence of the request draws from it, in row order).
         self.generator: Any = None
+        self._prompt_copy: list[int] | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return next(iter(self.seqs_dict.values())).prompt_token_ids
 
+    def prompt_token_ids_for_output(self) -> list[int]:
+        """A copy of the prompt's ids that every RequestOutput of the request shares: made
+        once, not at every step (a caller changing it cannot reach the engine's)."""
+        if self._prompt_copy is None:
+            self._prompt_copy = list(self.prompt_token_ids)
+        return self._prompt_copy
+
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
             return list(self.seqs_dict.values())
-        return [seq for seq in self.seqs_dict.values() if seq.status == status]
+        return [seq for seq in self.seqs_dict.values() if seq.status is status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs_dict.values() if not seq.is_finished()]
+        return [seq for seq in self.seqs_dict.values() if seq.status not in _FINISHED_MEMBERS]
 
     def num_seqs(self, status: SequenceStatus | None = None) -> int:
         return len(self.get_seqs(status))
@@ -246,7 +268,10 @@ class SequenceGroup:
         return len(self.get_unfinished_seqs())
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs_dict.values())
+        for seq in self.seqs_dict.values():
+            if seq.status not in _FINISHED_MEMBERS:
+                return False
+        return True
 
     def __repr__(self) -> str:
         return (

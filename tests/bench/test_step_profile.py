@@ -22,7 +22,7 @@ def _args(model: Path, out: Path, **kw) -> argparse.Namespace:
     argv = ["--model", str(model), "--dtype", "float32", "--kv-cache-space", "0.01",
             "--threads", "1", "--out", str(out)]
     for k, v in kw.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
+        argv += [f"--{k.replace('_', '-')}"] + ([str(v)] if v != "" else [])
     return p.parse_args(argv)
 
 
@@ -50,3 +50,34 @@ def test_bad_sizes_are_refused(tmp_path: Path) -> None:
         step_profile.run(_args(tmp_path, tmp_path, output_len=0))
     with pytest.raises(ValueError, match="--temperature must be >= 0"):
         step_profile.run(_args(tmp_path, tmp_path, temperature=-1))
+
+
+def test_host_time_reports_each_context(tmp_path: Path) -> None:
+    report = step_profile.run(_args(tmp_path, tmp_path, host_time="", num_seqs=3,
+                                    contexts="9,40", decode_steps=2))
+    assert "3 sequences decoding together, mean of 2 decode steps" in report, report
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| \*\*(-?[\d.]+)\*\* \| "
+                      r"(-?[\d.]+) \|$", report, re.M)
+    assert [r[0] for r in rows] == ["9", "40"], report
+    for _, step, kernel, host, _cpu in rows:
+        step, kernel, host = float(step), float(kernel), float(host)
+        assert 0 < kernel < step and abs(step - kernel - host) < 0.02, report
+
+
+def test_decode_time_on_the_cpu_runs_eagerly(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    save_hf_model(make_config("llama"), model)
+    report = step_profile.run(_args(model, tmp_path, decode_time="", batch_sizes="1,3",
+                                    input_len=9, decode_steps=2, device="cpu"))
+    assert "the CPU runs eagerly (no graphs)" in report, report
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d,]+) \|$", report, re.M)
+    assert [r[0] for r in rows] == ["1", "3"], report
+    for n, ms, tok_s in rows:
+        assert float(ms) > 0
+        assert abs(float(tok_s.replace(",", "")) - int(n) / (float(ms) / 1e3)) <= \
+            0.01 * int(n) / (float(ms) / 1e3) + 1, report
+
+
+def test_host_and_decode_time_are_separate_runs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="choose one"):
+        step_profile.run(_args(tmp_path, tmp_path, host_time="", decode_time=""))

@@ -13,8 +13,8 @@ from vllm_lite.config import CacheConfig, SchedulerConfig, kv_cache_block_bytes
         (dict(block_size=0), "block_size"),
         (dict(num_gpu_blocks=0), "num_gpu_blocks"),
         (dict(num_cpu_blocks=-1), "num_cpu_blocks"),
-        (dict(swap_space_gib=-1.0), "swap_space_gib"),
-        (dict(swap_space_gib=math.nan), "swap_space_gib"),
+        (dict(swap_space=-1.0), "swap_space"),
+        (dict(swap_space=math.nan), "swap_space"),
         (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
         (dict(watermark=1.0), "watermark"),
     ],
@@ -29,7 +29,7 @@ def test_cache_config_rejects(kwargs, field) -> None:
     [
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(max_model_len=0), "max_model_len"),
-        (dict(policy="lifo"), "policy"),
+        (dict(scheduling_policy="lifo"), "scheduling_policy"),
         (dict(preemption_mode="drop"), "preemption_mode"),
         (dict(max_wait_steps=-1), "max_wait_steps"),
         (dict(max_num_seqs=8, max_num_batched_tokens=4, enable_chunked_prefill=True), "max_num_batched_tokens"),
@@ -52,8 +52,8 @@ def test_scheduler_config_defaults() -> None:
 def test_cpu_blocks_from_swap_space() -> None:
     block_bytes = kv_cache_block_bytes(num_layers=2, num_kv_heads=4, head_size=64, block_size=16, dtype_bytes=2)
     assert block_bytes == 2 * 2 * 4 * 64 * 16 * 2
-    assert CacheConfig(swap_space_gib=1.0).cpu_blocks_for(block_bytes) == (1 << 30) // block_bytes
-    assert CacheConfig(swap_space_gib=0).cpu_blocks_for(block_bytes) == 0
+    assert CacheConfig(swap_space=1.0).cpu_blocks_for(block_bytes) == (1 << 30) // block_bytes
+    assert CacheConfig(swap_space=0).cpu_blocks_for(block_bytes) == 0
     with pytest.raises(ValueError, match="block_bytes"):
         CacheConfig().cpu_blocks_for(0)
     with pytest.raises(ValueError, match="head_size"):

@@ -87,7 +87,7 @@ def test_prompt_larger_than_the_whole_cache_is_ignored() -> None:
     [("fcfs", ["a", "b", "c"]), ("priority", ["c", "a", "b"]), ("shortest_first", ["b", "c", "a"])],
 )
 def test_admission_order_follows_the_policy(policy: str, expected: list[str]) -> None:
-    m = make(max_num_seqs=1, policy=policy)
+    m = make(max_num_seqs=1, scheduling_policy=policy)
     sched = m.scheduler
     # (prompt length, max_tokens, priority): a is long, b is short, c has the top priority.
     for rid, plen, max_tokens, prio in [("a", 10, 5, 1), ("b", 3, 1, 2), ("c", 6, 2, 0)]:
@@ -99,7 +99,7 @@ def test_admission_order_follows_the_policy(policy: str, expected: list[str]) ->
 @pytest.mark.parametrize("policy", ["shortest_first", "priority"])
 def test_aging_bounds_the_wait_of_an_unfavoured_request(policy: str) -> None:
     def wait_of_long_request(max_wait_steps: int, horizon: int = 80) -> int | None:
-        m = make(max_num_seqs=1, policy=policy, max_wait_steps=max_wait_steps)
+        m = make(max_num_seqs=1, scheduling_policy=policy, max_wait_steps=max_wait_steps)
         sched = m.scheduler
         sched.add_request("long", [1] * 12, params(8), priority=5)
         for step in range(horizon):
@@ -120,7 +120,7 @@ def test_aging_bounds_the_wait_of_an_unfavoured_request(policy: str) -> None:
 @pytest.mark.parametrize("priorities, victim", [((0, 1, 0), "b"), ((0, 0, 0), "c")])
 def test_victim_is_the_lowest_priority_newest_group(priorities, victim: str) -> None:
     # Six blocks, three 2-block prompts: the first decode needs blocks nobody has.
-    m = make(num_gpu_blocks=6, block_size=4, policy="priority")
+    m = make(num_gpu_blocks=6, block_size=4, scheduling_policy="priority")
     sched = m.scheduler
     for rid, prio in zip("abc", priorities):
         sched.add_request(rid, [3] * 8, params(6), priority=prio)
@@ -280,12 +280,15 @@ def test_prefix_cache_hits_across_requests_respecting_salt() -> None:
     m.check_drained()
 
 
-def test_add_request_validation_changes_nothing() -> None:
+def test_add_request_invariants_are_internal_errors_and_change_nothing() -> None:
+    """Requests reach the scheduler admitted (vllm_lite.engine.admission refuses bad input
+    with a ValueError: tests/engine/test_llm_hardening.py); one that breaks what admission
+    guarantees is a bug upstream, an InternalError, and the queues stay as they were."""
     m = make(max_num_seqs=4)
     sched = m.scheduler
     sched.add_request("a", [1], params())
     cases = [
-        (dict(request_id="b", prompt_token_ids=[1], sampling_params=params(n=5, temperature=1.0)), "n must be at most 4"),
+        (dict(request_id="b", prompt_token_ids=[1], sampling_params=params(n=5, temperature=1.0)), "runs 5 sequences"),
         (dict(request_id="a", prompt_token_ids=[1]), "already in the scheduler"),
         (dict(request_id="b", prompt_token_ids=[]), "prompt_token_ids must be a non-empty"),
         (dict(request_id="b", prompt_token_ids=[1, -2]), "non-negative ints"),
@@ -293,9 +296,10 @@ def test_add_request_validation_changes_nothing() -> None:
         (dict(request_id="b", prompt_token_ids=[1], priority=1.5), "priority must be an int"),
     ]
     for kwargs, message in cases:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(InternalError, match=message):
             sched.add_request(**kwargs)
     assert [g.request_id for g in sched.waiting] == ["a"]
+    assert list(sched.requests) == ["a"] and not sched.running and not sched.swapped
 
 
 def test_apply_finishes_one_sequence_and_then_the_request() -> None:

@@ -82,7 +82,7 @@ def test_random_workload_finishes_cleanly(case: SimCase, seed: int) -> None:
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=case.max_num_batched_tokens,
         enable_chunked_prefill=case.chunked,
-        policy=case.policy,
+        scheduling_policy=case.policy,
         preemption_mode=case.preemption_mode,
         max_wait_steps=40,
     )

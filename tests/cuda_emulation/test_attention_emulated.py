@@ -111,6 +111,13 @@ def _cases() -> list[Case]:
     cases.append(Case("scales-f16", F16, 8, 2, 80, 8, (50, 520), alibi=True, k_scale=0.5,
                       v_scale=2.0))
     cases.append(Case("all-empty-f16", F16, 4, 4, 32, 16, (0, 0), max_seq_len=0))
+    # A CUDA-graph decode launch: the bound is the model's length, partitions past every
+    # sequence's, a table as wide as that bound (NaN blocks past each length), and rows
+    # padded to the batch bucket with one token each (v1 with one head group, v2 split).
+    for dt, parts, sms in ((BF16, 0, 1), (F16, 2, 132)):
+        cases.append(Case(f"graph-bounds-{dtype_name(dt)}-p{parts}", dt, 8, 2, 64, 16,
+                          (300, 1, 17, 1, 1), max_seq_len=3 * PARTITION_SIZE + 40,
+                          extra_partitions=parts, sms=sms))
     # One query head per CTA (MHA: heads_per_cta == 1, the K pass keeps q in registers) for
     # every block size and head-size bucket, with head sizes that leave the last 32-row
     # group of the V pass partly empty; lengths end inside a block and cross a chunk.

@@ -117,6 +117,42 @@ def test_a_generate_that_fails_in_one_thread_leaves_the_other_intact(llm: LLM) -
     _assert_idle(llm)
 
 
+# -- admission -------------------------------------------------------------------------------
+
+def test_add_request_refuses_bad_input_and_changes_nothing(llm: LLM) -> None:
+    """LLMEngine.add_request admits every request (engine/admission.py, the checks LLM and
+    the server call too): bad input is a ValueError naming the field, and the engine holds
+    exactly what it held before (a KV-holding request keeps running)."""
+    engine = llm.llm_engine
+    max_len = engine.config.model_config.max_model_len
+    engine.add_request("held", None, SamplingParams(max_tokens=3), prompt_token_ids=[1, 2, 3])
+    engine.step()
+    before = (list(engine.scheduler.requests), engine.scheduler.block_manager
+              .get_num_free_device_blocks())
+    cases = [
+        (dict(prompt_token_ids=[]), "the prompt is empty"),
+        (dict(prompt_token_ids=[1, 2.0]), "prompt token ids must be ints"),
+        (dict(prompt_token_ids=[1, VOCAB]), f"token id {VOCAB} is outside the vocabulary"),
+        (dict(prompt_token_ids=[1] * (max_len + 1)), "longer than max_model_len"),
+        (dict(prompt_token_ids=[1], sampling_params=SamplingParams(n=10**4, temperature=1.0)),
+         "^n must be at most"),
+        (dict(prompt_token_ids=[1], sampling_params="greedy"), "sampling_params must be"),
+        (dict(prompt_token_ids=[1], priority=1), "priority 1 needs the priority"),
+        (dict(prompt_token_ids=[1], sampling_params=SamplingParams(max_tokens=10**6)),
+         "KV blocks at once"),
+        (dict(request_id="held", prompt_token_ids=[1]), "already in the engine"),
+    ]
+    for kwargs, message in cases:
+        kwargs.setdefault("request_id", "new")
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(**kwargs)
+        assert (list(engine.scheduler.requests),
+                engine.scheduler.block_manager.get_num_free_device_blocks()) == before
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_idle(llm)
+
+
 # -- max_logprobs ---------------------------------------------------------------------------
 
 def test_max_logprobs_default_and_cap(folder: Path, llm: LLM) -> None:

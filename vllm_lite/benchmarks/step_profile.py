@@ -21,6 +21,12 @@ A step is a "prefill" step when it holds any prompt tokens. The hooks cost a few
 microseconds per module call; the table gives the instrumented total, and a second,
 uninstrumented run of the same workload gives the plain throughput beside it.
 Writes ``step_profile.md`` to --out and prints it.
+
+``--host-time``: the engine's own cost per decode step, apart from the model's compute.
+A micro random Llama (one layer, hidden 64, compute negligible) decodes --num-seqs
+sequences together at each --contexts length; host time is the mean decode step's wall
+time minus the paged-attention kernel's own time in that step (timed around each kernel
+call: on the CPU it runs synchronously). It should stay flat as the context grows.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_lite.benchmarks import RESULTS_DIR
+from vllm_lite.benchmarks.common import int_list
 from vllm_lite.config import KV_CACHE_DTYPES, THREADS_HELP, EngineArgs, set_threads
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,12 @@ PHASES = ("schedule", "prepare inputs", "linear", "attention", "other model ops"
 KINDS = ("prefill", "decode")
 FULL = dict(num_requests=32, input_len=128, output_len=64)
 QUICK = dict(num_requests=8, input_len=64, output_len=16)
+HOST_FULL = dict(contexts=[64, 1500], num_seqs=256, decode_steps=24)
+HOST_QUICK = dict(contexts=[64, 512], num_seqs=64, decode_steps=8)
+# Decode steps run before the timed ones (first-call costs).
+HOST_WARMUP_STEPS = 4
+DECODE_BATCH_SIZES = [1, 32, 256]
+DECODE_CONTEXT = 128
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +81,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "random path, seeded by --seed)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR,
                    help="results folder (default: %(default)s)")
+    p.add_argument("--host-time", action="store_true",
+                   help="the decode step's host time (step minus the paged-attention "
+                        "kernel's time) with a micro random Llama, per --contexts")
+    p.add_argument("--contexts", type=int_list, default=None,
+                   help=f"--host-time: prompt lengths (default {HOST_FULL['contexts']}; "
+                        f"--quick {HOST_QUICK['contexts']})")
+    p.add_argument("--num-seqs", type=int, default=None,
+                   help=f"--host-time: sequences decoding together (default "
+                        f"{HOST_FULL['num_seqs']}; --quick {HOST_QUICK['num_seqs']})")
+    p.add_argument("--decode-time", action="store_true",
+                   help="ms per decode step of --model at each --batch-sizes, with and "
+                        "without CUDA graphs on a GPU (eager only on the CPU)")
+    p.add_argument("--batch-sizes", type=int_list, default=None,
+                   help=f"--decode-time: sequences decoding together (default "
+                        f"{','.join(map(str, DECODE_BATCH_SIZES))}); prompts of --input-len "
+                        f"tokens (default {DECODE_CONTEXT})")
+    p.add_argument("--device", default="auto",
+                   help="--decode-time: cpu, cuda, cuda:N or auto (default: %(default)s)")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help=f"--host-time / --decode-time: decode steps timed per run (default "
+                        f"{HOST_FULL['decode_steps']}; --quick {HOST_QUICK['decode_steps']})")
 
 
 class _Clock:
@@ -180,11 +214,188 @@ def _table(clock: _Clock) -> list[str]:
     return rows
 
 
+def host_time(args: argparse.Namespace) -> str:
+    """The --host-time report: per context, the mean decode step, the paged-attention
+    kernel's share of it and the rest (the host's), in ms."""
+    import tempfile
+
+    import torch
+
+    from vllm_lite import ops
+    from vllm_lite.benchmarks.cluster_sim import tiny_random_llama
+
+    for key, value in (HOST_QUICK if args.quick else HOST_FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.num_seqs < 1 or args.decode_steps < 1 or not args.contexts:
+        raise ValueError("--num-seqs, --decode-steps and --contexts must be >= 1")
+    set_threads(args.threads)
+    kernel_s = [0.0, 0.0]
+    paged_attention = ops.paged_attention
+
+    def timed_kernel(*a: Any, **kw: Any) -> Any:
+        t, c = time.perf_counter(), time.process_time()
+        try:
+            return paged_attention(*a, **kw)
+        finally:
+            kernel_s[0] += time.perf_counter() - t
+            kernel_s[1] += time.process_time() - c
+
+    rows = ["| context | decode step ms | paged-attention kernel ms | host ms | host CPU ms |",
+            "|---:|---:|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        max_len = max(args.contexts) + HOST_WARMUP_STEPS + args.decode_steps + 16
+        model = tiny_random_llama(Path(tmp) / "micro", max_len=max_len, seed=args.seed,
+                                  layers=1, heads=2, kv_heads=1)
+        ops.paged_attention = timed_kernel
+        try:
+            for context in args.contexts:
+                step, kernel, cpu = _host_time_at(args, model, context, kernel_s)
+                rows.append(f"| {context} | {step * 1e3:.2f} | {kernel * 1e3:.2f} | "
+                            f"**{(step - kernel) * 1e3:.2f}** | {cpu * 1e3:.2f} |")
+        finally:
+            ops.paged_attention = paged_attention
+    header = (f"Decode host time, {time.strftime('%Y-%m-%d %H:%M')}: micro random Llama "
+              f"(1 layer, hidden 64, 2/1 heads of 32, vocab 512), {args.num_seqs} sequences "
+              f"decoding together, mean of {args.decode_steps} decode steps, "
+              f"{torch.get_num_threads()} threads; host = step - kernel (wall clock); host "
+              f"CPU = the same in process CPU time (less sensitive to a busy machine, but "
+              f"counting every thread's time).")
+    return "\n".join([header, "", *rows, ""])
+
+
+def _host_time_at(args: argparse.Namespace, model: Path, context: int,
+                  kernel_s: list[float]) -> tuple[float, float, float]:
+    """(mean decode step, mean kernel time in it, mean host CPU time) in seconds, at one
+    prompt length, with the micro model on the CPU."""
+    from vllm_lite import LLM
+
+    n = args.num_seqs
+    total = context + HOST_WARMUP_STEPS + args.decode_steps + 1
+    llm = LLM(str(model), dtype="float32", device="cpu", seed=args.seed,
+              max_model_len=total + 8, max_num_seqs=n,
+              max_num_batched_tokens=max(2048, n * (context + 1)), swap_space=0,
+              kv_cache_space=max(0.05, 2.5 * n * total * 2 * 32 * 4 / 2**30))
+    try:
+        return _time_decode(llm, n, context, args.decode_steps, args.seed, kernel_s)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
+                 kernel_s: list[float]) -> tuple[float, float, float]:
+    """Queues n greedy requests of ``context`` random prompt tokens, all prefilled in one
+    step, and times ``decode_steps`` engine steps in which all n decode (after
+    HOST_WARMUP_STEPS untimed ones): (mean step, mean of kernel_s[0] (reset before each
+    step by the caller's wrapper) and mean process CPU time minus kernel_s[1]), seconds."""
+    import random
+
+    from vllm_lite import SamplingParams
+
+    engine = llm.llm_engine
+    vocab = engine.config.model_config.hf_config.vocab_size
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=HOST_WARMUP_STEPS + decode_steps + 1,
+                            ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"decode-{i}", None, params, prompt_token_ids=[
+            rng.randrange(10, vocab - 10) for _ in range(context)])
+    schedule = engine.scheduler.schedule
+    shape: list[int] = [0]
+
+    def recording() -> Any:
+        out = schedule()
+        shape[0] = out.num_batched_tokens if not any(
+            g.is_prompt for g in out.scheduled_seq_groups) else -1
+        return out
+
+    engine.scheduler.schedule = recording
+    try:
+        warm, steps, step_s, kernel, cpu = 0, 0, 0.0, 0.0, 0.0
+        while engine.has_unfinished_requests() and steps < decode_steps:
+            kernel_s[:] = [0.0, 0.0]
+            t, c = time.perf_counter(), time.process_time()
+            engine.step()  # ends with the sampled tokens on the host: the step is done
+            dt, dc = time.perf_counter() - t, time.process_time() - c
+            if shape[0] != n:
+                continue  # a prefill step, or not every sequence decoding yet
+            if warm < HOST_WARMUP_STEPS:
+                warm += 1
+                continue
+            steps += 1
+            step_s += dt
+            kernel += kernel_s[0]
+            cpu += dc - kernel_s[1]
+    finally:
+        del engine.scheduler.schedule  # the class's method again
+        engine.abort_request(engine.unfinished_request_ids())
+    if steps < decode_steps:
+        raise RuntimeError(f"only {steps} decode steps ran with all {n} sequences")
+    return step_s / steps, kernel / steps, cpu / steps
+
+
+def decode_time(args: argparse.Namespace) -> str:
+    """The --decode-time report: ms per decode step at each --batch-sizes, with and
+    without CUDA graphs (on a GPU; eager only on the CPU)."""
+    import torch
+
+    from vllm_lite import LLM
+    from vllm_lite.config import resolve_device
+
+    sizes = args.batch_sizes or DECODE_BATCH_SIZES
+    context = args.input_len if args.input_len is not None else DECODE_CONTEXT
+    steps = args.decode_steps if args.decode_steps is not None else (
+        HOST_QUICK if args.quick else HOST_FULL)["decode_steps"]
+    if context < 1 or steps < 1:
+        raise ValueError("--input-len and --decode-steps must be >= 1")
+    set_threads(args.threads)
+    device = resolve_device(args.device)
+    modes = [True, False] if device.type == "cuda" else [True]
+    rows = ["| sequences | " + " | ".join(
+                "eager ms/step" if eager else "graphs ms/step" for eager in modes)
+            + (" | graphs speedup | graphs output tok/s |" if len(modes) > 1
+               else " | output tok/s |"),
+            "|---:|" + "---:|" * (len(modes) + (2 if len(modes) > 1 else 1))]
+    results: dict[tuple[int, bool], float] = {}
+    for eager in modes:
+        llm = LLM(args.model, dtype=args.dtype, device=str(device), seed=args.seed,
+                  enforce_eager=eager, max_num_seqs=max(sizes),
+                  max_model_len=context + HOST_WARMUP_STEPS + steps + 16,
+                  max_num_batched_tokens=max(2048, max(sizes) * (context + 1)), swap_space=0,
+                  kv_cache_space=args.kv_cache_space, quantization=args.quantization)
+        try:
+            for n in sizes:
+                results[n, eager] = _time_decode(llm, n, context, steps, args.seed,
+                                                 [0.0, 0.0])[0]
+        finally:
+            llm.llm_engine.shutdown()
+            del llm
+    for n in sizes:
+        cells = [f"{results[n, e] * 1e3:.3f}" for e in modes]
+        last = results[n, modes[-1]]
+        if len(modes) > 1:
+            cells.append(f"{results[n, True] / last:.2f}x")
+        cells.append(f"{n / last:,.0f}")
+        rows.append(f"| {n} | " + " | ".join(cells) + " |")
+    header = (f"Decode step time, {time.strftime('%Y-%m-%d %H:%M')}: model `{args.model}`, "
+              f"{args.dtype}, {device}, {context}-token prompts, mean of {steps} decode steps "
+              f"with every sequence decoding, {torch.get_num_threads()} threads"
+              + ("" if device.type == "cuda" else "; the CPU runs eagerly (no graphs)") + ".")
+    return "\n".join([header, "", *rows, ""])
+
+
 def run(args: argparse.Namespace) -> str:
     """The report (markdown) of one run."""
     import torch
 
     from vllm_lite import LLM
+
+    if args.host_time and args.decode_time:
+        raise ValueError("--host-time and --decode-time are two runs; choose one")
+    if args.host_time:
+        return host_time(args)
+    if args.decode_time:
+        return decode_time(args)
 
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:

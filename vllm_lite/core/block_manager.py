@@ -15,7 +15,7 @@ import enum
 import logging
 from collections.abc import Iterable
 
-from vllm_lite.config import CacheConfig
+from vllm_lite.config.schema import CacheConfig
 from vllm_lite.core.block_allocator import BlockAllocator
 from vllm_lite.core.prefix_cache import PrefixCacheStats, extend_block_hashes
 from vllm_lite.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -184,9 +184,12 @@ class BlockSpaceManager:
         table = self.device_block_tables[seq.seq_id]
         num_new = max(0, self._blocks_for(seq.get_len()) - len(table))
         to_copy = []
+        ref_count = self.device_allocator.ref_count
         for i in range(seq.num_computed_tokens // self.block_size, len(table)):
             block_id = table[i]
-            count = ref_counts.get(block_id, self.device_allocator.ref_count(block_id))
+            count = ref_counts.get(block_id)
+            if count is None:
+                count = ref_count(block_id)
             if count > 1:
                 to_copy.append(i)
                 ref_counts[block_id] = count - 1
@@ -214,12 +217,23 @@ class BlockSpaceManager:
         Returns the copy-on-write (src, dst) pairs for ``copy_blocks``: only the shared
         blocks about to be written are copied, never a whole table.
         """
-        seqs = self._running_seqs_with_blocks(seq_group)
-        if not self.can_append_slots(seq_group):
+        copies = self.try_append_slots(seq_group)
+        if copies is None:
             raise InternalError(f"not enough free device blocks to grow request {seq_group.request_id}")
+        return copies
+
+    def try_append_slots(self, seq_group: SequenceGroup) -> BlockMapping | None:
+        """append_slots when the free blocks suffice (its copy pairs), else None and
+        nothing changed: can_append_slots and append_slots in one pass."""
+        seqs = self._running_seqs_with_blocks(seq_group)
+        # One plan per sequence, the counts carried as the earlier copies leave them: what
+        # planning each one after the earlier ones ran would give (those frees included).
+        ref_counts: dict[int, int] = {}
+        plans = [self._append_plan(seq, ref_counts) for seq in seqs]
+        if sum(n + len(c) for n, c in plans) > self.get_num_free_device_blocks():
+            return None
         copies: BlockMapping = []
-        for seq in seqs:
-            num_new, to_copy = self._append_plan(seq, {})
+        for seq, (num_new, to_copy) in zip(seqs, plans):
             table = self.device_block_tables[seq.seq_id]
             for i in to_copy:
                 src = table[i]

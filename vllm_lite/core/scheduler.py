@@ -21,7 +21,7 @@ from typing import Any
 from collections.abc import Iterable, Mapping, Sequence as Seq
 from types import MappingProxyType
 
-from vllm_lite.config import CacheConfig, SchedulerConfig
+from vllm_lite.config.schema import CacheConfig, SchedulerConfig
 from vllm_lite.core.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
 from vllm_lite.core.policy import running_key, waiting_key
 from vllm_lite.core.prefix_cache import PrefixCacheStats
@@ -213,11 +213,13 @@ class Scheduler:
         eos_token_id: int | None = None,
         prompt: str | None = None,
     ) -> SequenceGroup:
-        """Build the request's group (one sequence holding the prompt) and queue it."""
+        """Build the request's group (one sequence holding the prompt) and queue it. The
+        request was admitted (vllm_lite.engine.admission): one that breaks what admission
+        guarantees is a bug upstream (InternalError), and changes nothing."""
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+            raise InternalError("prompt_token_ids must be a non-empty list of token ids")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt_token_ids):
-            raise ValueError("prompt_token_ids must hold non-negative ints")
+            raise InternalError("prompt_token_ids must hold non-negative ints")
         if isinstance(cache_salt, str):
             cache_salt = cache_salt.encode()
         seq = Sequence(next_seq_id(), prompt_token_ids, cache_salt)
@@ -235,15 +237,18 @@ class Scheduler:
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
         if not isinstance(seq_group.request_id, str) or not seq_group.request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {seq_group.request_id!r}")
+            raise InternalError(f"request_id must be a non-empty str, got {seq_group.request_id!r}")
         if seq_group.request_id in self._requests:
-            raise ValueError(f"request_id {seq_group.request_id!r} is already in the scheduler")
+            raise InternalError(f"request_id {seq_group.request_id!r} is already in the scheduler")
         if isinstance(seq_group.priority, bool) or not isinstance(seq_group.priority, int):
-            raise ValueError(f"priority must be an int, got {seq_group.priority!r}")
+            raise InternalError(f"priority must be an int, got {seq_group.priority!r}")
         for seq in seq_group.get_seqs():
             if seq.status != SequenceStatus.WAITING or self.block_manager.has_blocks(seq):
                 raise InternalError(f"seq {seq.seq_id} of a new request must be WAITING without blocks")
-        seq_group.sampling_params.verify_max_n(self.config.max_num_seqs)
+        if seq_group.sampling_params.best_of > self.config.max_num_seqs:
+            raise InternalError(f"request {seq_group.request_id!r} runs "
+                                f"{seq_group.sampling_params.best_of} sequences; max_num_seqs "
+                                f"is {self.config.max_num_seqs}")
         if seq_group.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position's logits: no prefix-cache reads
             # (as vLLM's v1 engine; the request still publishes its blocks for others).
@@ -375,7 +380,7 @@ class Scheduler:
         kept: list[SequenceGroup] = []
         while queue:
             group = queue.pop(0)
-            while not self.block_manager.can_append_slots(group):
+            while (copies := self.block_manager.try_append_slots(group)) is None:
                 # Victims come from the back only: groups already served this step keep
                 # their slots, so nothing scheduled is taken away again.
                 victim = queue.pop() if queue else group
@@ -383,7 +388,7 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                state.copies.extend(self.block_manager.append_slots(group))
+                state.copies.extend(copies)
                 kept.append(group)
         self.running = kept
         # Decodes before prefill chunks: a long prompt must not stall the running batch.
@@ -422,7 +427,7 @@ class Scheduler:
             return  # swapped groups come back before any new prompt
         self.waiting.sort(
             key=lambda g: waiting_key(
-                self.config.policy, g, self.config.max_model_len, self.config.max_wait_steps
+                self.config.scheduling_policy, g, self.config.max_model_len, self.config.max_wait_steps
             )
         )
         while self.waiting and not state.blocked:
@@ -618,6 +623,17 @@ class Scheduler:
             if group.prompt_logprobs is None:
                 group.prompt_logprobs = []
             group.prompt_logprobs.extend(update.prompt_logprobs)
+        ups = update.seqs
+        if len(ups) == 1 and type(ups[0]) is AppendToken:
+            # A request's usual step, one sequence taking one token: no copies to order.
+            u = ups[0]
+            seq = group.seqs_dict.get(u.seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                raise InternalError(f"no running seq {u.seq_id} in request {group.request_id!r}")
+            self._take_token(seq, u)
+            if u.finish is not None:
+                self._retire_if_finished(group)
+            return
         before = dict(group.seqs_dict)
 
         def running(seq_id: int) -> Sequence:
@@ -642,17 +658,7 @@ class Scheduler:
             if isinstance(u, AppendToken):
                 extended.append((running(u.seq_id), u))
         for seq, u in extended:
-            seq.append_token_id(u.token_id, u.logprob)
-            if u.output is not None:
-                seq.output = u.output
-            if u.finish is not None:
-                status, reason = u.finish
-                if not SequenceStatus.is_finished(status):
-                    raise InternalError(f"status must be a finished status, got {status}")
-                if seq.status == SequenceStatus.RUNNING:
-                    self.block_manager.free(seq)
-                seq.status = status
-                seq.stop_reason = reason
+            self._take_token(seq, u)
         for u in update.seqs:
             if isinstance(u, DropSeq):
                 seq = group.get_seq(u.seq_id)
@@ -665,6 +671,21 @@ class Scheduler:
             elif not isinstance(u, (ForkSeq, NewHypothesis, AppendToken)):
                 raise InternalError(f"unknown update {u!r}")
         self._retire_if_finished(group)
+
+    def _take_token(self, seq: Sequence, u: AppendToken | ForkSeq | NewHypothesis) -> None:
+        """``seq`` takes the update's token, output state and finish (a running sequence
+        that finishes frees its blocks)."""
+        seq.append_token_id(u.token_id, u.logprob)
+        if u.output is not None:
+            seq.output = u.output
+        if u.finish is not None:
+            status, reason = u.finish
+            if not SequenceStatus.is_finished(status):
+                raise InternalError(f"status must be a finished status, got {status}")
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.free(seq)
+            seq.status = status
+            seq.stop_reason = reason
 
     def _retire_if_finished(self, group: SequenceGroup) -> bool:
         if not group.is_finished():

@@ -15,7 +15,7 @@ consumer costs no memory; one that reads nothing for ``stream_timeout`` seconds 
 aborted. Leaving the ``async for`` early (client gone, task
 cancelled) aborts the request.
 
-Callers validate requests first (``LLMEngine.validate_prompt``, ``SamplingParams``); a
+Callers validate requests first (``LLMEngine.admission``, ``SamplingParams``); a
 ValueError the engine still raises on adding comes back from ``generate`` unchanged. A step
 that raises fails the requests that were running in it with ``EngineError`` (their blocks
 are freed) and the engine goes on serving the others.

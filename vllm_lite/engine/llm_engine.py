@@ -1,6 +1,7 @@
 """LLMEngine: the step loop.
 
-    add_request(...)   validated once (ValueError naming the field) -> scheduler queue
+    add_request(...)   admitted (engine/admission.py: ValueError naming the field)
+                       -> scheduler queue
     step():            scheduler.schedule()
                        -> executor: cache block ops, then forward + sampler (complete
                           per-row results: tokens, logprobs, beam candidates)
@@ -23,10 +24,10 @@ from collections.abc import Mapping, Sequence as Seq
 import torch
 
 from vllm_lite.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
-from vllm_lite.config import EngineConfig
+from vllm_lite.config.schema import EngineConfig
+from vllm_lite.engine.admission import Admission
 from vllm_lite.engine.output_processor import OutputProcessor
 from vllm_lite.engine.stop_checker import StopChecker
-from vllm_lite.inputs import truncate_prompt
 from vllm_lite.outputs import RequestOutput, request_output
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.sequence import SequenceGroup
@@ -66,6 +67,9 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.scheduler = Scheduler(config.scheduler_config, self.cache_config)
+        # Every request is checked here before it reaches the scheduler.
+        self.admission = Admission(config, self.cache_config.block_size,
+                                   self.scheduler.usable_device_blocks, tokenizer)
         # Requests _execute_isolated took out of the scheduler, until the step reports them.
         self._isolated: dict[str, SequenceGroup] = {}
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -125,77 +129,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None = None,
                     sampling_params: SamplingParams | None = None,
                     prompt_token_ids: Seq[int] | None = None, priority: int = 0) -> None:
-        """Queue a request: a text prompt (needs a tokenizer) or token ids."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        self.validate_params(params)
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("give a prompt or prompt_token_ids")
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        # truncate_prompt_tokens before the length check, as vLLM; LLM and the server apply
-        # it earlier to check whole requests first, and truncating again changes nothing.
-        prompt, ids = truncate_prompt(prompt, list(prompt_token_ids),
-                                      params.truncate_prompt_tokens, self.tokenizer,
-                                      params.spaces_between_special_tokens)
-        self.validate_prompt(ids)
-        self.validate_fits(len(ids), params)
-        self.validate_priority(priority)
+        """Queue a request: a text prompt (needs a tokenizer) or token ids, admitted by
+        ``self.admission`` (ValueError naming the field; nothing changes)."""
+        prompt, ids, params = self.admission.admit(prompt, prompt_token_ids, sampling_params,
+                                                   priority)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         self.scheduler.add_request(request_id, ids, params, priority=priority,
                                    eos_token_id=self.eos_token_id, prompt=prompt)
-
-    def validate_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: the engine's limits and support."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params.verify_max_n(self.config.scheduler_config.max_num_seqs)
-        params.verify_max_logprobs(self.config.model_config.max_logprobs)
-        if params.use_beam_search and params.stop:
-            # Beams are ranked before they are detokenized; stop tokens work.
-            raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
-
-    def validate_prompt(self, ids: Seq[int]) -> None:
-        mc = self.config.model_config
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise ValueError("prompt token ids must be ints")
-        bad = [t for t in ids if not 0 <= t < mc.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {mc.vocab_size})")
-        if len(ids) > mc.max_model_len:
-            raise ValueError(
-                f"prompt length {len(ids)} is longer than max_model_len {mc.max_model_len}")
-
-    def validate_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        """A request whose sequences could never all be in the KV cache at once (best_of
-        of them, each up to prompt + max_tokens tokens, sharing the prompt's full blocks)
-        is refused: it would otherwise run until the cache is full and end early."""
-        if params.max_tokens is None:
-            return  # runs to max_model_len; the scheduler preempts or ends it there
-        bs = self.cache_config.block_size
-        total = prompt_len + params.max_tokens
-        shared = prompt_len // bs
-        per_seq = -(-total // bs) - shared
-        needed = shared + params.best_of * per_seq
-        usable = self.scheduler.usable_device_blocks()
-        if needed > usable:
-            what = (f"n={params.n}" if params.best_of == params.n
-                    else f"best_of={params.best_of}")
-            raise ValueError(
-                f"max_tokens {params.max_tokens} with {what} and a {prompt_len}-token prompt "
-                f"needs {needed} KV blocks at once, more than the cache's {usable} "
-                f"({bs} tokens each); lower max_tokens or n")
-
-    def validate_priority(self, priority: int) -> None:
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority != 0 and self.config.scheduler_config.policy != "priority":
-            raise ValueError(f"priority {priority} needs the priority scheduling policy; this "
-                             f"engine schedules {self.config.scheduler_config.policy!r}")
 
     def abort_request(self, request_id: str | Seq[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -24,7 +24,7 @@ from vllm_lite.core.beam_search import BeamCandidate, Hypothesis, ScoredCandidat
 from vllm_lite.core.scheduler import (AppendToken, DropSeq, Finish, ForkSeq, GroupUpdate,
                                       NewHypothesis, ScheduledSequenceGroup, SchedulerOutput,
                                       SeqUpdate)
-from vllm_lite.detokenizer import IncrementalDetokenizer, token_texts_after
+from vllm_lite.detokenizer import TEXT_CONTEXT, IncrementalDetokenizer, token_texts_after
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.errors import InternalError
 from vllm_lite.layers.sampler import Logprob, SampleOutput
@@ -197,7 +197,10 @@ class OutputProcessor:
         if params.logprobs is not None and entry is not None:
             state.logprobs.append(entry)
             if detok:
-                self._decode_logprobs(entry, seq.get_token_ids(), group)
+                # Only the last tokens shape a token's text: no full copy per step.
+                n = seq.get_len()
+                self._decode_logprobs(entry, seq.token_slice(max(0, n - TEXT_CONTEXT), n),
+                                      group)
         if not detok:
             return state, finish
         det = state.detokenizer
@@ -226,7 +229,7 @@ class OutputProcessor:
         prompt = group.prompt_token_ids
         for pos, entry in enumerate(chunk, start):
             if entry is not None:
-                self._decode_logprobs(entry, prompt[:pos], group)
+                self._decode_logprobs(entry, prompt[max(0, pos - TEXT_CONTEXT):pos], group)
 
     def _detokenizes(self, params: Any) -> bool:
         return self.tokenizer is not None and params.detokenize

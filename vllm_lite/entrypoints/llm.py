@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from vllm_lite.config import EngineArgs
+from vllm_lite.config.args import EngineArgs
 from vllm_lite.engine.llm_engine import EngineStepError, LLMEngine
 from vllm_lite.entrypoints.chat_template import ChatTemplateLimits, render_chat_template
 from vllm_lite.inputs import truncate_prompt
@@ -119,7 +119,7 @@ class LLM:
                                     p.spaces_between_special_tokens)
                     for (text, ids), p in zip(parsed, params)]
         for _, ids in admitted:
-            self.llm_engine.validate_prompt(ids)
+            self.llm_engine.admission.prompt(ids)
         return admitted
 
     def _params_list(self, sampling_params: Any, n: int) -> list[SamplingParams]:
@@ -132,7 +132,7 @@ class LLM:
             if len(params) != n:
                 raise ValueError(f"{len(params)} sampling params for {n} prompts")
         for p in params:
-            self.llm_engine.validate_params(p)
+            self.llm_engine.admission.params(p)
         return params
 
     # -- generation ----------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from vllm_lite import ops
-from vllm_lite.config import DEFAULT_INT4_GROUP_SIZE, check_quantization
+from vllm_lite.config.schema import DEFAULT_INT4_GROUP_SIZE, check_quantization
 from vllm_lite.errors import InternalError
 from vllm_lite.models.gguf_quant import Int4Weight, Int8GroupWeight, pack_nibbles
 

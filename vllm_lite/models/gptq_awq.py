@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from vllm_lite.config import INT4_GROUP_SIZES
+from vllm_lite.config.schema import INT4_GROUP_SIZES
 from vllm_lite.models.gguf_quant import Int4Weight, cat_rows, pack_nibbles
 
 #: The checkpoint methods this module reads (config.json quantization_config.quant_method).

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_lite.config import DEFAULT_MODEL
+from vllm_lite.config.schema import DEFAULT_MODEL
 from vllm_lite.models.gguf import resolve_model
 from vllm_lite.models.gptq_awq import dequantized_weights, read_spec
 from vllm_lite.models.registry import get_model_class

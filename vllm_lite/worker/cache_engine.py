@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vllm_lite import ops
-from vllm_lite.config import GiB, kv_cache_block_bytes
+from vllm_lite.config.schema import GiB, kv_cache_block_bytes
 from vllm_lite.errors import InternalError
 from vllm_lite.worker.cpu_malloc import empty_huge_pages
 

@@ -24,7 +24,7 @@ from vllm_lite.worker.step_broadcast import Command
 from vllm_lite.worker.worker import Worker
 
 if TYPE_CHECKING:
-    from vllm_lite.config import EngineConfig
+    from vllm_lite.config.schema import EngineConfig
 
 
 class Executor(Protocol):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -25,6 +26,8 @@ from vllm_lite.layers.attention import AttentionMetadata, attention_metadata
 from vllm_lite.layers.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from vllm_lite.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from vllm_lite.errors import DistributedError, InternalError
+from vllm_lite.worker.cuda_graphs import DecodeGraphs
+from vllm_lite.worker.input_batch import BlockTableRows, StepStaging
 
 
 @dataclass
@@ -39,10 +42,15 @@ class ModelInput:
     # request (group, first position, number of positions), in that order.
     prompt_logprob_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     prompt_logprob_spans: list[tuple[Any, int, int]] = field(default_factory=list)
+    # sample_indices then prompt_logprob_indices, as one tensor when the runner laid them
+    # out so (None: concatenated on demand).
+    logits_rows: torch.Tensor | None = None
 
     @property
     def logits_index(self) -> torch.Tensor:
         """The flat-batch rows the LM head runs on: sampled rows, then prompt-logprob rows."""
+        if self.logits_rows is not None:
+            return self.logits_rows
         return torch.cat([self.sample_indices, self.prompt_logprob_indices])
 
 
@@ -70,89 +78,120 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = sampler if sampler is not None else Sampler()
         self.before_forward = before_forward
+        self._tables = BlockTableRows()
+        self._staging = StepStaging(self.device)
+        # Captured decode graphs (a GPU without --enforce-eager; set by the worker once
+        # the KV cache exists), else None: every step eager.
+        self.graphs: DecodeGraphs | None = None
 
     def prepare_input(self, out: SchedulerOutput) -> ModelInput | None:
-        """The step's flat batch, or None when nothing is scheduled."""
+        """The step's flat batch, or None when nothing is scheduled.
+
+        Per sequence it reads only its new tokens and the table the scheduler gave it (a
+        persistent row, rewritten where it changed); the integer inputs go into one
+        staging buffer and to the device in one copy."""
         ids: list[int] = []
-        pos_starts: list[int] = []
+        starts: list[int] = []
         counts: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        rows_of: list[int] = []
         sample_idx: list[int] = []
         rows: list[SamplingRow] = []
-        plp_idx: list[torch.Tensor] = []
+        plp_idx: list[np.ndarray] = []
         plp_spans: list[tuple[Any, int, int]] = []
         is_prompt = False
+        max_blocks = 1
+        tables = self._tables
         for sched in out.scheduled_seq_groups:
             group = sched.seq_group
+            wants_plp = group.sampling_params.prompt_logprobs is not None
             for s in sched.seqs:
-                seq = group.get_seq(s.seq_id)
-                if seq is None:
-                    raise InternalError(f"scheduled seq {s.seq_id} is not in {group.request_id}")
                 start, n = s.num_computed_tokens, s.num_new_tokens
                 if n < 1:
                     continue
-                tokens = seq.get_token_ids()
-                span = self._prompt_logprob_span(group, start, n)
-                if span is not None and not any(g is group for g, _, _ in plp_spans):
-                    first, count = span
-                    plp_idx.append(torch.arange(count) + (len(ids) - start + first))
-                    plp_spans.append((group, first, count))
-                ids.extend(tokens[start:start + n])
-                pos_starts.append(start)
-                counts.append(n)
-                seq_lens.append(start + n)
-                tables.append(s.block_table)
-                if n > 1 or s.is_prompt:
+                seq = group.get_seq(s.seq_id)
+                if seq is None:
+                    raise InternalError(f"scheduled seq {s.seq_id} is not in {group.request_id}")
+                if wants_plp:
+                    span = self._prompt_logprob_span(group, start, n)
+                    if span is not None and not any(g is group for g, _, _ in plp_spans):
+                        first, count = span
+                        plp_idx.append(np.arange(count) + (len(ids) - start + first))
+                        plp_spans.append((group, first, count))
+                if n == 1:
+                    ids.append(seq.token_slice(start, start + 1)[0])
+                else:
+                    ids.extend(seq.token_slice(start, start + n))
                     is_prompt = True
+                if s.is_prompt:
+                    is_prompt = True
+                starts.append(start)
+                counts.append(n)
+                table = s.block_table
+                rows_of.append(tables.row_of(s.seq_id, table))
+                if len(table) > max_blocks:
+                    max_blocks = len(table)
                 if s.do_sample:
                     sample_idx.append(len(ids) - 1)
                     rows.append(SamplingRow.for_seq(group, seq))
+        tables.end_step()
         if not counts:
             return None
-        dev = self.device
+        num_tokens, num_seqs = len(ids), len(counts)
+        num_plp = sum(len(x) for x in plp_idx)
+        num_logits = len(sample_idx) + num_plp
+        # int64: ids, positions, slots, logits rows; int32: seq_lens, query starts, tables.
+        h64, h32 = self._staging.start(3 * num_tokens + num_logits,
+                                       2 * num_seqs + 1 + num_seqs * max_blocks)
         bs = self.block_size
-        num_seqs = len(counts)
-        max_blocks = max(1, max(len(t) for t in tables))
-        table_rows = [t + [0] * (max_blocks - len(t)) for t in tables]
-        block_tables = torch.tensor(table_rows, dtype=torch.int32)
-        if len(ids) == num_seqs:
-            # A decode step (one token a sequence): its position and slot straight from the
-            # lists; the tensor expansion below costs ~10 small ops a step.
-            positions = torch.tensor(pos_starts, dtype=torch.long)
-            slot_mapping = torch.tensor(
-                [t[p // bs] * bs + p % bs for t, p in zip(tables, pos_starts)], dtype=torch.long)
-            query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
+        h64[:num_tokens] = ids
+        positions = h64[num_tokens:2 * num_tokens]
+        seq_lens = h32[:num_seqs]
+        seq_lens[:] = starts
+        block_tables = h32[2 * num_seqs + 1:].reshape(num_seqs, max_blocks)
+        tables.gather(rows_of, max_blocks, block_tables)
+        query_start = h32[num_seqs:2 * num_seqs + 1]
+        query_start[0] = 0
+        if num_tokens == num_seqs:
+            # A decode step: one token a sequence, at its position start.
+            positions[:] = seq_lens
+            seq_index = np.arange(num_seqs)
+            seq_lens += 1
+            np.cumsum(np.ones(num_seqs, dtype=np.int32), out=query_start[1:])
         else:
-            counts_t = torch.tensor(counts, dtype=torch.long)
-            # positions: start_i + (0 .. n_i - 1) for every sequence, without a per-token loop.
-            seq_index = torch.repeat_interleave(torch.arange(num_seqs), counts_t)
-            offsets = torch.cumsum(counts_t, 0) - counts_t
-            positions = (torch.arange(len(ids)) - offsets[seq_index]
-                         + torch.tensor(pos_starts)[seq_index])
-            blocks = block_tables[seq_index, positions // bs].to(torch.long)
-            slot_mapping = blocks * bs + positions % bs
-            query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
-            query_start_loc[1:] = torch.cumsum(counts_t, 0)
+            counts_np = np.asarray(counts, dtype=np.int64)
+            seq_index = np.repeat(np.arange(num_seqs), counts_np)
+            np.cumsum(counts_np, out=query_start[1:], dtype=np.int32)
+            offsets = np.cumsum(counts_np) - counts_np
+            positions[:] = np.arange(num_tokens) - offsets[seq_index] + seq_lens[seq_index]
+            seq_lens += counts_np.astype(np.int32)
+        slots = h64[2 * num_tokens:3 * num_tokens]
+        np.multiply(block_tables[seq_index, positions // bs], bs, out=slots)
+        slots += positions % bs
+        h64[3 * num_tokens:3 * num_tokens + len(sample_idx)] = sample_idx
+        if plp_idx:
+            h64[3 * num_tokens + len(sample_idx):] = np.concatenate(plp_idx)
+        max_seq_len = int(seq_lens.max())
+        d64, d32 = self._staging.finish()
+        logits_index = d64[3 * num_tokens:]
         meta = AttentionMetadata(
             is_prompt=is_prompt,
-            slot_mapping=slot_mapping.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=query_start_loc.to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            max_seq_len=max(seq_lens),
+            slot_mapping=d64[2 * num_tokens:3 * num_tokens],
+            seq_lens=d32[:num_seqs],
+            query_start_loc=d32[num_seqs:2 * num_seqs + 1],
+            block_tables=d32[2 * num_seqs + 1:].view(num_seqs, max_blocks),
+            max_seq_len=max_seq_len,
             block_size=bs,
             max_query_len=max(counts),
         )
         return ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-            positions=positions.to(dev, non_blocking=True),
+            input_ids=d64[:num_tokens],
+            positions=d64[num_tokens:2 * num_tokens],
             attn_metadata=meta,
-            sample_indices=torch.tensor(sample_idx, dtype=torch.long).to(dev, non_blocking=True),
+            sample_indices=logits_index[:len(sample_idx)],
             sampling_metadata=SamplingMetadata(rows),
-            prompt_logprob_indices=(torch.cat(plp_idx) if plp_idx else torch.empty(0, dtype=torch.long))
-            .to(dev, non_blocking=True),
+            prompt_logprob_indices=logits_index[len(sample_idx):],
             prompt_logprob_spans=plp_spans,
+            logits_rows=logits_index,
         )
 
     @staticmethod
@@ -213,8 +252,13 @@ class ModelRunner:
         """The forward, then float32 logits [len(logits_index), vocab] of those rows (no
         rows without running the head: every tensor-parallel rank decides from the same
         index, so their collectives pair; a zero-row result is only ever sliced empty)."""
-        with attention_metadata(meta):
-            hidden = self.model(input_ids, positions)
+        graphs = self.graphs
+        if (graphs is not None and not meta.is_prompt
+                and graphs.bucket(int(input_ids.shape[0])) is not None):
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            with attention_metadata(meta):
+                hidden = self.model(input_ids, positions)
         if not logits_index.numel():
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, logits_index))

@@ -32,7 +32,7 @@ from vllm_lite.distributed.rendezvous import CONFIG_KEY, Rendezvous, joined_key
 from vllm_lite.errors import DistributedError
 
 if TYPE_CHECKING:
-    from vllm_lite.config import EngineConfig
+    from vllm_lite.config.schema import EngineConfig
 
 logger = logging.getLogger(__name__)
 

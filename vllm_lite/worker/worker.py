@@ -21,12 +21,15 @@ from vllm_lite.layers.sampler import RngSnapshot, Sampler
 from vllm_lite.worker.cache_engine import (
     CacheEngine, cache_block_bytes, num_blocks_for_cpu, profile_num_gpu_blocks)
 from vllm_lite.worker.cpu_malloc import copy_to_huge_pages, keep_freed_memory
+from vllm_lite.worker.cuda_graphs import (
+    ENFORCE_EAGER_HINT, DecodeGraphs, GraphCaptureError, activation_reserve_bytes,
+    capture_sizes)
 from vllm_lite.worker import step_broadcast
 from vllm_lite.worker.model_runner import ModelInput, ModelRunner, RunnerOutput
 from vllm_lite.worker.step_broadcast import Command
 
 if TYPE_CHECKING:
-    from vllm_lite.config import EngineConfig
+    from vllm_lite.config.schema import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ class Worker:
                        else dtype)
             logger.info("model: %s on %s, %s", type(model).__name__,
                         torch.device(self.device), weights)
-        self.kv_cache_dtype = config.cache_config.cache_dtype
+        self.kv_cache_dtype = config.cache_config.kv_cache_dtype
         # The cache tensors' dtype (uint8 for fp8): what a block's bytes are counted in.
         from vllm_lite import ops
 
@@ -114,14 +117,52 @@ class Worker:
                 self.model, self.block_size, self.cache_dtype, self.device,
                 config.scheduler_config.max_num_batched_tokens,
                 config.scheduler_config.max_num_seqs, cc.gpu_memory_utilization)
+            if self.uses_cuda_graphs():
+                # The graphs' memory pool stays allocated for good: it comes out of
+                # gpu_memory_utilization's share too, before the KV cache is sized.
+                reserve = activation_reserve_bytes(
+                    self.model, capture_sizes(config.scheduler_config.max_num_seqs)[-1],
+                    self.block_size, self.device)
+                block = cache_block_bytes(self.model, self.block_size, self.cache_dtype)
+                num_gpu_blocks -= -(-reserve // block)
+                logger.info("CUDA graphs: %.1f MiB kept for their memory pool (%d KV "
+                            "blocks fewer)", reserve / 2**20, -(-reserve // block))
         block_bytes = cache_block_bytes(self.model, self.block_size, self.cache_dtype)
-        num_cpu_blocks = cc.cpu_blocks_for(block_bytes) if cc.swap_space_gib > 0 else 0
+        num_cpu_blocks = cc.cpu_blocks_for(block_bytes) if cc.swap_space > 0 else 0
         return num_gpu_blocks, num_cpu_blocks
+
+    def uses_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: on a GPU, with one rank (tensor-parallel ranks
+        run eagerly), unless enforce_eager."""
+        return (torch.device(self.device).type == "cuda" and self.tp is None
+                and not self.config.model_config.enforce_eager)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_engine = CacheEngine(self.model, self.block_size, num_gpu_blocks,
                                         num_cpu_blocks, self.cache_dtype, self.device,
                                         self.kv_cache_dtype)
+        if self.uses_cuda_graphs():
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Captures the decode graphs over the KV cache just allocated; a failure, or a
+        pool larger than gpu_memory_utilization left room for, stops the start with an
+        error naming --enforce-eager (never a fallback while serving)."""
+        sc = self.config.scheduler_config
+        graphs = DecodeGraphs(self.model, capture_sizes(sc.max_num_seqs), self.block_size,
+                              sc.max_model_len, self.device)
+        graphs.capture()
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        limit = int(total * self.config.cache_config.gpu_memory_utilization)
+        held = torch.cuda.memory_reserved(self.device)
+        if self.config.num_gpu_blocks_override is None and held > limit:
+            raise GraphCaptureError(
+                f"the decode CUDA graphs' pool ({graphs.pool_bytes / 2**20:.0f} MiB) took "
+                f"this process to {held / 2**30:.2f} GiB, past gpu_memory_utilization's "
+                f"{limit / 2**30:.2f} GiB; lower max_num_seqs or gpu_memory_utilization, "
+                f"or {ENFORCE_EAGER_HINT}")
+        self.runner.graphs = graphs
 
     def execute_cache_ops(self, out: SchedulerOutput) -> None:
         """The step's swap-out, swap-in and copy-on-write block operations, in that order."""

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import vllm_lite
-from vllm_lite.config import DEFAULT_MAX_LOGPROBS
+from vllm_lite.config.schema import DEFAULT_MAX_LOGPROBS
 from vllm_lite.engine.async_engine import AsyncLLMEngine, EngineError
 from vllm_lite.metrics import CONTENT_TYPE, Metrics
 

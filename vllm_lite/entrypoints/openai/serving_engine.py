@@ -97,7 +97,6 @@ class OpenAIServing:
         self.max_model_len: int = self.model_config.max_model_len
         cc = llm_engine.cache_config
         self.cache_tokens: int = cc.num_gpu_blocks * cc.block_size
-        self.max_num_seqs: int = llm_engine.config.scheduler_config.max_num_seqs
         self.tokenizers = tokenizers
         # (limits, the name errors give the template): what apply_chat_template takes.
         self.chat_template_limits = (
@@ -109,9 +108,8 @@ class OpenAIServing:
         self.max_prompt_chars: int | None = None
         if llm_engine.tokenizer is not None:
             self.max_prompt_chars = _longest_token_chars(llm_engine.tokenizer) * self.max_model_len
-        self._validate_prompt = llm_engine.validate_prompt
-        self._validate_fits = llm_engine.validate_fits
-        self._validate_priority = llm_engine.validate_priority
+        # The engine's request checks (engine/admission.py): the same as add_request's.
+        self.admission = llm_engine.admission
 
     @property
     def tokenizer(self) -> Any:
@@ -187,7 +185,7 @@ class OpenAIServing:
 
     def check_priority(self, priority: int) -> None:
         try:
-            self._validate_priority(priority)
+            self.admission.priority(priority)
         except ValueError as e:
             raise RequestError(str(e), param="priority") from None
 
@@ -214,7 +212,7 @@ class OpenAIServing:
 
     def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
         try:
-            self._validate_prompt(ids)
+            self.admission.prompt(ids)
         except ValueError as e:
             raise RequestError(str(e), param=param) from None
 
@@ -239,11 +237,6 @@ class OpenAIServing:
     def sampling_params(self, req: SamplingFields, prompt_len: int, max_tokens: int,
                         logprobs: int | None, logprobs_param: str,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        for name in ("n", "best_of"):
-            value = getattr(req, name)
-            if value is not None and value > self.limits.max_n:
-                raise RequestError(f"{name} must be at most {self.limits.max_n} on this server, "
-                                   f"got {value}", param=name)
         if logprobs is not None and logprobs > self.limits.max_logprobs:
             raise RequestError(f"{logprobs_param} must be at most {self.limits.max_logprobs}, "
                                f"got {logprobs}", param=logprobs_param)
@@ -273,11 +266,11 @@ class OpenAIServing:
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 detokenize=self.tokenizer is not None,
             )
-            params.verify_max_n(self.max_num_seqs)
+            self.admission.params(params, max_n=self.limits.max_n)
         except ValueError as e:
             raise from_value_error(e) from None
         try:
-            self._validate_fits(prompt_len, params)
+            self.admission.fits(prompt_len, params)
         except ValueError as e:
             raise RequestError(str(e), param="max_tokens" if req.n == params.best_of
                                else "best_of") from None
