@@ -196,9 +196,12 @@ else
   # The CUDA grid; the target shape (fp16, 32/32x128, batch 64, ctx 1024) runs
   # first, and the benchmark starts no new shape 30 s before its limit so that the table
   # is always written (SIGINT from timeout also makes it write what it has).
-  # The prefill benchmark (varlen_paged_attention vs gather + SDPA and flash_attn's
-  # varlen kernel) gets PREFILL_S of it, after the decode grid.
-  PREFILL_S="${PREFILL_S:-45}"
+  # The grid's GQA targets of the tensor-core decode kernel (bf16, batch 64, 32/8x128,
+  # 28/4x128, 9/3x64 at contexts 4096 and 16384) run right after that shape.
+  # The prefill benchmark (varlen_paged_attention vs gather + SDPA, SDPA flash on
+  # contiguous K/V and flash_attn's varlen kernel; 8 x 512 and 8 x 2048 new tokens, prefix
+  # 0 and 1024) gets PREFILL_S of it, after the decode grid.
+  PREFILL_S="${PREFILL_S:-60}"
   LD=$(( L - PREFILL_S )); (( LD < 30 )) && LD=30
   DEADLINE=$(awk -v l="$LD" 'BEGIN { d = (l - 30) / 60; if (d < 0.2) d = 0.2; printf "%.2f", d }')
   (  # a subshell: its exit sets RC
@@ -206,9 +209,9 @@ else
     timeout -s INT -k 20 "$LD" "$PY" bench/kernels.py --device cuda --out "$OUTDIR" \
       --deadline-min "$DEADLINE" ${BENCH_ARGS:-}
     RC1=$?
-    echo "$PY bench/kernels.py --device cuda --prefill --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out $OUTDIR   (limit ${PREFILL_S} s)"
+    echo "$PY bench/kernels.py --device cuda --prefill --heads 32/8x128 9/3x64 --dtypes bf16 fp16 --prefill-new-tokens 512 2048 --out $OUTDIR   (limit ${PREFILL_S} s)"
     timeout -s INT -k 10 "$PREFILL_S" "$PY" bench/kernels.py --device cuda --prefill \
-      --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out "$OUTDIR"
+      --heads 32/8x128 9/3x64 --dtypes bf16 fp16 --prefill-new-tokens 512 2048 --out "$OUTDIR"
     RC2=$?
     exit $(( RC1 != 0 ? RC1 : RC2 ))
   ) > "$OUTDIR/bench.log" 2>&1

@@ -54,19 +54,23 @@ def run(args: argparse.Namespace, timer_cls: Any) -> str:
 
     dev = args.device
     rows = []
-    for dtype_name in args.dtypes:
-        dt = getattr(torch, dtype_name)
-        for heads in args.head_cfgs:
-            for new in args.prefill_new_tokens:
-                for prefix in args.prefill_prefixes:
-                    rows.append(_run_shape(torch, F, ops, args, timer_cls, dev, dt, heads,
-                                           prefix, new))
+    stopped = ""
+    try:
+        for dtype_name in args.dtypes:
+            dt = getattr(torch, dtype_name)
+            for heads in args.head_cfgs:
+                for new in args.prefill_new_tokens:
+                    for prefix in args.prefill_prefixes:
+                        rows.append(_run_shape(torch, F, ops, args, timer_cls, dev, dt, heads,
+                                               prefix, new))
+    except KeyboardInterrupt:  # a time limit's SIGINT: the rows measured so far are written
+        stopped = "- interrupted (SIGINT): the grid's remaining rows were not run"
     head = ("| dtype | heads | seqs x new | prefix | varlen (ms) | varlen TFLOP/s | "
             "sdpa/seq + gather (ms) | varlen / sdpa | sdpa flash (ms) | varlen / sdpa flash | "
             "flash_attn varlen (ms) | flash TFLOP/s | varlen / flash |")
     lines = [_machine_line(torch, ops, dev),
              "- TFLOP/s: 4 * heads * head_size * (query, key) pairs the causal mask keeps, "
-             "per second", "", head, "|" + "---|" * 13]
+             "per second", *([stopped] if stopped else []), "", head, "|" + "---|" * 13]
     for r in rows:
         lines.append(
             f"| {r['dtype']} | {r['heads']} | {r['seqs']} x {r['new']} | {r['prefix']} | "
