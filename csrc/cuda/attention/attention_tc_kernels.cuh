@@ -9,8 +9,9 @@
 //   Grid   x = num_seqs * num_kv_heads * ctas_per_kv_head, y = partitions (v1: 1). A CTA
 //          serves up to 16 query heads of one kv head: they are the M rows of the MMA tile
 //          (rows past the CTA's heads are zero queries whose results are dropped).
-//   Block  kTcWarps(HEAD) warps. The CTA walks its token range in stages of
-//          kTcStageTokens = 16 * warps tokens; warp w owns tokens [16 w, 16 w + 16) of every
+//   Block  tc_warps(HEAD) warps (attention_kernels.cuh: 4 for 64, 2 for 128). The CTA walks
+//          its token range in stages of TcLayout::kTokens = 16 * warps tokens (one stage's
+//          K and V are 16 KiB either way); warp w owns tokens [16 w, 16 w + 16) of every
 //          stage and keeps its own online-softmax state (running max m and sum l per row,
 //          o = 16 rows x HEAD in the MMA accumulator layout) over all stages.
 //   Stage  K and V tiles of a stage go global -> shared with 16-byte cp.async copies
