@@ -18,8 +18,9 @@
 #
 #   bash benchmarks/device_check.sh [OUTDIR]
 #
-# Files in OUTDIR (8, what the device tool brings back): summary.md, build.log, tests.log,
-# bench.log, engine.log, kernels_cuda_<stamp>.md, prefill_kernels_cuda_<stamp>.md, and
+# Files in OUTDIR (9, what the device tool brings back): summary.md, build.log, tests.log,
+# bench.log, engine.log, two kernels_cuda_<stamp>.md (the GQA goals run, the grid),
+# prefill_kernels_cuda_<stamp>.md, and
 # details.tar.gz (env.log, kernels_cuda_<stamp>.json and engine/: the engine reports
 # step_profile.md (decode step times), throughput_cuda_*.md/.json/.png,
 # latency_cuda_*.md/.json/.png).
@@ -192,21 +193,33 @@ else
   # ENGINE_S stays set aside for stage 4.
   (( L > $(left) - ENGINE_S )) && L=$(( $(left) - ENGINE_S ))
   (( L < 30 )) && L=30
-  # The CUDA grid (BENCH_ARGS may add goals: --goal-copy-bw, --goal-vs-sdpa); the
-  # benchmark starts no new shape 30 s before its limit so that the table is always written (SIGINT from timeout also makes it write what it has).
-  # The prefill benchmark (varlen_paged_attention vs gather + SDPA and flash_attn's
-  # varlen kernel) gets PREFILL_S of it, after the decode grid.
-  PREFILL_S="${PREFILL_S:-45}"
+  # The decode benchmark runs twice: first the GQA shapes of the tensor-core kernel (bf16,
+  # batch 64, 32/8x128, 28/4x128, 9/3x64 at contexts 4096 and 16384) with the project's
+  # goals for them as flags, then the CUDA grid (BENCH_ARGS may add flags). Each starts no
+  # new shape 30 s before its limit so that its table is always written (SIGINT from
+  # timeout also makes it write what it has). The prefill benchmark (varlen_paged_attention
+  # vs gather + SDPA, SDPA flash on contiguous K/V and flash_attn's varlen kernel; 8 x 512
+  # and 8 x 2048 new tokens, prefix 0 and 1024) gets PREFILL_S of it, after the decode runs.
+  PREFILL_S="${PREFILL_S:-60}"
   LD=$(( L - PREFILL_S )); (( LD < 30 )) && LD=30
+  LG=$(( LD * 2 / 5 )); (( LG < 30 )) && LG=30
+  LD=$(( LD - LG )); (( LD < 30 )) && LD=30
+  DEADLINE_G=$(awk -v l="$LG" 'BEGIN { d = (l - 30) / 60; if (d < 0.2) d = 0.2; printf "%.2f", d }')
   DEADLINE=$(awk -v l="$LD" 'BEGIN { d = (l - 30) / 60; if (d < 0.2) d = 0.2; printf "%.2f", d }')
+  GQA="--dtypes bf16 --batches 64 --heads 32/8x128 28/4x128 9/3x64 --contexts 4096 16384 --goal-copy-bw 0.85 --goal-vs-sdpa 0.8"
   (  # a subshell: its exit sets RC
+    echo "$PY benchmarks/kernels.py --device cuda $GQA --out $OUTDIR --deadline-min $DEADLINE_G   (limit ${LG} s)"
+    timeout -s INT -k 20 "$LG" "$PY" benchmarks/kernels.py --device cuda $GQA --out "$OUTDIR" \
+      --deadline-min "$DEADLINE_G"
+    RC0=$?
     echo "$PY benchmarks/kernels.py --device cuda --out $OUTDIR --deadline-min $DEADLINE ${BENCH_ARGS:-}   (limit ${LD} s)"
     timeout -s INT -k 20 "$LD" "$PY" benchmarks/kernels.py --device cuda --out "$OUTDIR" \
       --deadline-min "$DEADLINE" ${BENCH_ARGS:-}
     RC1=$?
-    echo "$PY benchmarks/kernels.py --device cuda --prefill --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out $OUTDIR   (limit ${PREFILL_S} s)"
+    (( RC1 == 0 )) && RC1=$RC0
+    echo "$PY benchmarks/kernels.py --device cuda --prefill --heads 32/8x128 9/3x64 --dtypes bf16 fp16 --prefill-new-tokens 512 2048 --out $OUTDIR   (limit ${PREFILL_S} s)"
     timeout -s INT -k 10 "$PREFILL_S" "$PY" benchmarks/kernels.py --device cuda --prefill \
-      --heads 9/3x64 32/8x128 --dtypes fp16 bf16 --out "$OUTDIR"
+      --heads 32/8x128 9/3x64 --dtypes bf16 fp16 --prefill-new-tokens 512 2048 --out "$OUTDIR"
     RC2=$?
     exit $(( RC1 != 0 ? RC1 : RC2 ))
   ) > "$OUTDIR/bench.log" 2>&1
@@ -314,8 +327,8 @@ engine_table() {  # engine_table KIND FROM TO LINES: a table and the goal lines 
   printf '%s\n' "${STAGES[@]}"
   echo
   echo "total $(elapsed) s"
-  MD="$(ls -t "$OUTDIR"/kernels_cuda_*.md 2>/dev/null | head -n 1)"
-  if [[ -n "$MD" ]] && grep -q '^### Goals' "$MD"; then
+  MD="$(grep -l '^### Goals' $(ls -t "$OUTDIR"/kernels_cuda_*.md 2>/dev/null) /dev/null 2>/dev/null | head -n 1)"
+  if [[ -n "$MD" ]]; then
     echo
     echo "Kernel goals (from $(basename "$MD")):"
     echo

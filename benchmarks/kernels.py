@@ -68,7 +68,9 @@ MIB = 1 << 20
 
 # "num_heads/num_kv_heads x head_size"; SmolLM2 (135M) is 9/3x64.
 HEAD_ALIASES = {"smollm2": "9/3x64", "llama": "32/32x128", "gqa": "32/8x128"}
-DEFAULT_HEADS = ["32/32x128", "32/8x128", "9/3x64"]
+# CUDA adds a GQA group of 4 (28/4x128), a shape of the tensor-core kernel's targets.
+DEFAULT_HEADS = {"cpu": ["32/32x128", "32/8x128", "9/3x64"],
+                 "cuda": ["32/32x128", "32/8x128", "28/4x128", "9/3x64"]}
 DEFAULT_BATCHES = [1, 8, 32, 64]
 DEFAULT_CONTEXTS = [512, 1024, 4096, 16384]
 DEFAULT_DTYPES = {"cpu": ["bf16", "fp32"], "cuda": ["fp16", "bf16"]}
@@ -127,7 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", nargs="+", type=int, help=f"default: {DEFAULT_BATCHES}")
     p.add_argument("--contexts", nargs="+", type=int, help=f"default: {DEFAULT_CONTEXTS}")
     p.add_argument("--heads", nargs="+",
-                   help="q/kv x head, comma or space separated; default: " + " ".join(DEFAULT_HEADS))
+                   help="q/kv x head, comma or space separated; default: "
+                   + " ".join(DEFAULT_HEADS["cpu"]) + " on CPU, "
+                   + " ".join(DEFAULT_HEADS["cuda"]) + " on CUDA")
     p.add_argument("--block-size", type=int, default=EngineArgs.block_size,
                    help="tokens per KV block of the paged pools (default: %(default)s, the "
                         "engine's)")
@@ -177,7 +181,7 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     args.dtypes = args.dtypes or (QUICK["dtypes"] if args.quick else DEFAULT_DTYPES)[args.device]
     args.batches = args.batches or (QUICK["batches"] if args.quick else DEFAULT_BATCHES)
     args.contexts = args.contexts or (QUICK["contexts"] if args.quick else DEFAULT_CONTEXTS)
-    heads = args.heads or (QUICK["heads"] if args.quick else DEFAULT_HEADS)
+    heads = args.heads or (QUICK["heads"] if args.quick else DEFAULT_HEADS[args.device])
     args.heads = [h for item in heads for h in item.split(",") if h]
     for name in ("goal_copy_bw", "goal_vs_sdpa"):
         value = getattr(args, name)

@@ -10,6 +10,10 @@ far apart), ~4x larger than the KV the step reads. Timed on the very same K/V va
   sdpa/seq      the engine's path before the op: per sequence, index_select of the
                 prefix's blocks out of the pool, a transposing copy, torch.cat with the new
                 tokens' K/V, a bottom-right causal mask and one SDPA call
+  sdpa flash    CUDA: torch SDPA with the flash backend forced, one call per sequence on
+                contiguous [heads, tokens, head_size] K/V prepared outside timing (the
+                peer of a kernel that reads the paged cache): is_causal without a prefix,
+                torch.nn.attention.bias.causal_lower_right with one
   flash_attn    flash_attn_varlen_func with block_table over a pool of 256-token pages
                 (CUDA, when the flash_attn package imports)
 
@@ -35,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", action="store_true",
                    help="benchmark prefill attention (varlen_paged_attention) instead of decode")
     p.add_argument("--prefill-seqs", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--prefill-new-tokens", type=int, default=512,
-                   help="new tokens per sequence (default 512)")
+    p.add_argument("--prefill-new-tokens", type=int, nargs="+", default=[512],
+                   help="new tokens per sequence, one grid row each (default 512)")
     p.add_argument("--prefill-prefixes", type=int, nargs="+", default=DEFAULT_PREFIXES,
                    help=f"cached prefix lengths (default {DEFAULT_PREFIXES})")
 
@@ -50,20 +54,44 @@ def run(args: argparse.Namespace, timer_cls: Any) -> str:
 
     dev = args.device
     rows = []
-    for dtype_name in args.dtypes:
-        dt = getattr(torch, dtype_name)
-        for heads in args.head_cfgs:
-            for prefix in args.prefill_prefixes:
-                rows.append(_run_shape(torch, F, ops, args, timer_cls, dev, dt, heads, prefix))
-    head = ("| dtype | heads | seqs x new | prefix | varlen (ms) | sdpa/seq + gather (ms) | "
-            "varlen / sdpa | flash_attn varlen (ms) | varlen / flash |")
-    lines = [_machine_line(torch, ops, dev), "", head, "|" + "---|" * 9]
+    stopped = ""
+    try:
+        for dtype_name in args.dtypes:
+            dt = getattr(torch, dtype_name)
+            for heads in args.head_cfgs:
+                for new in args.prefill_new_tokens:
+                    for prefix in args.prefill_prefixes:
+                        rows.append(_run_shape(torch, F, ops, args, timer_cls, dev, dt, heads,
+                                               prefix, new))
+    except KeyboardInterrupt:  # a time limit's SIGINT: the rows measured so far are written
+        stopped = "- interrupted (SIGINT): the grid's remaining rows were not run"
+    head = ("| dtype | heads | seqs x new | prefix | varlen (ms) | varlen TFLOP/s | "
+            "sdpa/seq + gather (ms) | varlen / sdpa | sdpa flash (ms) | varlen / sdpa flash | "
+            "flash_attn varlen (ms) | flash TFLOP/s | varlen / flash |")
+    lines = [_machine_line(torch, ops, dev),
+             "- TFLOP/s: 4 * heads * head_size * (query, key) pairs the causal mask keeps, "
+             "per second", *([stopped] if stopped else []), "", head, "|" + "---|" * 13]
     for r in rows:
         lines.append(
             f"| {r['dtype']} | {r['heads']} | {r['seqs']} x {r['new']} | {r['prefix']} | "
-            f"{_ms(r, 'varlen')} | {_ms(r, 'sdpa')} | {_ratio(r, 'varlen', 'sdpa')} | "
-            f"{_ms(r, 'flash')} | {_ratio(r, 'varlen', 'flash')} |")
+            f"{_ms(r, 'varlen')} | {_tflops(r, 'varlen')} | {_ms(r, 'sdpa')} | "
+            f"{_ratio(r, 'varlen', 'sdpa')} | {_ms(r, 'sdpa_flash')} | "
+            f"{_ratio(r, 'varlen', 'sdpa_flash')} | {_ms(r, 'flash')} | {_tflops(r, 'flash')} | "
+            f"{_ratio(r, 'varlen', 'flash')} |")
     return "\n".join(lines)
+
+
+def attention_flops(seqs: int, new: int, prefix: int, heads: int, head_size: int) -> int:
+    """FLOPs of causal prefill attention: per kept (query, key) pair a q.k and a p.v dot
+    product of head_size multiply-adds each (4 * head_size FLOPs), per query head; query i
+    of a sequence (0-based among its new tokens) sees prefix + i + 1 keys."""
+    pairs = new * prefix + new * (new + 1) // 2
+    return 4 * heads * head_size * pairs * seqs
+
+
+def _tflops(r: dict, k: str) -> str:
+    v = r["times"].get(k)
+    return "-" if v is None else f"{r['flops'] / v / 1e12:.3g}"
 
 
 def _machine_line(torch: Any, ops: Any, dev: str) -> str:
@@ -87,8 +115,8 @@ def _ratio(r: dict, a: str, b: str) -> str:
     return "-" if ta is None or tb is None else f"{ta / tb:.2f}x"
 
 
-def _run_shape(torch, F, ops, args, timer_cls, dev, dt, heads, prefix) -> dict:
-    S, N, bs = args.prefill_seqs, args.prefill_new_tokens, args.block_size
+def _run_shape(torch, F, ops, args, timer_cls, dev, dt, heads, prefix, N) -> dict:
+    S, bs = args.prefill_seqs, args.block_size
     H, KVH, D = heads.q, heads.kv, heads.size
     L = prefix + N
     per_seq = math.ceil(L / bs)
@@ -141,6 +169,9 @@ def _run_shape(torch, F, ops, args, timer_cls, dev, dt, heads, prefix) -> dict:
         return out
 
     fns = {"varlen": varlen, "sdpa": sdpa}
+    sdpa_flash = _sdpa_flash(torch, F, dev, q, kv_of, S, N, L, prefix, scale, gqa)
+    if sdpa_flash is not None:
+        fns["sdpa_flash"] = sdpa_flash
     flash = _flash_varlen(torch, dev, q, kv_of, S, N, L, KVH, D, scale)
     if flash is not None:
         fns["flash"] = flash
@@ -153,7 +184,8 @@ def _run_shape(torch, F, ops, args, timer_cls, dev, dt, heads, prefix) -> dict:
         **gqa)[0].transpose(0, 1)
     timer = timer_cls(torch, dev, 0, args)
     row = {"dtype": str(dt).removeprefix("torch."), "heads": heads.name, "seqs": S, "new": N,
-           "prefix": prefix, "times": {}, "status": {}}
+           "prefix": prefix, "times": {}, "status": {},
+           "flops": attention_flops(S, N, prefix, H, D)}
     for name, fn in fns.items():
         try:
             got = fn()[:N].float()
@@ -169,6 +201,37 @@ def _run_shape(torch, F, ops, args, timer_cls, dev, dt, heads, prefix) -> dict:
         log.info("%s %s prefix %d: %s %.2f ms", row["dtype"], heads.name, prefix, name,
                  row["times"][name] * 1e3)
     return row
+
+
+def _sdpa_flash(torch, F, dev, q, kv_of, S, N, L, prefix, scale, gqa):
+    """Per sequence, flash-backend SDPA on contiguous K/V made outside timing, or None
+    (CPU, or a torch without the backend selector)."""
+    if dev != "cuda":
+        return None
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError:
+        return None
+    kv = []
+    for s in range(S):
+        k, v = kv_of(s, torch.arange(L, device=dev))
+        kv.append((k.transpose(0, 1).unsqueeze(0).contiguous(),
+                   v.transpose(0, 1).unsqueeze(0).contiguous()))
+    qs = [q[s * N:(s + 1) * N].transpose(0, 1).unsqueeze(0).contiguous() for s in range(S)]
+    bias = causal_lower_right(N, L) if prefix else None
+
+    def run():
+        out = torch.empty_like(q)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for s in range(S):
+                k, v = kv[s]
+                o = F.scaled_dot_product_attention(qs[s], k, v, attn_mask=bias,
+                                                   is_causal=bias is None, scale=scale, **gqa)
+                out[s * N:(s + 1) * N] = o[0].transpose(0, 1)
+        return out
+
+    return run
 
 
 def _flash_varlen(torch, dev, q, kv_of, S, N, L, KVH, D, scale):

@@ -46,7 +46,15 @@ HEAD_BUCKETS = (64, 128, 256)  # HEAD_MAX of the kernels; head_size <= 256
 # The kernel templates: name -> (header, namespace, instance struct, per-block-size).
 KERNELS = {
     "paged_attention": ("cuda/attention/kernel_instances.cuh", "attn", "AttentionInstance", True),
+    "paged_attention_tc": ("cuda/attention/kernel_instances.cuh", "attn", "AttentionTcInstance",
+                           True),
     "varlen_attention": ("cuda/attention/kernel_instances.cuh", "varlen", "VarlenInstance", False),
+}
+# Kernels that exist only for some query dtypes / caches / head buckets (the tensor-core
+# decode kernel: 16-bit queries, caches in the query dtype, head sizes 64 and 128 exactly;
+# attention_path.h sends every other call to the SIMT kernel). A missing entry: all.
+KERNEL_LIMITS = {
+    "paged_attention_tc": {"query": ("f16", "bf16"), "cache": ("auto",), "bucket": (64, 128)},
 }
 HEAD_SIZES_VAR = "VLLM_LITE_HEAD_SIZES"
 CACHE_DTYPES_VAR = "VLLM_LITE_KV_CACHE_DTYPES"
@@ -123,8 +131,16 @@ def _unit(kernel: str, qtype: str, cache: str, buckets) -> str:
     return "".join(lines)
 
 
+def _limited(kernel: str, what: str, values) -> tuple:
+    allowed = KERNEL_LIMITS.get(kernel, {}).get(what)
+    return tuple(values) if allowed is None else tuple(v for v in values if v in allowed)
+
+
 def _table(kernel: str, caches, buckets) -> str:
     _, ns, struct, per_block = KERNELS[kernel]
+    caches = _limited(kernel, "cache", caches)
+    buckets = _limited(kernel, "bucket", buckets)
+    qtypes = [qt for tag, qt in QUERY_DTYPES if tag in _limited(kernel, "query", dict(QUERY_DTYPES))]
     kernel_type = "AttentionKernel" if ns == "attn" else "VarlenKernel"
     args = "int block_size, int head_bucket" if per_block else "int head_bucket"
     out = [BANNER,
@@ -138,6 +154,8 @@ def _table(kernel: str, caches, buckets) -> str:
     for cache in caches:
         ct = dict(CACHE_DTYPES)[cache]
         cond = "std::is_same_v<CT, T>" if ct is None else f"std::is_same_v<CT, {ct}>"
+        if len(qtypes) < len(QUERY_DTYPES):
+            cond += " && (" + " || ".join(f"std::is_same_v<T, {q}>" for q in qtypes) + ")"
         out.append(f"  if constexpr ({cond}) {{\n")
         for bs in BLOCK_SIZES if per_block else (None,):
             for hb in buckets:
@@ -171,10 +189,15 @@ def generate(outdir: Path, head_sizes: str | None = None,
     units = []
     for kernel in KERNELS:
         files[f"{kernel}_table.h"] = _table(kernel, caches, buckets)
+        kbuckets = _limited(kernel, "bucket", buckets)
+        if not kbuckets:
+            continue
         for qtag, qtype in QUERY_DTYPES:
-            for cache in caches:
+            if qtag not in _limited(kernel, "query", dict(QUERY_DTYPES)):
+                continue
+            for cache in _limited(kernel, "cache", caches):
                 name = f"{kernel}_{qtag}_{cache}.cu"
-                files[name] = _unit(kernel, qtype, cache, buckets)
+                files[name] = _unit(kernel, qtype, cache, kbuckets)
                 units.append(name)
     outdir.mkdir(parents=True, exist_ok=True)
     for stale in outdir.glob("*.cu"):

@@ -22,6 +22,9 @@
 //     misaligned vector load the way a GPU faults on it.
 #pragma once
 
+// Kernel headers that need an emulator body instead of inline PTX (cuda/mma.cuh) test it.
+#define VLLM_LITE_CUDA_EMU 1
+
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -204,6 +207,30 @@ void syncwarp(unsigned mask, const char* where);
 // One warp-level exchange: every lane of `mask` deposits `value`; returns the value of
 // lane src_of(lane) once all of them have arrived. kind: 0 idx, 1 xor, 2 up, 3 down.
 uint64_t shfl(unsigned mask, uint64_t value, int kind, int arg, int width, const char* where);
+
+// A warp collective (the tensor-core and ldmatrix instructions, emu_tensor.cpp): all 32
+// lanes of the warp arrive with their operands (lane_data); when the last one arrives,
+// fn(lanes) runs once with the 32 lanes' lane_data, lane order, and computes every lane's
+// result. Lanes meeting at different instructions (fn) -> error.
+using WarpCollectiveFn = void (*)(void* const* lanes);
+void warp_collective(void* lane_data, WarpCollectiveFn fn, const char* where);
+// Whether [p, p + bytes) lies in the calling block's shared memory.
+bool is_shared(const void* p, size_t bytes);
+int lane_id();
+// Fails the run with msg, naming the kernel, block and thread (an emulator error).
+[[noreturn]] void error(const char* msg);
+// cp.async (emu_runtime.cpp): the copy of `bytes` bytes (src_bytes of them read from src,
+// the rest zero-filled) is recorded at issue and performed by the first cp_async_wait
+// that completes its group; until then the destination keeps what it held (the NaN
+// poison, or an older tile), as on a GPU where nothing orders the copy before the wait.
+void cp_async(void* dst_shared, const void* src, int bytes, int src_bytes, const char* where);
+void cp_async_commit();
+void cp_async_wait(int pending);
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: d = a * b + c over the warp
+// (emu_tensor.cpp); ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16.
+void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const float* c, bool bf16,
+                  const char* where);
+void ldmatrix_x4(uint32_t* r, const void* row, bool trans, const char* where);
 
 template <typename T>
 inline T shfl_typed(unsigned mask, T v, int kind, int arg, int width, const char* where) {

@@ -21,8 +21,11 @@ void launch_attention(const AttentionArgs& d, void* out, float* exp_sums, float*
                       int64_t num_partitions, int64_t grid_partitions, int64_t max_tokens) {
   if (d.num_seqs == 0 || d.num_heads == 0 || grid_partitions == 0) return;
   const int64_t group = d.num_heads / d.num_kv_heads;
-  const attn::CtaSplit split =
-      attn::split_heads_over_ctas(d.num_seqs, d.num_kv_heads, group, grid_partitions, d.sms);
+  const attn::DecodeLaunch plan = attn::plan_decode_launch<T, CT>(
+      static_cast<int>(d.cc), d.num_seqs, d.num_kv_heads, group, d.head_size,
+      static_cast<int>(d.block_size), grid_partitions, d.sms, d.flash_layout != 0);
+  if (d.path_out != nullptr) *d.path_out = static_cast<int32_t>(plan.path);
+  const attn::CtaSplit split = plan.split;
   const int64_t grid_x = d.num_seqs * d.num_kv_heads * split.ctas_per_kv_head;
 
   attn::AttentionParams p{};
@@ -55,10 +58,10 @@ void launch_attention(const AttentionArgs& d, void* out, float* exp_sums, float*
   p.v_scale = static_cast<float>(d.v_scale);
 
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_partitions));
-  const size_t smem = attn::attention_smem_bytes(p.heads_per_cta, p.head_size);
-  const attn::AttentionKernel kernel = attn::attention_kernel_for<T, CT>(
-      static_cast<int>(d.block_size), static_cast<int>(d.head_size));
-  cuda_emu::launch(kernel, grid, dim3(attn::kThreads), smem, "paged_attention_kernel", p);
+  cuda_emu::launch(plan.kernel, grid, dim3(static_cast<unsigned>(plan.threads)), plan.smem,
+                   plan.path == attn::DecodePath::kTensorCore ? "paged_attention_tc_kernel"
+                                                              : "paged_attention_kernel",
+                   p);
 }
 
 template <typename T, typename CT>

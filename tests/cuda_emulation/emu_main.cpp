@@ -8,6 +8,7 @@
 //   op NAME                       attention | varlen | reshape_and_cache | copy_blocks
 //                                 | swap_blocks | convert | selftest | rms_norm
 //                                 | fused_add_rms_norm | silu_and_mul | rotary_embedding
+//                                 | decode_path
 //   dtype f32|f16|bf16
 //   kv auto|fp8_e4m3|fp8_e5m2     what the caches hold (default auto: the dtype)
 //   KEY INT_OR_FLOAT              the op's scalar arguments (see run_case)
@@ -15,6 +16,8 @@
 //                                 allocation of exactly OFFSET + size bytes (ASan sees
 //                                 any access past the end)
 //   out NAME                      written back to CASE_DIR/NAME.s<SEED>.bin after each run
+// attention: cc (compute capability the launcher plans for, default 75: the SIMT kernel
+// everywhere); an optional buffer "path" (int32) receives the kernel path it chose.
 // Prints "CASE_START dir" / "CASE_DONE dir" so a harness can tell which case a crash
 // (sanitizer report, emulator error) belongs to.
 #include <cstdio>
@@ -28,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/attention/attention_path.h"
 #include "cuda/dtype.cuh"  // the fp8 cache element types
 #include "emu_ops.h"
 #include "emu_runtime.h"
@@ -212,6 +216,8 @@ void run_attention(const Case& c) {
   read_attention_args(c, a);
   a.max_seq_len = c.i("max_seq_len");
   a.sms = c.i("sms");
+  a.cc = c.i("cc", 75);
+  a.path_out = static_cast<int32_t*>(c.p_or_null("path"));
   const int64_t P = c.i("num_partitions");
   dispatch_kv(c, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
@@ -381,6 +387,16 @@ void run_case(const Case& c) {
     run_elementwise(c, op);
   } else if (op == "rotary_embedding") {
     run_rotary(c);
+  } else if (op == "decode_path") {
+    // rows of 6 int32 (cc, query is 16-bit, cache is the query dtype, group, head_size,
+    // flash layout) -> out[i] = attn::decode_path(...) of row i.
+    const auto* in = static_cast<const int32_t*>(c.p("in"));
+    auto* out = static_cast<int32_t*>(c.p("out"));
+    for (int64_t i = 0; i < c.bytes("in") / 24; ++i) {
+      const int32_t* r = in + 6 * i;
+      out[i] = static_cast<int32_t>(vllm_lite::cuda::attn::decode_path(
+          r[0], r[1] != 0, r[2] != 0, r[3], r[4], r[5] != 0));
+    }
   } else if (op == "selftest") {
     emu_ops::run_selftest(c.s("test"), c.p_or_null("in"), c.bufs.count("in") ? c.bytes("in") : 0,
                           c.p("out"));

@@ -17,6 +17,8 @@ struct AttentionArgs {
   int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size, num_blocks;
   int64_t max_blocks_per_seq, q_stride_seq, q_stride_head, max_seq_len;
   int64_t sms;  // multiprocessor count the launcher plans for
+  int64_t cc;   // compute capability the launcher plans for (major * 10 + minor)
+  int32_t* path_out;  // or nullptr: receives the DecodePath the launch took (attention_path.h)
   double scale, k_scale, v_scale;
   const void* query;  // first element of the (possibly strided) query view
   const void* key_cache;

@@ -62,6 +62,15 @@ std::vector<void* (*)()>& dyn_getters() {
 }
 
 enum class State { Runnable, AtBarrier, AtWarpOp, Done };
+enum class WarpOpKind { Syncwarp, Shfl, Collective };
+
+struct PendingCopy {
+  char* dst;
+  int bytes;
+  uint64_t group;            // the number of commits before it was issued
+  unsigned char data[16];    // the source bytes (read at issue; zeros past src_bytes)
+  const char* where;
+};
 
 struct Fiber {
   ucontext_t ctx;
@@ -71,9 +80,15 @@ struct Fiber {
   int linear = 0;
   State state = State::Runnable;
   const char* where = "";
-  bool is_shfl = false;  // at a shuffle (else __syncwarp) while AtWarpOp
+  WarpOpKind op = WarpOpKind::Syncwarp;  // which warp operation it waits at (AtWarpOp)
   int kind = 0, arg = 0, width = 32;
   uint64_t value = 0, result = 0;
+  WarpCollectiveFn coll_fn = nullptr;  // a warp collective's instruction and lane operands
+  void* coll_data = nullptr;
+  // cp.async copies issued and not yet performed: each performs at the first
+  // cp_async_wait that its group must be complete for (see cp_async_wait).
+  std::vector<PendingCopy> copies;
+  uint64_t commits = 0;  // cp.async groups committed so far
 };
 
 struct Warp {
@@ -173,13 +188,20 @@ const char* state_name(const Fiber& f) {
   switch (f.state) {
     case State::Runnable: return "runnable";
     case State::AtBarrier: return "waits at __syncthreads";
-    case State::AtWarpOp: return f.is_shfl ? "waits at a shuffle" : "waits at __syncwarp";
+    case State::AtWarpOp:
+      return f.op == WarpOpKind::Shfl ? "waits at a shuffle"
+             : f.op == WarpOpKind::Syncwarp ? "waits at __syncwarp"
+                                           : "waits at a warp collective (mma / ldmatrix)";
     case State::Done: return "exited";
   }
   return "?";
 }
 
 void on_exit(Worker& w, Fiber& f) {
+  if (!f.copies.empty()) {
+    fail("exited with %zu cp.async copies (the first issued at %s) that no "
+         "cp.async.wait_group completed", f.copies.size(), f.copies.front().where);
+  }
   f.state = State::Done;
   ++w.exited;
   if (w.at_barrier > 0) {
@@ -278,6 +300,8 @@ void run_block(Worker& w, int64_t linear_block) {
              static_cast<unsigned>(i / (w.bdim.x * w.bdim.y))};
     f.state = State::Runnable;
     f.fake_stack = nullptr;
+    f.copies.clear();
+    f.commits = 0;
 #if EMU_ASAN
     // Frames of the previous block's fibers left their redzones in the shadow.
     ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);
@@ -459,11 +483,17 @@ namespace {
 
 // Deposits the calling lane at its warp's pending exchange; completes it when every lane
 // of the mask is there. Returns after the exchange completed (the fiber's result is set).
-void warp_op(Worker& w, unsigned mask, const char* where, bool is_shfl) {
+const char* op_name(WarpOpKind k) {
+  return k == WarpOpKind::Shfl ? "shuffle"
+         : k == WarpOpKind::Syncwarp ? "__syncwarp" : "warp collective";
+}
+
+void warp_op(Worker& w, unsigned mask, const char* where, WarpOpKind kind) {
   Fiber& f = *w.cur;
   const int lane = f.linear % 32;
   const int warp_id = f.linear / 32;
-  const char* op = is_shfl ? "shuffle" : "__syncwarp";
+  const bool is_shfl = kind == WarpOpKind::Shfl;
+  const char* op = op_name(kind);
   if (!(mask >> lane & 1u)) fail("%s (%s) with mask 0x%08x that omits the calling lane %d", op, where, mask, lane);
   const int lanes_here = std::min(32, w.nthreads - warp_id * 32);
   if (lanes_here < 32 && (mask >> lanes_here) != 0) {
@@ -484,16 +514,20 @@ void warp_op(Worker& w, unsigned mask, const char* where, bool is_shfl) {
   }
   f.state = State::AtWarpOp;
   f.where = where;
-  f.is_shfl = is_shfl;
+  f.op = kind;
   wp.arrived |= 1u << lane;
   if (wp.arrived == wp.mask) {
     Fiber* lanes = &w.fibers[static_cast<size_t>(warp_id) * 32];
     for (int l = 0; l < 32; ++l) {
       if (!(mask >> l & 1u)) continue;
       Fiber& g = lanes[l];
-      if (g.is_shfl != is_shfl) {
-        fail("lanes of mask 0x%08x meet at a shuffle and at a __syncwarp (%s, %s)", mask,
-             g.where, where);
+      if (g.op != kind) {
+        fail("lanes of mask 0x%08x meet at a %s and at a %s (%s, %s)", mask, op_name(g.op),
+             op, g.where, where);
+      }
+      if (kind == WarpOpKind::Collective && g.coll_fn != f.coll_fn) {
+        fail("lanes of mask 0x%08x meet at different warp-collective instructions (%s, %s)",
+             mask, g.where, where);
       }
       if (is_shfl) {
         const int width = g.width;
@@ -515,6 +549,11 @@ void warp_op(Worker& w, unsigned mask, const char* where, bool is_shfl) {
         g.result = lanes[src].value;
       }
     }
+    if (kind == WarpOpKind::Collective) {
+      void* data[32] = {};
+      for (int l = 0; l < 32; ++l) data[l] = (mask >> l & 1u) ? lanes[l].coll_data : nullptr;
+      f.coll_fn(data);
+    }
     wp.arrived = 0;
     for (int l = 0; l < 32; ++l) {
       if (mask >> l & 1u) make_runnable(w, lanes[l]);
@@ -525,7 +564,9 @@ void warp_op(Worker& w, unsigned mask, const char* where, bool is_shfl) {
 
 }  // namespace
 
-void syncwarp(unsigned mask, const char* where) { warp_op(worker(), mask, where, false); }
+void syncwarp(unsigned mask, const char* where) {
+  warp_op(worker(), mask, where, WarpOpKind::Syncwarp);
+}
 
 uint64_t shfl(unsigned mask, uint64_t value, int kind, int arg, int width, const char* where) {
   Worker& w = worker();
@@ -534,8 +575,80 @@ uint64_t shfl(unsigned mask, uint64_t value, int kind, int arg, int width, const
   f.kind = kind;
   f.arg = arg;
   f.width = width;
-  warp_op(w, mask, where, true);
+  warp_op(w, mask, where, WarpOpKind::Shfl);
   return f.result;
+}
+
+void warp_collective(void* lane_data, WarpCollectiveFn fn, const char* where) {
+  Worker& w = worker();
+  Fiber& f = *w.cur;
+  if (w.nthreads % 32 != 0) {
+    fail("warp collective (%s) in a block of %d threads (not whole warps)", where, w.nthreads);
+  }
+  f.coll_fn = fn;
+  f.coll_data = lane_data;
+  warp_op(w, 0xffffffffu, where, WarpOpKind::Collective);
+}
+
+bool is_shared(const void* p, size_t bytes) {
+  const Worker& w = worker();
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(w.tls_begin);
+  return w.tls_begin != nullptr && a >= begin && a + bytes <= begin + w.tls_size;
+}
+
+int lane_id() { return worker().cur->linear % 32; }
+
+void error(const char* msg) { fail("%s", msg); }
+
+void cp_async(void* dst, const void* src, int bytes, int src_bytes, const char* where) {
+  Worker& w = worker();
+  Fiber& f = *w.cur;
+  if (bytes != 4 && bytes != 8 && bytes != 16) fail("cp.async (%s) of %d bytes", where, bytes);
+  if (src_bytes < 0 || src_bytes > bytes) {
+    fail("cp.async (%s): src-size %d outside [0, %d]", where, src_bytes, bytes);
+  }
+  if (!is_shared(dst, static_cast<size_t>(bytes))) {
+    fail("cp.async (%s): destination %p is not shared memory", where, dst);
+  }
+  if (reinterpret_cast<uintptr_t>(dst) % static_cast<uintptr_t>(bytes) != 0 ||
+      reinterpret_cast<uintptr_t>(src) % static_cast<uintptr_t>(bytes) != 0) {
+    fail("cp.async (%s) of %d bytes: misaligned address (dst %p, src %p)", where, bytes, dst,
+         src);
+  }
+  PendingCopy c{};
+  c.dst = static_cast<char*>(dst);
+  c.bytes = bytes;
+  c.group = f.commits;
+  c.where = where;
+  // The source is read now (ASan checks it here, at the issuing line); the destination
+  // is written only when a wait completes the copy's group.
+  if (src_bytes > 0) memcpy(c.data, src, static_cast<size_t>(src_bytes));
+  f.copies.push_back(c);
+}
+
+void cp_async_commit() {
+  Worker& w = worker();
+  ++w.cur->commits;
+}
+
+void cp_async_wait(int pending) {
+  Worker& w = worker();
+  Fiber& f = *w.cur;
+  if (pending < 0) fail("cp.async.wait_group %d", pending);
+  // Complete every committed group but the `pending` most recent ones; copies not yet
+  // committed belong to no group and stay in flight.
+  const uint64_t done_below =
+      f.commits >= static_cast<uint64_t>(pending) ? f.commits - static_cast<uint64_t>(pending) : 0;
+  std::vector<PendingCopy> keep;
+  for (const PendingCopy& c : f.copies) {
+    if (c.group < done_below) {
+      memcpy(c.dst, c.data, static_cast<size_t>(c.bytes));
+    } else {
+      keep.push_back(c);
+    }
+  }
+  f.copies.swap(keep);
 }
 
 }  // namespace cuda_emu

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda/mma.cuh"
 #include "emu_runtime.h"
 
 namespace selftest {
@@ -82,6 +83,105 @@ __global__ void misaligned_kernel(const float* in, float* out) {
   out[threadIdx.x] = __uint_as_float(c.x);
 }
 
+// ---- the tensor-core and async-copy wrappers of csrc/cuda/mma.cuh (one warp)
+
+namespace tc = vllm_lite::cuda::tc;
+
+// 32 rows of 8 16-bit values in shared memory (row r holds in[r * 8 ..]); lane l passes
+// the address of row perm(l) = (l * 5 + 3) % 32, so a wrong row-to-lane mapping shows.
+// out[lane * 4 + j] = register j.
+template <bool TRANS>
+__global__ void ldmatrix_kernel(const uint16_t* in, uint32_t* out) {
+  __shared__ __align__(16) uint16_t rows[32 * 8];
+  const int lane = threadIdx.x;
+  for (int i = 0; i < 8; ++i) rows[lane * 8 + i] = in[lane * 8 + i];
+  __syncwarp();
+  uint32_t r[4];
+  const uint16_t* row = rows + ((lane * 5 + 3) % 32) * 8;
+  if (TRANS) {
+    tc::ldmatrix_x4_trans(r, row);
+  } else {
+    tc::ldmatrix_x4(r, row);
+  }
+  for (int j = 0; j < 4; ++j) out[lane * 4 + j] = r[j];
+}
+
+// D = A * B + C for one m16n8k16 tile: A [16][16] row-major, B [16][8] row-major (k, n),
+// C [16][8] floats, D [16][8] floats. A comes through ldmatrix_x4; B through
+// ldmatrix_x4_trans of B as stored (B_MODE 0) or ldmatrix_x4 of its transpose (B_MODE 1),
+// so the test covers both forms against one reference. D is written by the accumulator
+// layout of the ISA.
+template <typename T, int B_MODE>
+__global__ void mma_kernel(const uint16_t* a, const uint16_t* b, const float* c, float* d) {
+  __shared__ __align__(16) uint16_t as[16 * 16];
+  __shared__ __align__(16) uint16_t bs[16 * 8];
+  const int lane = threadIdx.x;
+  for (int i = lane; i < 256; i += 32) as[i] = a[i];
+  for (int i = lane; i < 128; i += 32) {
+    const int k = i / 8, n = i % 8;
+    if (B_MODE == 0) {
+      bs[i] = b[i];
+    } else {
+      bs[n * 16 + k] = b[i];
+    }
+  }
+  __syncwarp();
+  uint32_t af[4], bf[4];
+  // matrices: 0 rows 0-7 cols 0-7, 1 rows 8-15 cols 0-7, 2 rows 0-7 cols 8-15, 3 rows
+  // 8-15 cols 8-15 (the order of the A fragment's registers).
+  const int m = lane / 8, r = lane % 8;
+  tc::ldmatrix_x4(af, as + ((m & 1) * 8 + r) * 16 + (m >> 1) * 8);
+  if (B_MODE == 0) {  // rows k of B (8 values each): matrices k 0-7, k 8-15 (twice)
+    tc::ldmatrix_x4_trans(bf, bs + ((m & 1) * 8 + r) * 8);
+  } else {  // rows n of B^T: matrices (n, k 0-7), (n, k 8-15) (twice)
+    tc::ldmatrix_x4(bf, bs + r * 16 + (m & 1) * 8);
+  }
+  const uint32_t bb[2] = {bf[0], bf[1]};
+  const int g = lane >> 2, t = lane % 4;
+  float acc[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
+                  c[(g + 8) * 8 + 2 * t + 1]};
+  tc::mma_m16n8k16<T>(acc, af, bb, acc);
+  d[g * 8 + 2 * t] = acc[0];
+  d[g * 8 + 2 * t + 1] = acc[1];
+  d[(g + 8) * 8 + 2 * t] = acc[2];
+  d[(g + 8) * 8 + 2 * t + 1] = acc[3];
+}
+
+// cp.async group accounting: thread i copies in[i] (16 bytes, group 0) and in[32 + i]
+// (group 1), or zero-fills (src-size 0) for odd i in group 1. out[phase][slot][i] records
+// shared memory: phase 0 before any wait, 1 after wait_group 1, 2 after wait_group 0.
+__global__ void cp_async_kernel(const uint4* in, uint4* out) {
+  __shared__ uint4 s[2][32];
+  const int i = threadIdx.x;
+  tc::cp_async_16(&s[0][i], &in[i]);
+  tc::cp_async_commit();
+  tc::cp_async_16(&s[1][i], &in[32 + i], i % 2 == 0);
+  tc::cp_async_commit();
+  out[0 * 64 + i] = s[0][i];
+  out[0 * 64 + 32 + i] = s[1][i];
+  tc::cp_async_wait<1>();
+  out[1 * 64 + i] = s[0][i];
+  out[1 * 64 + 32 + i] = s[1][i];
+  tc::cp_async_wait<0>();
+  out[2 * 64 + i] = s[0][i];
+  out[2 * 64 + 32 + i] = s[1][i];
+}
+
+// A copy that no wait completes before the thread exits.
+__global__ void cp_async_unwaited_kernel(const uint4* in, uint4* out) {
+  __shared__ uint4 s[32];
+  tc::cp_async_16(&s[threadIdx.x], &in[threadIdx.x]);
+  tc::cp_async_commit();
+  out[threadIdx.x] = in[threadIdx.x];
+}
+
+// cp.async into global memory (not shared): an error.
+__global__ void cp_async_global_dst_kernel(const uint4* in, uint4* out) {
+  tc::cp_async_16(&out[threadIdx.x], &in[threadIdx.x]);
+  tc::cp_async_commit();
+  tc::cp_async_wait<0>();
+}
+
 }  // namespace selftest
 
 CUDA_EMU_DYNAMIC_SHARED(selftest, float, dsm)
@@ -118,6 +218,30 @@ void run_selftest(const std::string& name, void* in, int64_t in_bytes, void* out
   } else if (name == "misaligned") {
     cuda_emu::launch(&misaligned_kernel, dim3(1), dim3(32), 0, "misaligned_kernel",
                      static_cast<const float*>(in), static_cast<float*>(out));
+  } else if (name == "ldmatrix" || name == "ldmatrix_trans") {
+    auto kernel = name == "ldmatrix" ? &ldmatrix_kernel<false> : &ldmatrix_kernel<true>;
+    cuda_emu::launch(kernel, dim3(1), dim3(32), 0, name.c_str(),
+                     static_cast<const uint16_t*>(in), static_cast<uint32_t*>(out));
+  } else if (name.rfind("mma_", 0) == 0) {
+    // in: A (256 x 16 bits), B (128 x 16 bits), C (128 floats); out: D (128 floats)
+    const auto* a = static_cast<const uint16_t*>(in);
+    const auto* b = a + 256;
+    const auto* c = reinterpret_cast<const float*>(b + 128);
+    auto* d = static_cast<float*>(out);
+    using K = void (*)(const uint16_t*, const uint16_t*, const float*, float*);
+    K k = name == "mma_f16_0"    ? &mma_kernel<__half, 0>
+          : name == "mma_f16_1"  ? &mma_kernel<__half, 1>
+          : name == "mma_bf16_0" ? &mma_kernel<__nv_bfloat16, 0>
+          : name == "mma_bf16_1" ? &mma_kernel<__nv_bfloat16, 1>
+                                 : nullptr;
+    if (k == nullptr) throw std::runtime_error("unknown selftest " + name);
+    cuda_emu::launch(k, dim3(1), dim3(32), 0, name.c_str(), a, b, c, d);
+  } else if (name == "cp_async" || name == "cp_async_unwaited" || name == "cp_async_global_dst") {
+    auto k = name == "cp_async"            ? &cp_async_kernel
+             : name == "cp_async_unwaited" ? &cp_async_unwaited_kernel
+                                           : &cp_async_global_dst_kernel;
+    cuda_emu::launch(k, dim3(1), dim3(32), 0, name.c_str(), static_cast<const uint4*>(in),
+                     static_cast<uint4*>(out));
   } else {
     throw std::runtime_error("unknown selftest " + name);
   }

@@ -42,7 +42,7 @@ BUILD = ROOT / "build" / "cuda_emulation"
 GENERATED = BUILD / "generated"
 
 SOURCES = [
-    "emu_runtime.cpp", "emu_main.cpp", "emu_selftest.cpp", "emu_cache.cpp",
+    "emu_runtime.cpp", "emu_tensor.cpp", "emu_main.cpp", "emu_selftest.cpp", "emu_cache.cpp",
     "emu_attention_f32.cpp", "emu_attention_f16.cpp", "emu_attention_bf16.cpp",
     "emu_attention_fp8_e4m3.cpp", "emu_attention_fp8_e5m2.cpp", "emu_varlen.cpp",
     "emu_varlen_fp8.cpp", "emu_elementwise.cpp",
@@ -111,7 +111,7 @@ def _object_key(src: str) -> str:
     headers, the kernels (for the TUs that include them), flags and compiler."""
     h = hashlib.sha256()
     _hash_files(h, [HERE / src, *HERE.rglob("*.h"), *(HERE / s for s in INCLUDED.get(src, ()))])
-    if src.startswith(KERNEL_TUS) or src == "emu_main.cpp":
+    if src.startswith(KERNEL_TUS) or src in ("emu_main.cpp", "emu_selftest.cpp"):
         # The kernels, the limits they share with the CPU side (csrc/attention_limits.h) and
         # the fp8 conversions (csrc/fp8.h, through cuda/dtype.cuh; emu_main.cpp includes it
         # for the cache element types).

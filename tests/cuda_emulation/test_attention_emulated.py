@@ -12,10 +12,14 @@ seed of harness.seeds() (two random schedules: the first by default, the second 
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import random
 import zlib
 from dataclasses import dataclass
+
+import numpy as np
 
 import pytest
 import torch
@@ -61,6 +65,7 @@ class Case:
     v_scale: float = 1.0
     corrupt: int = 0  # table entries inside the lengths replaced by ids outside the pool
     flash: bool = False  # the caches in the flash layout (split_to_flash of the same values)
+    cc: int = 75  # compute capability the launcher plans for (80+: the tensor-core kernel)
 
     @property
     def msl(self) -> int:
@@ -141,7 +146,32 @@ def _cases() -> list[Case]:
                       flash=True))
     cases.append(Case("flash-corrupt-ids-mha-f32", F32, 2, 2, 48, 16, (100, 530), corrupt=3,
                       flash=True))
+    # The GQA shapes of the tensor-core kernel: 7 heads of a group (rows 7..15 of the MMA
+    # tile are padding), the default model's 9/3 x 64, lengths ending inside a stage and
+    # crossing partitions.
+    cases.append(Case("gqa7-bf16-28x4-d128", BF16, 28, 4, 128, 16, (1, 31, 33, 530),
+                      alibi=True))
+    cases.append(Case("gqa3-f16-9x3-d64", F16, 9, 3, 64, 16, (16, 63, 65, 1100)))
+    cases.append(Case("gqa2-bf16-4x2-d64", BF16, 4, 2, 64, 8, (7, 130), v_scale=0.5,
+                      k_scale=2.0))
+    # Every case the tensor-core kernel takes once more as on an sm_90 GPU.
+    cases += [dataclasses.replace(c, id=f"{c.id}-sm90", cc=90) for c in cases
+              if takes_tensor_cores(90, c.dtype, "auto", c.num_heads // c.num_kv_heads,
+                                    c.head_size, c.flash)]
+    # A flash-layout case planned for sm_90: the launcher must keep it on the SIMT kernel.
+    cases.append(Case("flash-gqa-bf16-8x2-d128-sm90", BF16, 8, 2, 128, 16, (1, 300, 17),
+                      flash=True, cc=90))
     return cases
+
+
+def takes_tensor_cores(cc: int, dtype: torch.dtype, kv: str, group: int,
+                       head_size: int, flash: bool = False) -> bool:
+    """The launcher's kernel choice (csrc/cuda/attention/attention_path.h), stated here
+    independently: the tensor-core decode kernel on sm_80 and newer for 16-bit queries with
+    caches of their dtype in the split layout, GQA/MQA groups of >= 2 heads and head sizes
+    64 and 128."""
+    return (cc >= 80 and dtype in (F16, BF16) and kv == "auto" and group >= 2
+            and head_size in (64, 128) and not flash)
 
 
 CASES = _cases()
@@ -203,7 +233,8 @@ def prepare(c: Case, root) -> Prepared:
            num_blocks=kv.key_cache.shape[0], max_blocks_per_seq=cols,
            q_stride_seq=query.stride(0), q_stride_head=query.stride(1), q_offset=q_off,
            max_seq_len=c.msl, sms=c.sms, scale=scale, k_scale=c.k_scale, v_scale=c.v_scale,
-           num_partitions=p, flash=int(c.flash))
+           num_partitions=p, flash=int(c.flash), cc=c.cc)
+    cd.buf("path", np.full(1, -1, dtype=np.int32), out=True)
     cd.buf("query_storage", storage, out=True)
     cd.buf("key_cache", kv.key_cache, out=True)
     cd.buf("value_cache", kv.value_cache, out=True)
@@ -286,6 +317,10 @@ def test_paged_attention_emulated(runs, case, seed):
     ref, stats = ref_paged_attention(p.query, ref_k, ref_v, case.num_kv_heads, p.scale,
                                      ref_table, p.seq_lens, case.block_size, p.slopes,
                                      case.k_scale, case.v_scale)
+    path = int(d.read("path", seed, torch.empty(1, dtype=torch.int32)))
+    want_tc = takes_tensor_cores(case.cc, case.dtype, "auto",
+                                 case.num_heads // case.num_kv_heads, case.head_size, case.flash)
+    assert path == int(want_tc), f"kernel path {path}, expected tensor cores: {want_tc}"
     out1 = d.read("out_v1", seed, p.out)
     out2 = d.read("out_v2", seed, p.out)
     exp_sums = d.read("exp_sums", seed, p.exp_sums)
@@ -298,3 +333,26 @@ def test_paged_attention_emulated(runs, case, seed):
     for name, t in (("query_storage", p.storage), ("key_cache", p.key_cache),
                     ("value_cache", p.value_cache)):
         assert_bitwise_equal(d.read(name, seed, t), t, f"{name} must not be modified")
+
+
+def test_decode_path_choice(tmp_path):
+    """attention_path.h's decode_path over compute capabilities, dtypes, cache formats,
+    group and head sizes (boundaries included) against takes_tensor_cores."""
+    rows, want = [], []
+    for cc, (dt, q16), kv, group, hs, flash in itertools.product(
+            (70, 75, 80, 86, 89, 90, 100, 120), ((F32, 0), (F16, 1), (BF16, 1)),
+            ("auto", "fp8_e4m3"), (1, 2, 3, 7, 8, 16, 17, 64), (32, 48, 64, 80, 96, 128, 192, 256),
+            (False, True)):
+        rows.append([cc, q16, int(kv == "auto"), group, hs, int(flash)])
+        want.append(int(takes_tensor_cores(cc, dt, kv, group, hs, flash)))
+    c = case_dir(tmp_path, "decode_path")
+    c.set(op="decode_path")
+    c.buf("in", np.array(rows, dtype=np.int32))
+    c.buf("out", np.full(len(rows), -1, dtype=np.int32), out=True)
+    c.write()
+    res = harness.run_cases([c.path], [0])[c.path]
+    assert res.ok, res.message
+    got = c.read("out", 0, torch.empty(len(rows), dtype=torch.int32)).tolist()
+    bad = [(r, g, w) for r, g, w in zip(rows, got, want) if g != w]
+    assert not bad, f"(cc, 16-bit, auto cache, group, head, flash) -> got, want: {bad[:10]}"
+    assert 0 < sum(want) < len(want)

@@ -125,3 +125,78 @@ def test_bugs_are_caught(tmp_path, name, expect):
     _, res = _selftest(tmp_path, name, 128 * 4, inp=inp, seeds=[0])
     assert not res.ok, f"{name} ran without an error"
     assert expect in res.message, res.message
+
+
+# ---- the tensor-core and async-copy instructions (csrc/cuda/mma.cuh; emu_tensor.cpp)
+
+
+@pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
+def test_ldmatrix_fragments(tmp_path, trans):
+    """ldmatrix.x4 against the PTX ISA's layout, written out here independently: lane l
+    passes the address of shared row (5 l + 3) % 32, lanes 8j..8j+7 name matrix j's rows
+    0..7, and register j of lane i holds row i/4, columns 2(i%4), 2(i%4)+1 of matrix j
+    (.trans: rows 2(i%4), 2(i%4)+1 of column i/4)."""
+    g = torch.Generator().manual_seed(11)
+    vals = torch.randint(0, 1 << 16, (32, 8), generator=g, dtype=torch.int32)
+    name = "ldmatrix_trans" if trans else "ldmatrix"
+    c, res = _selftest(tmp_path, name, 32 * 4 * 4, inp=vals.to(torch.int16).numpy(), seeds=[0, 1])
+    assert res.ok, res.message
+    for seed in (0, 1):
+        out = c.read("out", seed, torch.empty(32, 4, dtype=torch.int32)).long() & 0xFFFFFFFF
+        for lane in range(32):
+            for j in range(4):
+                mat = [vals[((8 * j + r) * 5 + 3) % 32] for r in range(8)]  # rows of matrix j
+                r, col = lane // 4, 2 * (lane % 4)
+                e0, e1 = (mat[col][r], mat[col + 1][r]) if trans else (mat[r][col], mat[r][col + 1])
+                want = int(e0) | (int(e1) << 16)
+                assert int(out[lane, j]) == want, (seed, lane, j)
+
+
+@pytest.mark.parametrize("b_mode", [0, 1], ids=["b-ldmatrix-trans", "b-ldmatrix"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_mma_m16n8k16(tmp_path, dtype, b_mode):
+    """One m16n8k16 tile (operands through ldmatrix, D written by the accumulator layout)
+    against A @ B + C in float64: equal to float32 rounding."""
+    g = torch.Generator().manual_seed(5 + b_mode)
+    a = torch.randn(16, 16, generator=g).to(dtype)
+    b = torch.randn(16, 8, generator=g).to(dtype)
+    cacc = torch.randn(16, 8, generator=g)
+    inp = np.concatenate([a.view(torch.int16).reshape(-1).numpy().view(np.uint8),
+                          b.view(torch.int16).reshape(-1).numpy().view(np.uint8),
+                          cacc.reshape(-1).numpy().view(np.uint8)])
+    tag = "f16" if dtype == torch.float16 else "bf16"
+    c, res = _selftest(tmp_path, f"mma_{tag}_{b_mode}", 128 * 4, inp=inp, seeds=[0, 3])
+    assert res.ok, res.message
+    want = (a.double() @ b.double() + cacc.double()).float()
+    for seed in (0, 3):
+        d = c.read("out", seed, torch.empty(16, 8, dtype=torch.float32))
+        assert torch.equal(d, want), (seed, (d - want).abs().max())
+
+
+def test_cp_async_lands_at_its_wait(tmp_path):
+    """A cp.async copy is visible only after the wait_group that completes its group:
+    before any wait both tiles read as the NaN poison, after wait_group 1 the first group
+    has landed and the second has not, after wait_group 0 both (src-size 0: zeros)."""
+    inp = np.arange(64 * 4, dtype=np.uint32) * 2654435761 % (1 << 31)
+    c, res = _selftest(tmp_path, "cp_async", 3 * 64 * 16, inp=inp.astype(np.uint32), seeds=[0, 1, 2])
+    assert res.ok, res.message
+    src = torch.from_numpy(inp.astype(np.int64)).view(64, 4)
+    poison = torch.full((32, 4), 0x7FAB7FAB, dtype=torch.int64)
+    second = src[32:].clone()
+    second[1::2] = 0  # odd threads zero-fill
+    for seed in (0, 1, 2):
+        out = c.read("out", seed, torch.empty(3, 2, 32, 4, dtype=torch.int32)).long()
+        assert torch.equal(out[0, 0], poison) and torch.equal(out[0, 1], poison), seed
+        assert torch.equal(out[1, 0], src[:32]) and torch.equal(out[1, 1], poison), seed
+        assert torch.equal(out[2, 0], src[:32]) and torch.equal(out[2, 1], second), seed
+
+
+@pytest.mark.parametrize("name,expect", [
+    ("cp_async_unwaited", "no cp.async.wait_group completed"),
+    ("cp_async_global_dst", "is not shared memory"),
+])
+def test_cp_async_misuse_is_caught(tmp_path, name, expect):
+    inp = np.arange(64 * 4, dtype=np.uint32)
+    _, res = _selftest(tmp_path, name, 64 * 16, inp=inp, seeds=[0])
+    assert not res.ok, f"{name} ran without an error"
+    assert expect in res.message, res.message

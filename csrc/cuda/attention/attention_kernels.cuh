@@ -690,12 +690,27 @@ __host__ __device__ constexpr int attention_head_bucket(int head_size) {
   return head_size <= 64 ? 64 : (head_size <= 128 ? 128 : kMaxHeadSize);
 }
 
+// One instance of paged_attention_tc_kernel (attention_tc_kernels.cuh), declared like
+// AttentionInstance; HEAD is the head size (64 or 128).
+template <typename T, typename CT, int BLOCK_SIZE, int HEAD>
+struct AttentionTcInstance {
+  static AttentionKernel get();
+};
+
+// The tensor-core kernel's CTA shape: up to kTcMaxHeadsPerCta query heads (the M rows of
+// an MMA tile), tc_warps(head_size) warps.
+constexpr int kTcMaxHeadsPerCta = 16;
+__host__ __device__ constexpr int tc_warps(int head_size) { return head_size <= 64 ? 4 : 2; }
+__host__ __device__ constexpr int tc_threads(int head_size) { return 32 * tc_warps(head_size); }
+
 }  // namespace attn
 }  // namespace cuda
 }  // namespace vllm_lite
 
+#include "attention_path.h"
 #include "kernel_build_config.h"     // generated: the build options
 #include "paged_attention_table.h"  // generated: paged_attention_table<T, CT>
+#include "paged_attention_tc_table.h"  // generated: paged_attention_tc_table<T, CT>
 
 namespace vllm_lite {
 namespace cuda {
@@ -736,6 +751,42 @@ inline CtaSplit split_heads_over_ctas(int64_t num_seqs, int64_t num_kv_heads, in
     ctas = cdiv(group, hpc);
   }
   return {ctas, hpc};
+}
+
+// How a decode launch runs (the launchers and the emulator's replay of them use this).
+struct DecodeLaunch {
+  DecodePath path;
+  AttentionKernel kernel;
+  CtaSplit split;
+  int threads;
+  size_t smem;  // dynamic shared memory
+};
+
+// The kernel, CTA split, block and shared memory of one paged-attention launch for query
+// dtype T and cache element CT on a device of compute capability `cc` with `sms`
+// multiprocessors: decode_path (attention_path.h) chooses the kernel; a tensor-core
+// choice this build has no instance for falls back to the SIMT kernel.
+template <typename T, typename CT>
+DecodeLaunch plan_decode_launch(int cc, int64_t num_seqs, int64_t num_kv_heads, int64_t group,
+                                int64_t head_size, int block_size, int64_t grid_partitions,
+                                int64_t sms, bool flash_layout) {
+  constexpr bool k16 = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+  if (decode_path(cc, k16, std::is_same_v<CT, T>, group, head_size, flash_layout) ==
+      DecodePath::kTensorCore) {
+    const AttentionKernel kernel =
+        paged_attention_tc_table<T, CT>(block_size, static_cast<int>(head_size));
+    if (kernel != nullptr) {
+      const int64_t ctas = (group + kTcMaxHeadsPerCta - 1) / kTcMaxHeadsPerCta;
+      const int64_t hpc = (group + ctas - 1) / ctas;
+      return {DecodePath::kTensorCore, kernel, {ctas, hpc},
+              tc_threads(static_cast<int>(head_size)), 0};
+    }
+  }
+  const CtaSplit split = split_heads_over_ctas(num_seqs, num_kv_heads, group, grid_partitions, sms);
+  return {DecodePath::kSimt,
+          attention_kernel_for<T, CT>(block_size, static_cast<int>(head_size)), split, kThreads,
+          attention_smem_bytes(static_cast<int>(split.heads_per_cta),
+                               static_cast<int>(head_size))};
 }
 
 }  // namespace attn

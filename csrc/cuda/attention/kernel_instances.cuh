@@ -1,4 +1,4 @@
-// The definitions behind AttentionInstance / VarlenInstance: get() returns the kernel, so
+// The definitions behind AttentionInstance / AttentionTcInstance / VarlenInstance: get() returns the kernel, so
 // compiling get() compiles the kernel. Included only by the translation units that
 // instantiate kernels: the files csrc/cuda/generate_kernels.py writes (each instance in
 // exactly one of them) and the CPU emulator's (tests/cuda_emulation). The launchers see
@@ -6,6 +6,7 @@
 #pragma once
 
 #include "attention_kernels.cuh"
+#include "attention_tc_kernels.cuh"
 #include "varlen_attention_kernels.cuh"
 
 namespace vllm_lite {
@@ -15,6 +16,11 @@ namespace attn {
 template <typename T, typename CT, int BLOCK_SIZE, int HEAD_MAX>
 AttentionKernel AttentionInstance<T, CT, BLOCK_SIZE, HEAD_MAX>::get() {
   return &paged_attention_kernel<T, CT, BLOCK_SIZE, HEAD_MAX>;
+}
+
+template <typename T, typename CT, int BLOCK_SIZE, int HEAD>
+AttentionKernel AttentionTcInstance<T, CT, BLOCK_SIZE, HEAD>::get() {
+  return &paged_attention_tc_kernel<T, CT, BLOCK_SIZE, HEAD>;
 }
 
 }  // namespace attn

@@ -1,5 +1,6 @@
 // paged_attention_v1 on CUDA, and PagedAttentionCall (attention_launch.h): the prologue
-// and the attention kernel's launch that v1 and v2 share (the kernel's instances are
+// and the attention kernel's launch that v1 and v2 share (SIMT or tensor-core kernel, as
+// plan_decode_launch / attention_path.h choose; the kernels' instances are
 // compiled in the files csrc/cuda/generate_kernels.py writes, and found here through its
 // table; see attention_kernels.cuh for the design). v1 runs
 // one CTA per (sequence, kv head[, head group]) over the whole sequence with an online
@@ -69,11 +70,20 @@ void PagedAttentionCall::launch(void* out, float* exp_sums, float* max_logits,
               "addresses on CUDA");
 
   const int64_t group = d.num_heads / d.num_kv_heads;
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const CtaSplit split =
-      split_heads_over_ctas(d.num_seqs, d.num_kv_heads, group, grid_partitions, sms);
-  const int64_t ctas = split.ctas_per_kv_head;
-  const int64_t hpc = split.heads_per_cta;
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int64_t sms = props->multiProcessorCount;
+  const int cc = props->major * 10 + props->minor;
+  // The kernel (SIMT or tensor cores: attention_path.h), its CTA split and block.
+  DecodeLaunch plan{};
+  VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query_.scalar_type(), "paged_attention", [&] {
+    dispatch_cache_elem<scalar_t>(d.cache_dtype, [&](auto cache_tag) {
+      plan = plan_decode_launch<scalar_t, decltype(cache_tag)>(
+          cc, d.num_seqs, d.num_kv_heads, group, d.head_size, static_cast<int>(d.block_size),
+          grid_partitions, sms, d.flash_layout);
+    });
+  });
+  const int64_t ctas = plan.split.ctas_per_kv_head;
+  const int64_t hpc = plan.split.heads_per_cta;
 
   const int64_t grid_x = d.num_seqs * d.num_kv_heads * ctas;
   TORCH_CHECK(grid_x <= INT_MAX, "paged_attention: too many sequences for one launch (",
@@ -111,14 +121,7 @@ void PagedAttentionCall::launch(void* out, float* exp_sums, float* max_logits,
   p.v_scale = static_cast<float>(v_scale_);
 
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_partitions));
-  const size_t smem = attention_smem_bytes(p.heads_per_cta, p.head_size);
-  VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query_.scalar_type(), "paged_attention", [&] {
-    dispatch_cache_elem<scalar_t>(d.cache_dtype, [&](auto cache_tag) {
-      const AttentionKernel kernel = attention_kernel_for<scalar_t, decltype(cache_tag)>(
-          static_cast<int>(d.block_size), static_cast<int>(d.head_size));
-      kernel<<<grid, kThreads, smem, stream_>>>(p);
-    });
-  });
+  plan.kernel<<<grid, plan.threads, plan.smem, stream_>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
