@@ -4,10 +4,17 @@ caches), its reference (scores in the query dtype, softmax in float32 cast to th
 dtype) and its tolerances (atol 1e-3, rtol 1e-5; fp8 1e-2). Code written against vLLM's
 _custom_ops is called the way vLLM calls it (k_scale / v_scale as 1-element tensors).
 
+Backends: "cpu", "cuda" (with a GPU) and "emulated": CPU tensors, with the torch.ops calls
+the compat layer makes run by the CUDA kernels on the SIMT emulator (tests/compat/emulated.py),
+so the compat argument mapping + the CUDA kernels are checked without a GPU. The emulator
+runs each GPU thread as a fiber under ASan, so its attention cases are shorter (fewer and
+shorter sequences, the longest still crossing a v2 partition); the rest is the same.
+
 A representative slice runs by default; --full-grid runs vLLM's whole grid."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 
@@ -15,6 +22,8 @@ import pytest
 import torch
 
 from vllm_lite.compat import vllm as ops
+
+from .emulated import emulated_ops
 
 NUM_HEADS = [(40, 40), (64, 8)]
 HEAD_SIZES = [32, 64, 80, 96, 112, 120, 128, 192, 256]
@@ -26,8 +35,33 @@ MAX_SEQ_LEN = 4096  # vllm_lite's kernels have no length limit (v2 partitions an
 PARTITION_SIZE = 512
 
 
-def _devices() -> list[str]:
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The emulated attention cases' sizes (see the module docstring).
+EMULATED_NUM_SEQS = 3
+EMULATED_MAX_SEQ_LEN = PARTITION_SIZE + 37
+# The emulated default slice: MHA and GQA, head sizes 64 / 80 / 128, both block sizes,
+# ALiBi on and off, auto and fp8 caches, every dtype, v1 and v2.
+EMULATED_DEFAULT = {
+    ("v1", (40, 40), 64, 16, False, torch.half, "auto"),
+    ("v2", (64, 8), 128, 32, True, torch.bfloat16, "fp8"),
+    ("v2", (40, 40), 80, 32, True, torch.float, "auto"),
+    ("v1", (64, 8), 80, 16, False, torch.bfloat16, "fp8"),
+}
+
+
+def _devices() -> list:
+    """cpu, cuda (where there is a GPU) and emulated (marked cuda_emulated)."""
+    return ["cpu", *(["cuda"] if torch.cuda.is_available() else []),
+            pytest.param("emulated", marks=pytest.mark.cuda_emulated)]
+
+
+def _torch_device(device: str) -> str:
+    return "cpu" if device == "emulated" else device
+
+
+def _kernels(device: str) -> contextlib.AbstractContextManager:
+    """Where the compat calls' ops run: the emulated CUDA kernels for "emulated", else the
+    tensors' device's kernels."""
+    return emulated_ops() if device == "emulated" else contextlib.nullcontext()
 
 
 def _grid() -> list:
@@ -40,8 +74,20 @@ def _grid() -> list:
         if c[2] in (80, 256) and c[6] == "fp8" and c[4]:
             default.add(i)
             break
-    return [pytest.param(*c, marks=() if i in default else pytest.mark.full_grid)
-            for i, c in enumerate(full)]
+    assert EMULATED_DEFAULT <= set(full)
+
+    def param(device, c, marks):
+        v, (h, kvh), d, bs, alibi, dt, kv = c
+        name = f"{device}-{v}-h{h}k{kvh}-d{d}-b{bs}{'-alibi' if alibi else ''}-{dt}-{kv}"
+        return pytest.param(device, *c, marks=marks, id=name.replace("torch.", ""))
+
+    params = []
+    for device in ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]:
+        params += [param(device, c, () if i in default else pytest.mark.full_grid)
+                   for i, c in enumerate(full)]
+    params += [param("emulated", c, [pytest.mark.cuda_emulated] + (
+        [] if c in EMULATED_DEFAULT else [pytest.mark.full_grid])) for c in full]
+    return params
 
 
 def _kv_caches(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
@@ -101,45 +147,49 @@ def _ref_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
     return out
 
 
-@pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("version,num_heads,head_size,block_size,use_alibi,dtype,kv_cache_dtype",
-                         _grid())
+@pytest.mark.parametrize(
+    "device,version,num_heads,head_size,block_size,use_alibi,dtype,kv_cache_dtype", _grid())
 def test_paged_attention(device, version, num_heads, head_size, block_size, use_alibi, dtype,
                          kv_cache_dtype) -> None:
     seed = random.randrange(1 << 31)
     gen = torch.Generator().manual_seed(seed)
+    num_seqs, longest = ((EMULATED_NUM_SEQS, EMULATED_MAX_SEQ_LEN) if device == "emulated"
+                         else (NUM_SEQS, MAX_SEQ_LEN))
+    backend, device = device, _torch_device(device)
     num_query_heads, num_kv_heads = num_heads
     scale = float(1.0 / head_size ** 0.5)
-    query = torch.empty(NUM_SEQS, num_query_heads, head_size, dtype=torch.float32)
+    query = torch.empty(num_seqs, num_query_heads, head_size, dtype=torch.float32)
     query = query.uniform_(-scale, scale, generator=gen).to(dtype).to(device)
     alibi = (torch.randn(num_query_heads, generator=gen).to(device) if use_alibi else None)
-    seq_lens = torch.randint(1, MAX_SEQ_LEN + 1, (NUM_SEQS,), generator=gen)
-    seq_lens[-1] = MAX_SEQ_LEN
+    seq_lens = torch.randint(1, longest + 1, (num_seqs,), generator=gen)
+    seq_lens[-1] = longest
     max_seq_len = int(seq_lens.max())
     blocks_per_seq = (max_seq_len + block_size - 1) // block_size
-    num_blocks = NUM_SEQS * blocks_per_seq
-    block_tables = torch.randperm(num_blocks, generator=gen)[:NUM_SEQS * blocks_per_seq]
-    block_tables = block_tables.view(NUM_SEQS, blocks_per_seq).to(torch.int32).to(device)
+    num_blocks = num_seqs * blocks_per_seq
+    block_tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * blocks_per_seq]
+    block_tables = block_tables.view(num_seqs, blocks_per_seq).to(torch.int32).to(device)
     key_cache, value_cache = _kv_caches(num_blocks, block_size, num_kv_heads, head_size, dtype,
                                         kv_cache_dtype, device, gen)
     # vLLM passes the scales as 1-element float32 tensors.
     k_scale = v_scale = torch.tensor(1.0, dtype=torch.float32, device=device)
     seq_lens_d = seq_lens.to(torch.int32).to(device)
     out = torch.full_like(query, float("nan"))
-    if version == "v1":
-        ops.paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
-                               block_tables, seq_lens_d, block_size, max_seq_len, alibi,
-                               kv_cache_dtype, k_scale, v_scale)
-    else:
-        parts = (max_seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE
-        tmp_out = torch.full((NUM_SEQS, num_query_heads, parts, head_size), float("nan"),
-                             dtype=dtype, device=device)
-        exp_sums = torch.full((NUM_SEQS, num_query_heads, parts), float("nan"),
-                              dtype=torch.float32, device=device)
-        max_logits = torch.full_like(exp_sums, float("nan"))
-        ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache,
-                               value_cache, num_kv_heads, scale, block_tables, seq_lens_d,
-                               block_size, max_seq_len, alibi, kv_cache_dtype, k_scale, v_scale)
+    parts = (max_seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE
+    tmp_out = torch.full((num_seqs, num_query_heads, parts, head_size), float("nan"),
+                         dtype=dtype, device=device)
+    exp_sums = torch.full((num_seqs, num_query_heads, parts), float("nan"), dtype=torch.float32,
+                          device=device)
+    max_logits = torch.full_like(exp_sums, float("nan"))
+    with _kernels(backend):
+        if version == "v1":
+            ops.paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
+                                   block_tables, seq_lens_d, block_size, max_seq_len, alibi,
+                                   kv_cache_dtype, k_scale, v_scale)
+        else:
+            ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache,
+                                   value_cache, num_kv_heads, scale, block_tables, seq_lens_d,
+                                   block_size, max_seq_len, alibi, kv_cache_dtype, k_scale,
+                                   v_scale)
     ref = _ref_attention(query.cpu(), key_cache.cpu(), value_cache.cpu(), block_tables.cpu(),
                          seq_lens, scale, None if alibi is None else alibi.cpu(),
                          kv_cache_dtype, dtype, 1.0, 1.0)
@@ -152,6 +202,7 @@ def test_paged_attention(device, version, num_heads, head_size, block_size, use_
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("layout", ["split", "flash"])
 def test_reshape_and_cache(device: str, kv_cache_dtype: str, layout: str) -> None:
+    backend, device = device, _torch_device(device)
     seed = random.randrange(1 << 31)
     gen = torch.Generator().manual_seed(seed)
     num_tokens, num_heads, head_size, block_size, num_blocks = 42, 8, 128, 16, 64
@@ -171,7 +222,8 @@ def test_reshape_and_cache(device: str, kv_cache_dtype: str, layout: str) -> Non
     k_scale = torch.tensor(0.5, dtype=torch.float32, device=device)
     v_scale = 2.0  # older vLLM: floats
     fn = ops.reshape_and_cache if layout == "split" else ops.reshape_and_cache_flash
-    fn(key, value, key_cache, value_cache, slots, kv_cache_dtype, k_scale, v_scale)
+    with _kernels(backend):
+        fn(key, value, key_cache, value_cache, slots, kv_cache_dtype, k_scale, v_scale)
     for i, slot in enumerate(slots.tolist()):
         b, o = divmod(slot, block_size)
         if layout == "split":
@@ -189,18 +241,23 @@ def test_reshape_and_cache(device: str, kv_cache_dtype: str, layout: str) -> Non
 
 @pytest.mark.parametrize("device", _devices())
 def test_copy_and_swap_blocks(device: str) -> None:
+    backend, device = device, _torch_device(device)
     gen = torch.Generator().manual_seed(random.randrange(1 << 31))
     shape = (16, 4, 8, 16, 8)
     keys = [torch.randn(shape, generator=gen).to(device) for _ in range(2)]
     values = [torch.randn(16, 4, 64, 16, generator=gen).to(device) for _ in range(2)]
-    before_k = [k.clone() for k in keys]
+    before = [c.clone() for c in keys + values]
     mapping = torch.tensor([[0, 5], [3, 9], [7, 2]], dtype=torch.int64, device=device)
-    ops.copy_blocks(keys, values, mapping)
-    for k, b in zip(keys, before_k):
+    with _kernels(backend):
+        ops.copy_blocks(keys, values, mapping)
+    for c, b in zip(keys + values, before):
         for src, dst in mapping.tolist():
-            assert torch.equal(k[dst], b[src])
+            assert torch.equal(c[dst], b[src])
+        untouched = [i for i in range(16) if i not in mapping[:, 1].tolist()]
+        assert torch.equal(c[untouched], b[untouched])
     dst = torch.zeros_like(keys[0], device="cpu")
-    ops.swap_blocks(keys[0], dst, torch.tensor([[1, 4], [2, 0]], dtype=torch.int64))
+    with _kernels(backend):
+        ops.swap_blocks(keys[0], dst, torch.tensor([[1, 4], [2, 0]], dtype=torch.int64))
     assert torch.equal(dst[4], keys[0][1].cpu()) and torch.equal(dst[0], keys[0][2].cpu())
     assert dst[1].abs().sum() == 0
 

@@ -218,13 +218,17 @@ void run_attention(const Case& c) {
   a.sms = c.i("sms");
   a.cc = c.i("cc", 75);
   a.path_out = static_cast<int32_t*>(c.p_or_null("path"));
-  const int64_t P = c.i("num_partitions");
+  // versions (optional): 1 = v1 only (no v2 buffers), 2 = v2 only, 3 = both (default).
+  const int64_t versions = c.i("versions", 3);
   dispatch_kv(c, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
     using CT = decltype(cache_tag);
-    emu_ops::paged_attention_v1<T, CT>(a, c.p("out_v1"));
-    emu_ops::paged_attention_v2<T, CT>(a, c.p("out_v2"), static_cast<float*>(c.p("exp_sums")),
-                                   static_cast<float*>(c.p("max_logits")), c.p("tmp_out"), P);
+    if (versions & 1) emu_ops::paged_attention_v1<T, CT>(a, c.p("out_v1"));
+    if (versions & 2) {
+      emu_ops::paged_attention_v2<T, CT>(a, c.p("out_v2"), static_cast<float*>(c.p("exp_sums")),
+                                         static_cast<float*>(c.p("max_logits")), c.p("tmp_out"),
+                                         c.i("num_partitions"));
+    }
   });
 }
 
