@@ -1,11 +1,11 @@
-"""bench/kernels.py --prefill: the FLOP count behind its TFLOP/s columns equals 4 * heads *
+"""benchmarks/kernels.py --prefill: the FLOP count behind its TFLOP/s columns equals 4 * heads *
 head_size times the (query, key) pairs a bottom-right causal mask keeps, counted here from
 the mask itself."""
 
 import pytest
 import torch
 
-from vllm_lite.benchmarks.prefill_kernels import attention_flops
+from benchmarks.prefill_kernels import attention_flops
 
 
 @pytest.mark.parametrize("seqs,new,prefix,heads,head_size",
