@@ -151,6 +151,32 @@ def _ref_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
     "device,version,num_heads,head_size,block_size,use_alibi,dtype,kv_cache_dtype", _grid())
 def test_paged_attention(device, version, num_heads, head_size, block_size, use_alibi, dtype,
                          kv_cache_dtype) -> None:
+    _check_paged_attention(device, version, num_heads, head_size, block_size, use_alibi, dtype,
+                           kv_cache_dtype)
+
+
+# vLLM's inputs keep the logits tiny (|q.k| * scale about 1e-2), so the softmax is nearly
+# flat and a wrong softmax scale or k_scale is invisible at its tolerance. These cases make
+# the logits order 1 (query uniform in +-3 sqrt(head_size)) and pass k_scale != v_scale:
+# applied to fp8 caches, ignored for "auto" ones (vLLM's meaning). float16 / float32
+# queries: scores rounded to bfloat16 (the reference's) would dominate the tolerance.
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("version,num_heads,head_size,block_size,use_alibi,dtype,kv_cache_dtype", [
+    ("v1", (64, 8), 128, 16, False, torch.half, "fp8"),
+    ("v2", (40, 40), 64, 32, True, torch.half, "auto"),
+    ("v2", (64, 8), 80, 16, False, torch.float, "fp8"),
+])
+def test_paged_attention_scales(device, version, num_heads, head_size, block_size, use_alibi,
+                                dtype, kv_cache_dtype) -> None:
+    _check_paged_attention(device, version, num_heads, head_size, block_size, use_alibi, dtype,
+                           kv_cache_dtype, query_range=3 * head_size ** 0.5, k_scale=0.75,
+                           v_scale=1.5)
+
+
+def _check_paged_attention(device, version, num_heads, head_size, block_size, use_alibi, dtype,
+                           kv_cache_dtype, query_range=None, k_scale=1.0, v_scale=1.0) -> None:
+    """vLLM's test_paged_attention: random inputs as vLLM draws them (the query uniform in
+    +-query_range, default vLLM's 1 / sqrt(head_size)), the compat call, vLLM's reference."""
     seed = random.randrange(1 << 31)
     gen = torch.Generator().manual_seed(seed)
     num_seqs, longest = ((EMULATED_NUM_SEQS, EMULATED_MAX_SEQ_LEN) if device == "emulated"
@@ -158,8 +184,9 @@ def test_paged_attention(device, version, num_heads, head_size, block_size, use_
     backend, device = device, _torch_device(device)
     num_query_heads, num_kv_heads = num_heads
     scale = float(1.0 / head_size ** 0.5)
+    query_range = scale if query_range is None else query_range
     query = torch.empty(num_seqs, num_query_heads, head_size, dtype=torch.float32)
-    query = query.uniform_(-scale, scale, generator=gen).to(dtype).to(device)
+    query = query.uniform_(-query_range, query_range, generator=gen).to(dtype).to(device)
     alibi = (torch.randn(num_query_heads, generator=gen).to(device) if use_alibi else None)
     seq_lens = torch.randint(1, longest + 1, (num_seqs,), generator=gen)
     seq_lens[-1] = longest
@@ -171,7 +198,8 @@ def test_paged_attention(device, version, num_heads, head_size, block_size, use_
     key_cache, value_cache = _kv_caches(num_blocks, block_size, num_kv_heads, head_size, dtype,
                                         kv_cache_dtype, device, gen)
     # vLLM passes the scales as 1-element float32 tensors.
-    k_scale = v_scale = torch.tensor(1.0, dtype=torch.float32, device=device)
+    k_scale_t = torch.tensor(k_scale, dtype=torch.float32, device=device)
+    v_scale_t = torch.tensor(v_scale, dtype=torch.float32, device=device)
     seq_lens_d = seq_lens.to(torch.int32).to(device)
     out = torch.full_like(query, float("nan"))
     parts = (max_seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE
@@ -184,15 +212,17 @@ def test_paged_attention(device, version, num_heads, head_size, block_size, use_
         if version == "v1":
             ops.paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
                                    block_tables, seq_lens_d, block_size, max_seq_len, alibi,
-                                   kv_cache_dtype, k_scale, v_scale)
+                                   kv_cache_dtype, k_scale_t, v_scale_t)
         else:
             ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache,
                                    value_cache, num_kv_heads, scale, block_tables, seq_lens_d,
-                                   block_size, max_seq_len, alibi, kv_cache_dtype, k_scale,
-                                   v_scale)
+                                   block_size, max_seq_len, alibi, kv_cache_dtype, k_scale_t,
+                                   v_scale_t)
+    # vLLM's meaning: the scales apply to fp8 caches only.
+    ks, vs = (k_scale, v_scale) if kv_cache_dtype == "fp8" else (1.0, 1.0)
     ref = _ref_attention(query.cpu(), key_cache.cpu(), value_cache.cpu(), block_tables.cpu(),
                          seq_lens, scale, None if alibi is None else alibi.cpu(),
-                         kv_cache_dtype, dtype, 1.0, 1.0)
+                         kv_cache_dtype, dtype, ks, vs)
     atol, rtol = (1e-2, 1e-5) if kv_cache_dtype == "fp8" else (1e-3, 1e-5)
     torch.testing.assert_close(out.cpu(), ref, atol=atol, rtol=rtol,
                                msg=lambda m: f"seed {seed}: {m}")
