@@ -208,7 +208,14 @@ def _check_paged_attention(device, version, num_heads, head_size, block_size, us
     exp_sums = torch.full((num_seqs, num_query_heads, parts), float("nan"), dtype=torch.float32,
                           device=device)
     max_logits = torch.full_like(exp_sums, float("nan"))
-    with _kernels(backend):
+    # vLLM's fp8 key cache has 16-element chunks: vllm_lite refuses head sizes that leave a
+    # partial one (120 in vLLM's grid). The emulator replays no argument checks (its cases
+    # are ones the op takes), so there the refusal is the CPU / CUDA cases' to check.
+    refused = kv_cache_dtype == "fp8" and head_size % 16 != 0
+    if refused and backend == "emulated":
+        pytest.skip(f"head_size {head_size} with an fp8 cache is refused by the op")
+    with (pytest.raises(RuntimeError, match="multiple of 16") if refused
+          else contextlib.nullcontext()), _kernels(backend):
         if version == "v1":
             ops.paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale,
                                    block_tables, seq_lens_d, block_size, max_seq_len, alibi,
@@ -218,6 +225,9 @@ def _check_paged_attention(device, version, num_heads, head_size, block_size, us
                                    value_cache, num_kv_heads, scale, block_tables, seq_lens_d,
                                    block_size, max_seq_len, alibi, kv_cache_dtype, k_scale_t,
                                    v_scale_t)
+    if refused:
+        assert out.isnan().all(), "a refused call must not write"
+        return
     # vLLM's meaning: the scales apply to fp8 caches only.
     ks, vs = (k_scale, v_scale) if kv_cache_dtype == "fp8" else (1.0, 1.0)
     ref = _ref_attention(query.cpu(), key_cache.cpu(), value_cache.cpu(), block_tables.cpu(),
