@@ -21,22 +21,12 @@ if __name__ == "__main__" and not __package__:  # python3 benchmarks/hf_generate
 
 import argparse
 import os
-import platform
 import sys
 import time
 
+from .report import cpu_name
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> int:
@@ -92,7 +82,7 @@ def main() -> int:
         del model
 
     base_tps, base_outs = results["sdpa"]
-    print(f"CPU: {_cpu_name()}, torch threads "
+    print(f"CPU: {cpu_name()}, torch threads "
           f"{torch.get_num_threads()}, {a.dtype}, {a.num_prompts} prompts of {lo}-{hi} "
           f"tokens, {a.max_new_tokens} new tokens each, best of {a.repeat}; load average "
           f"{os.getloadavg()[0]:.1f}")

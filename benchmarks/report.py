@@ -52,7 +52,8 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -77,7 +78,7 @@ def machine_info(device: torch.device, threads: int) -> dict[str, Any]:
     """What a reader needs to judge the numbers: hardware, threads, versions, load."""
     info: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "threads": threads,
         "torch": torch.__version__,
