@@ -1,4 +1,6 @@
-// CUDA cache ops: reshape_and_cache (+ flash layout), copy_blocks, swap_blocks.
+// CUDA cache ops: reshape_and_cache (+ flash layout), copy_blocks, swap_blocks. This file
+// holds the kernel launchers (no torch header: see launch_types.h); cache_ops.cpp the torch
+// ops that check the arguments and call them.
 //
 // Content checks of slot mappings and copy_blocks pairs run only with
 // VLLM_LITE_CHECK_VALUES=1 (a device sync each; see should_check_values in cuda_utils.cuh).
@@ -23,120 +25,59 @@
 //   host tensor's pinned memory is recorded with torch's caching host allocator, so it is
 //   not reused while the copies run.
 #include <algorithm>
-#include <climits>
 
-#include <ATen/core/CachingHostAllocator.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
 
 #include "cuda/cache_kernels.cuh"
-#include "cuda/cuda_utils.cuh"
 #include "cuda/dtype.cuh"
-#include "ops.h"
-#include "validate.h"
 
 namespace vllm_lite {
 namespace cuda {
-namespace {
+namespace cache {
 
-using namespace cache;
-
-void reshape_and_cache_impl(const at::Tensor& key, const at::Tensor& value,
-                            at::Tensor& key_cache, at::Tensor& value_cache,
-                            const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
-                            double k_scale, double v_scale, bool flash) {
-  const char* op = flash ? "reshape_and_cache_flash" : "reshape_and_cache";
-  const CacheWriteDims d = check_reshape_and_cache(key, value, key_cache, value_cache,
-                                                   slot_mapping, kv_cache_dtype, k_scale,
-                                                   v_scale, flash);
-  TORCH_CHECK(key.is_cuda(), op, ": the CUDA kernel needs CUDA tensors, got key on ",
-              key.device());
-  const c10::cuda::CUDAGuard device_guard(key.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (should_check_values(stream)) check_slot_mapping_values(d, slot_mapping);
-  if (d.num_tokens == 0 || d.num_kv_heads == 0) return;
-  TORCH_CHECK(d.num_tokens <= INT_MAX, op, ": ", d.num_tokens,
-              " tokens are too many for one launch");
-
-  const CacheArgs a = make_cache_args(
-      d.key_stride, d.value_stride, d.num_blocks, d.block_size, d.num_kv_heads, d.head_size,
-      key.element_size(), k_scale, v_scale, key.data_ptr(), value.data_ptr(),
-      key_cache.data_ptr(), value_cache.data_ptr());
-  const int64_t n = d.num_kv_heads * d.head_size;
+cudaError_t launch_reshape_and_cache(const ReshapeAndCacheLaunch& l, cudaStream_t stream) {
+  const CacheArgs a = make_cache_args(l.key_stride, l.value_stride, l.num_blocks, l.block_size,
+                                      l.num_kv_heads, l.head_size, l.element_size, l.k_scale,
+                                      l.v_scale, l.key, l.value, l.key_cache, l.value_cache);
+  const int64_t n = l.num_kv_heads * l.head_size;
   // Items of the widest loop (an fp8 flash row is converted element by element).
-  const bool fp8 = d.cache_dtype != KvCacheDType::kAuto;
-  const int threads = cache_threads(flash && !fp8 ? n / d.x : n);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(key.scalar_type(), op, [&] {
-    dispatch_cache_elem<scalar_t>(d.cache_dtype, [&](auto cache_tag) {
+  const bool fp8 = l.cache_dtype != KvCacheDType::kAuto;
+  const int threads = cache_threads(l.flash && !fp8 ? n / l.x : n);
+  const unsigned grid = static_cast<unsigned>(l.num_tokens);
+  dispatch_float_type(l.dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    dispatch_cache_elem<scalar_t>(l.cache_dtype, [&](auto cache_tag) {
       using cache_t = decltype(cache_tag);
-      const auto* k = static_cast<const scalar_t*>(key.data_ptr());
-      const auto* v = static_cast<const scalar_t*>(value.data_ptr());
-      auto* kc = static_cast<cache_t*>(key_cache.data_ptr());
-      auto* vc = static_cast<cache_t*>(value_cache.data_ptr());
-      const unsigned grid = static_cast<unsigned>(d.num_tokens);
-      if (flash) {
+      const auto* k = static_cast<const scalar_t*>(l.key);
+      const auto* v = static_cast<const scalar_t*>(l.value);
+      auto* kc = static_cast<cache_t*>(l.key_cache);
+      auto* vc = static_cast<cache_t*>(l.value_cache);
+      if (l.flash) {
         reshape_and_cache_kernel<scalar_t, cache_t, true>
-            <<<grid, threads, 0, stream>>>(k, v, kc, vc, slots, a);
+            <<<grid, threads, 0, stream>>>(k, v, kc, vc, l.slot_mapping, a);
       } else {
         reshape_and_cache_kernel<scalar_t, cache_t, false>
-            <<<grid, threads, 0, stream>>>(k, v, kc, vc, slots, a);
+            <<<grid, threads, 0, stream>>>(k, v, kc, vc, l.slot_mapping, a);
       }
     });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return cudaGetLastError();
 }
 
-}  // namespace
-
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                       at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                       const std::string& kv_cache_dtype, double k_scale, double v_scale) {
-  reshape_and_cache_impl(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                         k_scale, v_scale, /*flash=*/false);
-}
-
-void reshape_and_cache_flash(const at::Tensor& key, const at::Tensor& value,
-                             at::Tensor& key_cache, at::Tensor& value_cache,
-                             const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
-                             double k_scale, double v_scale) {
-  reshape_and_cache_impl(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                         k_scale, v_scale, /*flash=*/true);
-}
-
-void copy_blocks(const std::vector<at::Tensor>& key_caches,
-                 const std::vector<at::Tensor>& value_caches, const at::Tensor& block_mapping) {
-  // Metadata first (no device access), then the value check when enabled (a device sync;
-  // see should_check_values).
-  int64_t num_blocks =
-      check_copy_blocks(key_caches, value_caches, block_mapping, /*check_values=*/false);
-  if (key_caches.empty()) return;
-  TORCH_CHECK(key_caches[0].is_cuda(), "copy_blocks: the CUDA kernel needs CUDA caches, got ",
-              key_caches[0].device());
-  const c10::cuda::CUDAGuard device_guard(key_caches[0].device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (should_check_values(stream)) {
-    num_blocks = check_copy_blocks(key_caches, value_caches, block_mapping, /*check_values=*/true);
-  }
-  const int64_t pairs = block_mapping.size(0);
-  if (pairs == 0 || num_blocks == 0) return;
-  TORCH_CHECK(pairs <= INT_MAX, "copy_blocks: ", pairs, " pairs are too many for one launch");
-
-  const int64_t num_layers = static_cast<int64_t>(key_caches.size());
-  const int64_t* mapping = block_mapping.data_ptr<int64_t>();
+cudaError_t launch_copy_blocks(void* const* key_caches, void* const* value_caches,
+                               const int64_t* block_bytes, int64_t num_layers,
+                               const int64_t* block_mapping, int64_t pairs, int64_t num_blocks,
+                               cudaStream_t stream) {
   for (int64_t l0 = 0; l0 < num_layers; l0 += kMaxCopyLayers) {
     const int64_t count = std::min<int64_t>(kMaxCopyLayers, num_layers - l0);
     CopyBlocksLayers layers{};
     bool vec = true;
     int64_t max_bytes = 0;
     for (int64_t i = 0; i < count; ++i) {
-      const at::Tensor& k = key_caches[l0 + i];
-      const at::Tensor& v = value_caches[l0 + i];
-      layers.key[i] = reinterpret_cast<int64_t>(k.data_ptr());
-      layers.value[i] = reinterpret_cast<int64_t>(v.data_ptr());
-      layers.block_bytes[i] = k.numel() / num_blocks * k.element_size();
-      vec = vec && is_aligned16(k.data_ptr()) && is_aligned16(v.data_ptr()) &&
+      layers.key[i] = reinterpret_cast<int64_t>(key_caches[l0 + i]);
+      layers.value[i] = reinterpret_cast<int64_t>(value_caches[l0 + i]);
+      layers.block_bytes[i] = block_bytes[l0 + i];
+      vec = vec && is_aligned16(key_caches[l0 + i]) && is_aligned16(value_caches[l0 + i]) &&
             layers.block_bytes[i] % 16 == 0;
       max_bytes = std::max(max_bytes, layers.block_bytes[i]);
     }
@@ -145,59 +86,17 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
     const int threads = cache_threads(units);
     const dim3 grid(static_cast<unsigned>(pairs), static_cast<unsigned>(count));
     if (vec) {
-      copy_blocks_kernel<uint4><<<grid, threads, 0, stream>>>(layers, mapping, num_blocks);
+      copy_blocks_kernel<uint4><<<grid, threads, 0, stream>>>(layers, block_mapping, num_blocks);
     } else {
-      copy_blocks_kernel<unsigned char><<<grid, threads, 0, stream>>>(layers, mapping, num_blocks);
+      copy_blocks_kernel<unsigned char>
+          <<<grid, threads, 0, stream>>>(layers, block_mapping, num_blocks);
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
   }
+  return cudaSuccess;
 }
 
-void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
-  const int64_t block_bytes = check_swap_blocks(src, dst, block_mapping);
-  TORCH_CHECK((src.is_cuda() || src.is_cpu()) && (dst.is_cuda() || dst.is_cpu()),
-              "swap_blocks: src and dst must be on the CPU or a CUDA device, got ", src.device(),
-              " and ", dst.device());
-  TORCH_CHECK(src.is_cuda() || dst.is_cuda(),
-              "swap_blocks: the CUDA kernel needs src or dst on a CUDA device, got ",
-              src.device(), " and ", dst.device());
-  cudaMemcpyKind kind;
-  at::Device device = src.device();
-  if (src.is_cuda() && dst.is_cuda()) {
-    TORCH_CHECK(src.device() == dst.device(), "swap_blocks: src is on ", src.device(),
-                " but dst is on ", dst.device(), "; copies between two GPUs are not supported");
-    kind = cudaMemcpyDeviceToDevice;
-  } else if (src.is_cuda()) {
-    kind = cudaMemcpyDeviceToHost;
-  } else {
-    kind = cudaMemcpyHostToDevice;
-    device = dst.device();
-  }
-  const int64_t pairs = block_mapping.size(0);
-  if (block_bytes == 0 || pairs == 0) return;
-  const c10::cuda::CUDAGuard device_guard(device);
-  const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
-  const auto* s = static_cast<const char*>(src.data_ptr());
-  auto* dp = static_cast<char*>(dst.data_ptr());
-  const int64_t* map = block_mapping.data_ptr<int64_t>();  // on the CPU, checked above
-  const bool merge_runs = disjoint(s, src.size(0) * block_bytes, dp, dst.size(0) * block_bytes);
-  copy_mapped_blocks(s, dp, map, pairs, block_bytes, merge_runs,
-                     [&](char* to, const char* from, size_t n) {
-                       C10_CUDA_CHECK(cudaMemcpyAsync(to, from, n, kind, stream.stream()));
-                     });
-  if (kind != cudaMemcpyDeviceToDevice) {
-    // The copies run after this returns. A pinned tensor from torch's caching host
-    // allocator (pin_memory(), e.g. a temporary) goes back to the allocator's pool when
-    // freed; recording the stream keeps that memory from being handed out again until the
-    // copies are done. Memory the allocator does not own (pageable, or pinned elsewhere)
-    // is not tracked: record_event returns false, and a pageable copy is synchronous for
-    // the host side anyway.
-    const at::Tensor& host = src.is_cpu() ? src : dst;
-    const c10::DataPtr& data = host.storage().data_ptr();
-    at::getHostAllocator(at::kCUDA)->record_event(data.get(), data.get_context(),
-                                                  stream.unwrap());
-  }
-}
-
+}  // namespace cache
 }  // namespace cuda
 }  // namespace vllm_lite

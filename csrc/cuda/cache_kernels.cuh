@@ -1,6 +1,6 @@
 // Kernels of the CUDA cache ops (cache_kernels.cu): reshape_and_cache(_flash) and
 // copy_blocks, plus the host-side choices their launchers make (threads per CTA, copy
-// paths, the per-block copies of swap_blocks). Kept in a header so the CPU emulation of the
+// paths). Kept in a header so the CPU emulation of the
 // kernels (tests/cuda_emulation) compiles exactly this code; cache_kernels.cu is its only
 // CUDA user. Grids, layouts and limits: see cache_kernels.cu.
 #pragma once
@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/cache_launch.h"
 #include "cuda/dtype.cuh"
 
 namespace vllm_lite {
@@ -174,33 +175,6 @@ __global__ void copy_blocks_kernel(const __grid_constant__ CopyBlocksLayers laye
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     k[dst * n + i] = k[src * n + i];
     v[dst * n + i] = v[src * n + i];
-  }
-}
-
-// True when the byte ranges [a, a + a_bytes) and [b, b + b_bytes) do not overlap.
-inline bool disjoint(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return x + static_cast<uintptr_t>(a_bytes) <= y || y + static_cast<uintptr_t>(b_bytes) <= x;
-}
-
-// swap_blocks: block map[2i] of src -> block map[2i + 1] of dst, by copy(dst, src, bytes)
-// (cudaMemcpyAsync on CUDA). With merge_runs, consecutive pairs that continue a run on both
-// sides (src s, s+1, ... -> dst t, t+1, ...) become one copy: a swapped-out sequence's
-// blocks are often adjacent, and each call has a fixed cost. Only valid when src and dst
-// do not overlap (else a later pair may read what an earlier one wrote, which one big copy
-// would not honour). The mapping was validated on the host, so every run is in bounds.
-template <typename Copy>
-void copy_mapped_blocks(const char* src, char* dst, const int64_t* map, int64_t pairs,
-                        int64_t block_bytes, bool merge_runs, Copy&& copy) {
-  for (int64_t i = 0; i < pairs;) {
-    int64_t n = 1;
-    while (merge_runs && i + n < pairs && map[2 * (i + n)] == map[2 * i] + n &&
-           map[2 * (i + n) + 1] == map[2 * i + 1] + n) {
-      ++n;
-    }
-    copy(dst + map[2 * i + 1] * block_bytes, src + map[2 * i] * block_bytes,
-         static_cast<size_t>(n * block_bytes));
-    i += n;
   }
 }
 

@@ -1,4 +1,5 @@
-// Host-side helpers shared by the CUDA launchers.
+// Host-side helpers shared by the torch-facing code of the CUDA ops (the .cpp files, and the
+// .cu files that still include ATen).
 #pragma once
 
 #include <cstdint>
@@ -9,7 +10,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "cuda/dtype.cuh"
+#include "cuda/launch_types.h"
 #include "validate.h"
 
 namespace vllm_lite {
@@ -43,28 +44,42 @@ inline bool should_check_values(cudaStream_t stream) {
   return check_values_enabled() && !stream_is_capturing(stream);
 }
 
-inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Calls f(CT{}) with CT the cache element type of a kernel whose model dtype is T: T itself
-// for kv_cache_dtype "auto", fp8_e4m3 / fp8_e5m2 for the fp8 kinds (uint8 caches; the
-// shapes, the dtype and the head_size % 16 of the fp8 key layout are checked in
-// validate.cpp).
-template <typename T, typename Fn>
-void dispatch_cache_elem(KvCacheDType kind, Fn&& f) {
-  switch (kind) {
-    case KvCacheDType::kFp8E4M3:
-      f(fp8_e4m3{});
-      return;
-    case KvCacheDType::kFp8E5M2:
-      f(fp8_e5m2{});
-      return;
-    case KvCacheDType::kAuto:
-      f(T{});
-      return;
+// The kernels' element type of a tensor's dtype; any other dtype fails naming op.
+inline FloatType to_float_type(at::ScalarType t, const char* op) {
+  switch (t) {
+    case at::kFloat:
+      return FloatType::kFloat32;
+    case at::kHalf:
+      return FloatType::kFloat16;
+    case at::kBFloat16:
+      return FloatType::kBFloat16;
+    default:
+      TORCH_CHECK(false, op, ": dtype ", t, " is not supported; use float32, float16 or bfloat16");
   }
 }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 }  // namespace cuda
 }  // namespace vllm_lite
+
+// Runs the lambda-body __VA_ARGS__ with `scalar_t` bound to the CUDA-native element type
+// of TYPE (float, half or bfloat16); any other dtype fails with NAME in the message.
+#define VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                          \
+  [&] {                                                                               \
+    switch (TYPE) {                                                                   \
+      case c10::ScalarType::Float: {                                                  \
+        using scalar_t = float;                                                       \
+        return __VA_ARGS__();                                                         \
+      }                                                                               \
+      case c10::ScalarType::Half: {                                                   \
+        using scalar_t = __half;                                                      \
+        return __VA_ARGS__();                                                         \
+      }                                                                               \
+      case c10::ScalarType::BFloat16: {                                               \
+        using scalar_t = __nv_bfloat16;                                               \
+        return __VA_ARGS__();                                                         \
+      }                                                                               \
+      default:                                                                        \
+        TORCH_CHECK(false, NAME, ": dtype ", TYPE,                                    \
+                    " is not supported; use float32, float16 or bfloat16");          \
+    }                                                                                 \
+  }()

@@ -1,7 +1,8 @@
 // Element types of the CUDA kernels and their float32 conversions.
 //
 // Kernels are templated on the CUDA-native element type (float, __half, __nv_bfloat16);
-// launchers map at::ScalarType to it with VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES. All math is
+// launchers map a FloatType (launch_types.h) to it with dispatch_float_type, and the cache
+// element type with dispatch_cache_elem. No torch header: see launch_types.h. All math is
 // float32: loads convert to float, stores round to nearest even. torch compiles CUDA with
 // __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__, so every conversion here
 // is an explicit intrinsic or bit operation, never an implicit cast.
@@ -24,10 +25,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <c10/util/Exception.h>
-#include <c10/core/ScalarType.h>
-
 #include "../fp8.h"
+#include "launch_types.h"
 
 namespace vllm_lite {
 namespace cuda {
@@ -209,28 +208,38 @@ __device__ __forceinline__ void unit_to_float(const uint4& c, float* out) {
   }
 }
 
+// Calls f(T{}) with T the CUDA-native element type of t.
+template <typename Fn>
+decltype(auto) dispatch_float_type(FloatType t, Fn&& f) {
+  switch (t) {
+    case FloatType::kFloat16:
+      return f(__half{});
+    case FloatType::kBFloat16:
+      return f(__nv_bfloat16{});
+    case FloatType::kFloat32:
+    default:
+      return f(float{});
+  }
+}
+
+// Calls f(CT{}) with CT the cache element type of a kernel whose model dtype is T: T itself
+// for kv_cache_dtype "auto", fp8_e4m3 / fp8_e5m2 for the fp8 kinds (uint8 caches; the
+// shapes, the dtype and the head_size % 16 of the fp8 key layout are checked in
+// validate.cpp).
+template <typename T, typename Fn>
+void dispatch_cache_elem(KvCacheDType kind, Fn&& f) {
+  switch (kind) {
+    case KvCacheDType::kFp8E4M3:
+      f(fp8_e4m3{});
+      return;
+    case KvCacheDType::kFp8E5M2:
+      f(fp8_e5m2{});
+      return;
+    case KvCacheDType::kAuto:
+      f(T{});
+      return;
+  }
+}
+
 }  // namespace cuda
 }  // namespace vllm_lite
-
-// Runs the lambda-body __VA_ARGS__ with `scalar_t` bound to the CUDA-native element type
-// of TYPE (float, half or bfloat16); any other dtype fails with NAME in the message.
-#define VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                          \
-  [&] {                                                                               \
-    switch (TYPE) {                                                                   \
-      case c10::ScalarType::Float: {                                                  \
-        using scalar_t = float;                                                       \
-        return __VA_ARGS__();                                                         \
-      }                                                                               \
-      case c10::ScalarType::Half: {                                                   \
-        using scalar_t = __half;                                                      \
-        return __VA_ARGS__();                                                         \
-      }                                                                               \
-      case c10::ScalarType::BFloat16: {                                               \
-        using scalar_t = __nv_bfloat16;                                               \
-        return __VA_ARGS__();                                                         \
-      }                                                                               \
-      default:                                                                        \
-        TORCH_CHECK(false, NAME, ": dtype ", TYPE,                                    \
-                    " is not supported; use float32, float16 or bfloat16");          \
-    }                                                                                 \
-  }()

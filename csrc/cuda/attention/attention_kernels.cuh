@@ -707,6 +707,8 @@ __host__ __device__ constexpr int tc_threads(int head_size) { return 32 * tc_war
 }  // namespace cuda
 }  // namespace vllm_lite
 
+#include <c10/util/Exception.h>  // TORCH_CHECK in the kernel lookups below
+
 #include "attention_path.h"
 #include "kernel_build_config.h"     // generated: the build options
 #include "paged_attention_table.h"  // generated: paged_attention_table<T, CT>

@@ -442,6 +442,8 @@ struct VarlenInstance {
 }  // namespace cuda
 }  // namespace vllm_lite
 
+#include <c10/util/Exception.h>  // TORCH_CHECK in the kernel lookups below
+
 #include "kernel_build_config.h"      // generated: the build options
 #include "varlen_attention_table.h"  // generated: varlen_attention_table<T, CT>
 
