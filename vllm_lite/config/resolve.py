@@ -57,7 +57,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
-        async_output_proc=resolve_async_output_proc(args.async_output_proc, device.type))
+        async_output_proc=resolve_async_output_proc(args.async_output_proc, device.type,
+                                                    parallel_config.tensor_parallel_size))
 
     hf_config = model_config["hf_config"]
     name = resolve_dtype_name(args.dtype, device.type, hf_config)
@@ -228,12 +229,15 @@ def auto_dtype(device_type: str, ckpt_dtype: str | None,
     return ckpt_dtype or "float32"
 
 
-def resolve_async_output_proc(value: Any, device_type: str) -> bool:
-    """async_output_proc's on/off: "auto" is on with a GPU (the host works while it
-    computes) and off on the CPU (the forward's threads use every core)."""
-    if value not in ASYNC_OUTPUT_PROC:
+def resolve_async_output_proc(value: Any, device_type: str, tensor_parallel_size: int) -> bool:
+    """async_output_proc's on/off: "auto" is on with one GPU (the host works while it
+    computes) and off on the CPU (the forward's threads use every core) or with tensor
+    parallelism (the driver's collectives then run off the main thread)."""
+    if not isinstance(value, str) or value not in ASYNC_OUTPUT_PROC:
         raise ValueError(f"async_output_proc must be one of {ASYNC_OUTPUT_PROC}, got {value!r}")
-    return device_type == "cuda" if value == "auto" else value == "on"
+    if value == "auto":
+        return device_type == "cuda" and tensor_parallel_size == 1
+    return value == "on"
 
 
 def resolve_dtype_name(dtype: Any, device_type: str, hf_config: Any,
