@@ -66,6 +66,9 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 inline float2 make_float2(float x, float y) { return {x, y}; }
 
 using cudaStream_t = struct CUstream_st*;
+// The launchers' return type (csrc/cuda/*_launch.h declare them; the emulator replays the
+// launches itself and never calls those).
+enum cudaError_t { cudaSuccess = 0 };
 
 // ---- math and bit casts
 inline float __uint_as_float(unsigned u) {
