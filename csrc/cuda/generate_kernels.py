@@ -51,10 +51,10 @@ KERNELS = {
     "varlen_attention": ("cuda/attention/kernel_instances.cuh", "varlen", "VarlenInstance", False),
 }
 # Kernels that exist only for some query dtypes / caches / head buckets (the tensor-core
-# decode kernel: 16-bit queries, caches in the query dtype, head sizes 64 and 128 exactly;
-# attention_path.h sends every other call to the SIMT kernel). A missing entry: all.
+# decode kernel: 16-bit queries, head sizes 64 and 128 exactly; attention_path.h sends
+# every other call to the SIMT kernel). A missing entry: all.
 KERNEL_LIMITS = {
-    "paged_attention_tc": {"query": ("f16", "bf16"), "cache": ("auto",), "bucket": (64, 128)},
+    "paged_attention_tc": {"query": ("f16", "bf16"), "bucket": (64, 128)},
 }
 HEAD_SIZES_VAR = "VLLM_LITE_HEAD_SIZES"
 CACHE_DTYPES_VAR = "VLLM_LITE_KV_CACHE_DTYPES"

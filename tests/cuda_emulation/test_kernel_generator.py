@@ -51,20 +51,20 @@ def _expected(buckets, caches) -> list[tuple[str, ...]]:
         want += [("AttentionInstance", q, ct, str(bs), str(hb))
                  for bs in (8, 16, 32) for hb in buckets]
         want += [("VarlenInstance", q, ct, str(hb)) for hb in buckets]
-        if q != "float" and c == "auto":  # the tensor-core decode kernel: head sizes 64, 128
-            want += [("AttentionTcInstance", q, q, str(bs), str(hb))
+        if q != "float":  # the tensor-core decode kernel: 16-bit queries, head sizes 64, 128
+            want += [("AttentionTcInstance", q, ct, str(bs), str(hb))
                      for bs in (8, 16, 32) for hb in buckets if hb in (64, 128)]
     return want
 
 
-def _tc_table(outdir: Path) -> list[str]:
-    """The instances paged_attention_tc_table returns (all under one condition: caches in
-    the query dtype, fp16 / bf16 queries)."""
+def _tc_table(outdir: Path) -> dict[str, list[str]]:
+    """The instances paged_attention_tc_table returns per cache section (each section also
+    limited to fp16 / bf16 queries)."""
     text = (outdir / "paged_attention_tc_table.h").read_text()
-    if re.findall(r"return (\w+<[^>]*>)::get\(\)", text):
-        assert ("if constexpr (std::is_same_v<CT, T> && (std::is_same_v<T, __half> || "
-                "std::is_same_v<T, __nv_bfloat16>))") in text
-    return re.findall(r"return (\w+<[^>]*>)::get\(\)", text)
+    sections = re.split(r"if constexpr \(std::is_same_v<CT, (\w+)> && \((std::is_same_v<T, "
+                        r"__half> \|\| std::is_same_v<T, __nv_bfloat16>)\)\)", text)[1:]
+    return {cond: re.findall(r"return (\w+<[^>]*>)::get\(\)", body)
+            for cond, _, body in zip(sections[::3], sections[1::3], sections[2::3])}
 
 
 def _table_entries(outdir: Path, name: str) -> dict[str, list[str]]:
@@ -77,8 +77,8 @@ def _table_entries(outdir: Path, name: str) -> dict[str, list[str]]:
 
 def test_default_builds_every_instance_exactly_once(tmp_path):
     units = gk.generate(tmp_path)
-    # (kernel, query dtype, cache element), and the tensor-core kernel's (fp16 / bf16, auto)
-    assert len(units) == 2 * 3 * 3 + 2
+    # (kernel, query dtype, cache element), and the tensor-core kernel's (fp16 / bf16, cache)
+    assert len(units) == 2 * 3 * 3 + 2 * 3
     got = _instances(tmp_path)
     assert len(got) == len(set(got)), "an instance is compiled twice"
     assert sorted(got) == sorted(_expected((64, 128, 256), CTS))
@@ -90,8 +90,9 @@ def test_default_builds_every_instance_exactly_once(tmp_path):
     varlen = _table_entries(tmp_path, "varlen_attention")
     assert {k: sorted(v) for k, v in varlen.items()} == {
         k: sorted(f"VarlenInstance<T, CT, {hb}>" for hb in (64, 128, 256)) for k in paged}
-    assert sorted(_tc_table(tmp_path)) == sorted(
-        f"AttentionTcInstance<T, CT, {bs}, {hb}>" for bs in (8, 16, 32) for hb in (64, 128))
+    assert {k: sorted(v) for k, v in _tc_table(tmp_path).items()} == {
+        k: sorted(f"AttentionTcInstance<T, CT, {bs}, {hb}>" for bs in (8, 16, 32)
+                  for hb in (64, 128)) for k in paged}
     assert "VLLM_LITE_HEAD_SIZES unset (all) and VLLM_LITE_KV_CACHE_DTYPES unset (all)" in (
         tmp_path / "kernel_build_config.h").read_text()
 
@@ -100,16 +101,18 @@ def test_options_leave_out_exactly_the_unselected(tmp_path):
     # 80 falls in the <= 128 bucket; "fp8" is fp8_e4m3, as kv_cache_dtype reads it.
     gk.generate(tmp_path, "80", "fp8")
     assert sorted(p.name for p in tmp_path.glob("*.cu")) == sorted(
-        f"{k}_{q}_fp8_e4m3.cu" for k in ("paged_attention", "varlen_attention")
-        for q in ("f32", "f16", "bf16"))
+        [f"{k}_{q}_fp8_e4m3.cu" for k in ("paged_attention", "varlen_attention")
+         for q in ("f32", "f16", "bf16")]
+        + [f"paged_attention_tc_{q}_fp8_e4m3.cu" for q in ("f16", "bf16")])
     assert sorted(_instances(tmp_path)) == sorted(_expected((128,), ["fp8_e4m3"]))
     assert _table_entries(tmp_path, "paged_attention") == {
         "fp8_e4m3": [f"AttentionInstance<T, CT, {bs}, 128>" for bs in (8, 16, 32)]}
     assert _table_entries(tmp_path, "varlen_attention") == {
         "fp8_e4m3": ["VarlenInstance<T, CT, 128>"]}
-    assert _tc_table(tmp_path) == []  # fp8 caches: no tensor-core decode kernel
+    assert _tc_table(tmp_path) == {
+        "fp8_e4m3": [f"AttentionTcInstance<T, CT, {bs}, 128>" for bs in (8, 16, 32)]}
     gk.generate(tmp_path / "b", "256", "auto")
-    assert _tc_table(tmp_path / "b") == []  # nor for head size 256
+    assert not any(_tc_table(tmp_path / "b").values())  # no tensor-core kernel for 256
     assert not list((tmp_path / "b").glob("paged_attention_tc_*.cu"))
     assert gk.parse_head_sizes("64 256;1") == (64, 256)
     assert gk.parse_cache_dtypes("ALL") == ("auto", "fp8_e4m3", "fp8_e5m2")
