@@ -3,7 +3,7 @@
 // ops that check the arguments and call them.
 //
 // Content checks of slot mappings and copy_blocks pairs run only with
-// VLLM_LITE_CHECK_VALUES=1 (a device sync each; see should_check_values in cuda_utils.cuh).
+// VLLM_LITE_CHECK_VALUES=1 (a device sync each; see should_check_values in host_utils.h).
 // reshape_and_cache[_flash]: grid = num_tokens, one CTA per token, up to 256 threads.
 //   A slot outside [0, num_blocks * block_size) (padding is negative) writes nothing, so
 //   unvalidated slot mappings (CUDA graph capture) cannot write out of bounds. Key chunks

@@ -3,7 +3,7 @@
 // CUDA-only ones, the device guard and the current stream; the kernels and their launchers
 // are in cache_kernels.cu (grids, layouts and limits there). Content checks of slot
 // mappings and copy_blocks pairs run only with VLLM_LITE_CHECK_VALUES=1 (a device sync
-// each; see should_check_values in cuda_utils.cuh).
+// each; see should_check_values in host_utils.h).
 #include <climits>
 #include <vector>
 
@@ -13,7 +13,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/cache_launch.h"
-#include "cuda/cuda_utils.cuh"
+#include "cuda/host_utils.h"
 #include "ops.h"
 #include "validate.h"
 

@@ -1,71 +1,74 @@
-// Host-side interface between the paged-attention entry points (paged_attention_v1.cu,
-// paged_attention_v2.cu) and the launch of the attention kernel they share, in
-// paged_attention_v1.cu (the kernel's instances are compiled in generated files).
+// The launchers of paged attention's CUDA kernels (paged_attention_v1.cu: the attention
+// kernel v1 and v2 share; paged_attention_v2.cu: v2's reduce kernel), called by the
+// torch-facing code (attention_ops.cpp) with validated raw pointers and sizes (see
+// launch_types.h). No torch and no device code: the host compiler reads this header. The
+// kernels' design, grids and limits: attention_kernels.cuh, attention_tc_kernels.cuh.
 #pragma once
 
 #include <cstdint>
-#include <optional>
-#include <string>
 
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
-#include "validate.h"
+#include "cuda/launch_types.h"
 
 namespace vllm_lite {
 namespace cuda {
 namespace attn {
 
-// The CUDA kernels are specialized for these block sizes.
-inline void check_cuda_block_size(int64_t block_size) {
-  TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32,
-              "paged_attention: block_size ", block_size,
-              " is not supported on CUDA; use 8, 16 or 32");
+// The block sizes the CUDA kernels are specialized for.
+inline bool cuda_block_size_supported(int64_t block_size) {
+  return block_size == 8 || block_size == 16 || block_size == 32;
 }
 
-// One call of paged_attention_v1 or v2 on CUDA: the prologue both run (every argument
-// check, v2's scratch shapes, the CUDA-only checks, the device guard, the stream, the
-// content checks) and the launch of the attention kernel they share. It keeps references
-// to the caller's tensors, so it lives only for the entry point's call.
-class PagedAttentionCall {
- public:
-  // op names the entry point in messages. v1 passes nullptr for the three scratch tensors;
-  // v2 passes all three.
-  PagedAttentionCall(const char* op, const at::Tensor& out, const at::Tensor* exp_sums,
-                     const at::Tensor* max_logits, const at::Tensor* tmp_out,
-                     const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, int64_t num_kv_heads, double scale,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     int64_t block_size, int64_t max_seq_len,
-                     const std::optional<at::Tensor>& alibi_slopes,
-                     const std::string& kv_cache_dtype, double k_scale, double v_scale);
-
-  const PagedAttentionDims& dims() const { return d_; }
-  // P of v2's scratch; 1 for v1.
-  int64_t num_partitions() const { return num_partitions_; }
-  cudaStream_t stream() const { return stream_; }
-
-  // Launches paged_attention_kernel on stream(). v1: exp_sums == max_logits == nullptr,
-  // out = the output, one partition per sequence. v2: out = tmp_out, num_partitions = P of
-  // the scratch, grid_partitions <= P partitions of kPartitionSize tokens are launched.
-  // Sequence lengths are clamped to max_tokens.
-  void launch(void* out, float* exp_sums, float* max_logits, int64_t num_partitions,
-              int64_t grid_partitions, int64_t max_tokens) const;
-
- private:
-  const at::Tensor& query_;
-  const at::Tensor& key_cache_;
-  const at::Tensor& value_cache_;
-  const at::Tensor& block_tables_;
-  const at::Tensor& seq_lens_;
-  const std::optional<at::Tensor>& alibi_slopes_;
-  double scale_, k_scale_, v_scale_;
-  PagedAttentionDims d_;
-  int64_t num_partitions_;
-  c10::cuda::OptionalCUDAGuard device_guard_;
-  cudaStream_t stream_ = nullptr;
+// One launch of the attention kernel. v1: exp_sums == max_logits == nullptr, out = the
+// output, one partition per sequence. v2: out = tmp_out, num_partitions = P of the
+// scratch, grid_partitions <= P partitions of kChunkTokens tokens are launched. Sequence
+// lengths are clamped to max_tokens.
+struct DecodeLaunchArgs {
+  FloatType dtype;  // query / out (and the cache, when cache_dtype is kAuto)
+  KvCacheDType cache_dtype;
+  int cc;       // the device's compute capability, major * 10 + minor (picks the kernel)
+  int64_t sms;  // its multiprocessors (the CTA split)
+  void* out;
+  float* exp_sums;
+  float* max_logits;
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const float* alibi_slopes;  // or nullptr
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t block_size;
+  int64_t num_blocks;
+  int64_t max_blocks_per_seq;
+  int64_t q_stride_seq;
+  int64_t q_stride_head;
+  bool flash_layout;
+  double scale;
+  double k_scale;
+  double v_scale;
+  int64_t num_partitions;
+  int64_t grid_partitions;
+  int64_t max_tokens;
 };
+
+// Plans (SIMT or tensor cores: attention_path.h) and launches on `stream`; returns the
+// launch's error. Throws (c10::Error) when this build has no kernel for the case or the
+// grid is too large for one launch.
+cudaError_t launch_paged_attention(const DecodeLaunchArgs& a, cudaStream_t stream);
+
+// v2's reduce over the partitions of tmp_out into out ([num_seqs, num_heads, head_size]).
+// Throws (c10::Error) when the grid is too large for one launch.
+cudaError_t launch_paged_attention_v2_reduce(FloatType dtype, void* out, const float* exp_sums,
+                                             const float* max_logits, const void* tmp_out,
+                                             const int32_t* seq_lens, int64_t max_tokens,
+                                             int64_t num_seqs, int64_t num_heads,
+                                             int64_t head_size, int64_t num_partitions,
+                                             cudaStream_t stream);
 
 }  // namespace attn
 }  // namespace cuda

@@ -10,7 +10,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "cuda/cuda_utils.cuh"
+#include "cuda/host_utils.h"
 #include "cuda/elementwise/elementwise_launch.h"
 #include "ops.h"
 #include "validate.h"

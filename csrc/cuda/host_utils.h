@@ -1,5 +1,5 @@
-// Host-side helpers shared by the torch-facing code of the CUDA ops (the .cpp files, and the
-// .cu files that still include ATen).
+// Host-side helpers shared by the torch-facing code of the CUDA ops (the *_ops.cpp files;
+// the .cu files include no torch header: see launch_types.h).
 #pragma once
 
 #include <cstdint>
@@ -60,26 +60,3 @@ inline FloatType to_float_type(at::ScalarType t, const char* op) {
 
 }  // namespace cuda
 }  // namespace vllm_lite
-
-// Runs the lambda-body __VA_ARGS__ with `scalar_t` bound to the CUDA-native element type
-// of TYPE (float, half or bfloat16); any other dtype fails with NAME in the message.
-#define VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                          \
-  [&] {                                                                               \
-    switch (TYPE) {                                                                   \
-      case c10::ScalarType::Float: {                                                  \
-        using scalar_t = float;                                                       \
-        return __VA_ARGS__();                                                         \
-      }                                                                               \
-      case c10::ScalarType::Half: {                                                   \
-        using scalar_t = __half;                                                      \
-        return __VA_ARGS__();                                                         \
-      }                                                                               \
-      case c10::ScalarType::BFloat16: {                                               \
-        using scalar_t = __nv_bfloat16;                                               \
-        return __VA_ARGS__();                                                         \
-      }                                                                               \
-      default:                                                                        \
-        TORCH_CHECK(false, NAME, ": dtype ", TYPE,                                    \
-                    " is not supported; use float32, float16 or bfloat16");          \
-    }                                                                                 \
-  }()
