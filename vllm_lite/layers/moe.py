@@ -15,8 +15,9 @@ One function does the whole block's arithmetic, :func:`fused_moe`: the native op
 - returns [T, H] in ``hidden``'s dtype.
 
 Routing (:func:`select_experts`, the models' shared normalisation): softmax over the E
-logits in float32, the ``top_k`` largest probabilities (ties to the lower expert id, as
-torch.topk), divided by their sum when ``renormalize`` (Mixtral always; Qwen-MoE and OLMoE
+logits in float32, the ``top_k`` largest probabilities (the op breaks ties to the lower
+expert id; torch.topk, which :func:`select_experts` uses, leaves their order unspecified, so
+on exactly tied probabilities the two may route differently), divided by their sum when ``renormalize`` (Mixtral always; Qwen-MoE and OLMoE
 when ``norm_topk_prob``). The experts: tokens grouped by expert (a stable sort of the
 T * top_k (token, expert) pairs), per expert one GEMM of its rows by its gate_up, SiLU-and-mul,
 one GEMM by its down projection; each row times its routing weight (float32), summed back
