@@ -19,7 +19,11 @@ far apart), ~4x larger than the KV the step reads. Timed on the very same K/V va
 
 Each output is checked against the first sequence's float32 SDPA result before timing; a
 kernel that disagrees is reported WRONG and not timed. Time: median per call (Timer of
-kernels.py: cold last-level cache, CUDA events on a GPU).
+kernels.py: cold last-level cache, CUDA events on a GPU). On CUDA, varlen runs the kernel
+attention_path.h picks: the tensor-core kernel on sm_80 and newer for fp16 / bf16 with a
+cache of the same dtype and head size 64 or 128, else the SIMT kernel. With
+--goal-vs-sdpa RATIO the table ends with whether each row's varlen takes at most RATIO x
+SDPA flash's time (reported, not asserted).
 """
 
 from __future__ import annotations
@@ -78,7 +82,26 @@ def run(args: argparse.Namespace, timer_cls: Any) -> str:
             f"{_ratio(r, 'varlen', 'sdpa')} | {_ms(r, 'sdpa_flash')} | "
             f"{_ratio(r, 'varlen', 'sdpa_flash')} | {_ms(r, 'flash')} | {_tflops(r, 'flash')} | "
             f"{_ratio(r, 'varlen', 'flash')} |")
+    goal = getattr(args, "goal_vs_sdpa", None)
+    if goal is not None:
+        lines += ["", "### Goals (reported, not asserted)", "", *goals(rows, goal)]
     return "\n".join(lines)
+
+
+def goals(rows: list[dict], ratio: float) -> list[str]:
+    """Whether each row's varlen takes at most `ratio` x SDPA flash's time."""
+    out = [f"varlen <= {ratio}x SDPA flash time:"]
+    met, missed = 0, []
+    for r in rows:
+        name = f"{r['dtype']} {r['heads']} {r['seqs']} x {r['new']} prefix {r['prefix']}"
+        t, ref = r["times"].get("varlen"), r["times"].get("sdpa_flash")
+        if t is None or ref is None:
+            missed.append(f"{name}: not timed ({r['status'].get('varlen') or 'no SDPA flash'})")
+        elif t / ref > ratio:
+            missed.append(f"{name}: {t / ref:.2f}x")
+        else:
+            met += 1
+    return out + [f"- {met} of {len(rows)} rows met"] + [f"- missed: {m}" for m in missed]
 
 
 def attention_flops(seqs: int, new: int, prefix: int, heads: int, head_size: int) -> int:

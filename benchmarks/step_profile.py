@@ -96,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-seqs", type=int, default=None,
                    help=f"--host-time: sequences decoding together (default "
                         f"{HOST_FULL['num_seqs']}; --quick {HOST_QUICK['num_seqs']})")
+    EngineArgs.add_cli_args(p, include=["async_output_proc"])
     p.add_argument("--decode-time", action="store_true",
                    help="ms per decode step of --model at each --batch-sizes, with and "
                         "without CUDA graphs on a GPU (eager only on the CPU)")
@@ -264,7 +265,8 @@ def host_time(args: argparse.Namespace) -> str:
     header = (f"Decode host time, {time.strftime('%Y-%m-%d %H:%M')}: micro random Llama "
               f"(1 layer, hidden 64, 2/1 heads of 32, vocab 512), {args.num_seqs} sequences "
               f"decoding together, mean of {args.decode_steps} decode steps, "
-              f"{torch.get_num_threads()} threads; host = step - kernel (wall clock); host "
+              f"{torch.get_num_threads()} threads, async output processing "
+              f"{args.async_output_proc}; host = step - kernel (wall clock); host "
               f"CPU = the same in process CPU time (less sensitive to a busy machine, but "
               f"counting every thread's time).")
     return "\n".join([header, "", *rows, ""])
@@ -281,7 +283,8 @@ def _host_time_at(args: argparse.Namespace, model: Path, context: int,
     llm = LLM(str(model), dtype="float32", device="cpu", seed=args.seed,
               max_model_len=total + 8, max_num_seqs=n,
               max_num_batched_tokens=max(2048, n * (context + 1)), swap_space=0,
-              kv_cache_space=max(0.05, 2.5 * n * total * 2 * 32 * 4 / 2**30))
+              kv_cache_space=max(0.05, 2.5 * n * total * 2 * 32 * 4 / 2**30),
+              async_output_proc=args.async_output_proc)
     try:
         return _time_decode(llm, n, context, args.decode_steps, args.seed, kernel_s)
     finally:
@@ -370,7 +373,8 @@ def decode_time(args: argparse.Namespace) -> str:
                   enforce_eager=eager, max_num_seqs=max(sizes),
                   max_model_len=context + HOST_WARMUP_STEPS + steps + 16,
                   max_num_batched_tokens=max(2048, max(sizes) * (context + 1)), swap_space=0,
-                  kv_cache_space=args.kv_cache_space, quantization=args.quantization)
+                  kv_cache_space=args.kv_cache_space, quantization=args.quantization,
+                  async_output_proc=args.async_output_proc)
         try:
             for n in sizes:
                 results[n, eager] = _time_decode(llm, n, context, steps, args.seed,
@@ -420,7 +424,7 @@ def run(args: argparse.Namespace) -> str:
     set_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, device="cpu", seed=args.seed,
               kv_cache_space=args.kv_cache_space, kv_cache_dtype=args.kv_cache_dtype,
-              quantization=args.quantization,
+              quantization=args.quantization, async_output_proc=args.async_output_proc,
               max_model_len=args.input_len + args.output_len + 16)
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     prompts = _workload(args, vocab)

@@ -11,7 +11,9 @@ greedy, EOS ignored, each request with its own output length):
   workload order; only each request's own tokens count as output;
 - hf_generate_batch: HF's continuous batching (the manager behind ``generate_batch``).
 
-Then vllm_lite alone: a block-size sweep and a max_num_seqs sweep (on the first
+``--random-model NAME`` runs a seeded random-weight model of a named shape
+(benchmarks/random_models.py; e.g. ``moe-16x1024``, a mixture of experts) instead of
+``--model``. Then vllm_lite alone: a block-size sweep and a max_num_seqs sweep (on the first
 ``--sweep-requests`` requests), and prefix caching off/on over a workload whose prompts
 share prefixes. KV waste: the step-averaged fraction of handed-out KV slots that hold no
 live token (vllm_lite: read from the block manager after every step; HF static: its
@@ -37,6 +39,7 @@ from collections.abc import Callable, Sequence
 
 from vllm_lite.config import EngineArgs
 from . import engines as E
+from . import random_models
 from .common import (BenchSetup, add_common_arguments, apply_sizes,
                      engine_options, int_list, int_range, run_cli, setup,
                      size_help)
@@ -137,6 +140,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vllm_lite's tensor_parallel_size; several (1,2) run the main workload "
                         "once each, the first as the reference of the engines table (default: "
                         "the engine's, %d)" % EngineArgs.tensor_parallel_size)
+    p.add_argument("--random-model", default=None, metavar="NAME",
+                   help="run a seeded random-weight model of a named shape instead of --model "
+                        "(written once under $VLLM_LITE_CACHE/random-models): "
+                        + "; ".join(f"{n}: {random_models.SHAPES[n][2]}"
+                                    for n in random_models.SHAPES))
     p.add_argument("--no-sweeps", action="store_true",
                    help="skip the block-size, max_num_seqs and prefix-caching runs")
     p.add_argument("--repeats", type=int, default=1,
@@ -269,6 +277,11 @@ def _guarded(engine: str, num_requests: int, fn: Any) -> E.RunResult:
 
 def run(args: argparse.Namespace) -> Report:
     resolve_sizes(args)
+    if args.random_model is not None:
+        if args.model != EngineArgs.model:
+            raise ValueError(f"--random-model {args.random_model} and --model {args.model} "
+                             "name different models; give one")
+        args.model = str(random_models.materialize(args.random_model, args.seed))
     s = setup(args, extra_engines=(E.LLAMA_CPP,))
     info = machine_info(s.device, s.threads)
     wl = WorkloadConfig(num_requests=args.num_requests, input_len=args.input_len,
@@ -425,8 +438,10 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
                  bs_sweep: Sequence[E.RunResult], seqs_sweep: Sequence[E.RunResult],
                  prefix_wl: WorkloadConfig | None, prefix_runs: Sequence[E.RunResult],
                  figures: bool = True, tp_runs: Sequence[E.RunResult] = ()) -> None:
+    model = (random_models.describe(args.random_model) if args.random_model else
+             f"{s.model} ({s.model_folder.name})")
     report.add(f"Machine: {describe_machine(info)}.\n\n"
-               f"Model {s.model} ({s.model_folder.name}), {s.dtype_name}, quantization "
+               f"Model {model}, {s.dtype_name}, quantization "
                f"{s.quantization or 'none'}, device {s.device}. "
                f"Workload: {wl.describe()}; greedy, EOS ignored; the same token-id prompts for "
                f"every engine. vllm_lite: block size {args.block_size}, max_num_seqs "
@@ -500,7 +515,8 @@ def write_report(report: Report, s: BenchSetup, info: dict[str, Any], wl: Worklo
                    + f"\n\nSpeedup with prefix caching: {fmt(speed)}x (hit rate: full prompt "
                      "blocks found in the cache / looked up).")
     report.data = {
-        "machine": info, "model": s.model, "dtype": s.dtype_name, "device": str(s.device),
+        "machine": info, "model": s.model, "random_model": args.random_model,
+        "dtype": s.dtype_name, "device": str(s.device),
         "workload": wl.__dict__, "args": {k: v for k, v in vars(args).items() if k != "out"},
         "engines": [r.to_dict() for r in [main, *peers]],
         "block_size_sweep": [r.to_dict() for r in bs_sweep],

@@ -195,7 +195,8 @@ def test_llm_builds_its_config_from_engine_args(model_dir: Path,
 
 @pytest.mark.parametrize("name, bad", [("scheduling_policy", "lifo"), ("swap_space", -1),
                                        ("preemption_mode", "drop"), ("dtype", "int8"),
-                                       ("device", "tpu"), ("enforce_eager", "yes")])
+                                       ("device", "tpu"), ("enforce_eager", "yes"),
+                                       ("async_output_proc", "sometimes")])
 def test_bad_options_name_the_users_field(model_dir: Path, name: str, bad: Any) -> None:
     with pytest.raises(ValueError, match=name):
         EngineArgs(model=str(model_dir), **{name: bad}).create_engine_config()
@@ -212,7 +213,7 @@ def _non_defaults(model_dir: Path) -> dict[str, Any]:
         "num_gpu_blocks_override": 12, "max_logprobs": 5, "quantization": "int4",
         "quantization_group_size": 32, "kv_cache_dtype": "fp8_e5m2", "kv_cache_layout": "flash",
         "tensor_parallel_size": 2, "distributed_timeout": 30.0, "cpu_threads_bind": "auto",
-        "enforce_eager": True,
+        "enforce_eager": True, "async_output_proc": "on",
         "chat_template_timeout": 2.5, "chat_template_max_chars": 4096,
     }
 

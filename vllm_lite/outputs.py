@@ -9,7 +9,8 @@ from vllm_lite.core.beam_search import beam_score
 from vllm_lite.sequence import SequenceGroup, SequenceStatus
 
 
-@dataclass
+# Slotted: one of each is built per request per step.
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion of a request.
 
@@ -33,7 +34,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's state after a step (finished=True once all its completions ended)."""
 
@@ -51,6 +52,19 @@ def request_output(group: SequenceGroup) -> RequestOutput:
     """A request's output as it stands: its completions (at most n; beams best first,
     others by cumulative logprob when best_of > n), with their text and logprobs."""
     params = group.sampling_params
+    if len(group.seqs_dict) == 1 and params.n == 1:
+        # One sequence (no fork, no beams): the request's usual output, built directly.
+        (seq,) = group.seqs_dict.values()
+        status = seq.status
+        return RequestOutput(
+            group.request_id, group.prompt, group.prompt_token_ids_for_output(),
+            [CompletionOutput(
+                0, seq.output.text, list(seq.output_token_ids), seq.cumulative_logprob,
+                list(seq.output.logprobs) if params.logprobs is not None else None,
+                SequenceStatus.get_finished_reason(status), seq.stop_reason)],
+            SequenceStatus.is_finished(status),
+            list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+            group.error)
     seqs = group.get_seqs()
     if params.use_beam_search:
         # Best first; the index is the rank.

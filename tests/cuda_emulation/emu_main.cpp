@@ -8,7 +8,7 @@
 //   op NAME                       attention | varlen | reshape_and_cache | copy_blocks
 //                                 | swap_blocks | convert | selftest | rms_norm
 //                                 | fused_add_rms_norm | silu_and_mul | rotary_embedding
-//                                 | decode_path | fused_moe
+//                                 | decode_path | varlen_path | fused_moe
 //   dtype f32|f16|bf16
 //   kv auto|fp8_e4m3|fp8_e5m2     what the caches hold (default auto: the dtype)
 //   KEY INT_OR_FLOAT              the op's scalar arguments (see run_case)
@@ -16,8 +16,8 @@
 //                                 allocation of exactly OFFSET + size bytes (ASan sees
 //                                 any access past the end)
 //   out NAME                      written back to CASE_DIR/NAME.s<SEED>.bin after each run
-// attention: cc (compute capability the launcher plans for, default 75: the SIMT kernel
-// everywhere); an optional buffer "path" (int32) receives the kernel path it chose.
+// attention, varlen: cc (compute capability the launcher plans for, default 75: the SIMT
+// kernels everywhere); an optional buffer "path" (int32) receives the kernel path it chose.
 // Prints "CASE_START dir" / "CASE_DONE dir" so a harness can tell which case a crash
 // (sanitizer report, emulator error) belongs to.
 #include <cstdio>
@@ -239,6 +239,8 @@ void run_varlen(const Case& c) {
   a.num_tokens = c.i("num_tokens");
   a.max_query_len = c.i("max_query_len");
   a.query_start_loc = static_cast<const int32_t*>(c.p("query_start_loc"));
+  a.cc = c.i("cc", 75);
+  a.path_out = static_cast<int32_t*>(c.p_or_null("path"));
   dispatch_kv(c, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
     using CT = decltype(cache_tag);
@@ -428,6 +430,16 @@ void run_case(const Case& c) {
       const int32_t* r = in + 6 * i;
       out[i] = static_cast<int32_t>(vllm_lite::cuda::attn::decode_path(
           r[0], r[1] != 0, r[2] != 0, r[3], r[4], r[5] != 0));
+    }
+  } else if (op == "varlen_path") {
+    // rows of 4 int32 (cc, query is 16-bit, cache is the query dtype, head_size) ->
+    // out[i] = attn::varlen_path(...) of row i.
+    const auto* in = static_cast<const int32_t*>(c.p("in"));
+    auto* out = static_cast<int32_t*>(c.p("out"));
+    for (int64_t i = 0; i < c.bytes("in") / 16; ++i) {
+      const int32_t* r = in + 4 * i;
+      out[i] = static_cast<int32_t>(
+          vllm_lite::cuda::attn::varlen_path(r[0], r[1] != 0, r[2] != 0, r[3]));
     }
   } else if (op == "selftest") {
     emu_ops::run_selftest(c.s("test"), c.p_or_null("in"), c.bufs.count("in") ? c.bytes("in") : 0,

@@ -18,7 +18,7 @@ struct AttentionArgs {
   int64_t max_blocks_per_seq, q_stride_seq, q_stride_head, max_seq_len;
   int64_t sms;  // multiprocessor count the launcher plans for
   int64_t cc;   // compute capability the launcher plans for (major * 10 + minor)
-  int32_t* path_out;  // or nullptr: receives the DecodePath the launch took (attention_path.h)
+  int32_t* path_out;  // or nullptr: receives the DecodePath / VarlenPath the launch took
   double scale, k_scale, v_scale;
   const void* query;  // first element of the (possibly strided) query view
   const void* key_cache;
@@ -38,7 +38,7 @@ void paged_attention_v2(const AttentionArgs& a, void* out, float* exp_sums, floa
                         void* tmp_out, int64_t num_partitions);
 
 // varlen_attention.cu: out [num_tokens, H, D]. Query rows are tokens (q_stride_seq: between
-// tokens); max_seq_len and sms are unused.
+// tokens); max_seq_len and sms are unused; cc picks the kernel as on such a GPU.
 struct VarlenArgs : AttentionArgs {
   int64_t num_tokens, max_query_len;
   const int32_t* query_start_loc;

@@ -51,16 +51,17 @@ def _expected(buckets, caches) -> list[tuple[str, ...]]:
         want += [("AttentionInstance", q, ct, str(bs), str(hb))
                  for bs in (8, 16, 32) for hb in buckets]
         want += [("VarlenInstance", q, ct, str(hb)) for hb in buckets]
-        if q != "float" and c == "auto":  # the tensor-core decode kernel: head sizes 64, 128
+        if q != "float" and c == "auto":  # the tensor-core kernels: head sizes 64, 128
             want += [("AttentionTcInstance", q, q, str(bs), str(hb))
                      for bs in (8, 16, 32) for hb in buckets if hb in (64, 128)]
+            want += [("VarlenTcInstance", q, q, str(hb)) for hb in buckets if hb in (64, 128)]
     return want
 
 
-def _tc_table(outdir: Path) -> list[str]:
-    """The instances paged_attention_tc_table returns (all under one condition: caches in
-    the query dtype, fp16 / bf16 queries)."""
-    text = (outdir / "paged_attention_tc_table.h").read_text()
+def _tc_table(outdir: Path, kernel: str = "paged_attention_tc") -> list[str]:
+    """The instances a tensor-core kernel's table returns (all under one condition: caches
+    in the query dtype, fp16 / bf16 queries)."""
+    text = (outdir / f"{kernel}_table.h").read_text()
     if re.findall(r"return (\w+<[^>]*>)::get\(\)", text):
         assert ("if constexpr (std::is_same_v<CT, T> && (std::is_same_v<T, __half> || "
                 "std::is_same_v<T, __nv_bfloat16>))") in text
@@ -77,8 +78,8 @@ def _table_entries(outdir: Path, name: str) -> dict[str, list[str]]:
 
 def test_default_builds_every_instance_exactly_once(tmp_path):
     units = gk.generate(tmp_path)
-    # (kernel, query dtype, cache element), and the tensor-core kernel's (fp16 / bf16, auto)
-    assert len(units) == 2 * 3 * 3 + 2
+    # (kernel, query dtype, cache element), and the tensor-core kernels' (fp16 / bf16, auto)
+    assert len(units) == 2 * 3 * 3 + 2 * 2
     got = _instances(tmp_path)
     assert len(got) == len(set(got)), "an instance is compiled twice"
     assert sorted(got) == sorted(_expected((64, 128, 256), CTS))
@@ -92,6 +93,8 @@ def test_default_builds_every_instance_exactly_once(tmp_path):
         k: sorted(f"VarlenInstance<T, CT, {hb}>" for hb in (64, 128, 256)) for k in paged}
     assert sorted(_tc_table(tmp_path)) == sorted(
         f"AttentionTcInstance<T, CT, {bs}, {hb}>" for bs in (8, 16, 32) for hb in (64, 128))
+    assert sorted(_tc_table(tmp_path, "varlen_attention_tc")) == sorted(
+        f"VarlenTcInstance<T, CT, {hb}>" for hb in (64, 128))
     assert "VLLM_LITE_HEAD_SIZES unset (all) and VLLM_LITE_KV_CACHE_DTYPES unset (all)" in (
         tmp_path / "kernel_build_config.h").read_text()
 
@@ -107,10 +110,12 @@ def test_options_leave_out_exactly_the_unselected(tmp_path):
         "fp8_e4m3": [f"AttentionInstance<T, CT, {bs}, 128>" for bs in (8, 16, 32)]}
     assert _table_entries(tmp_path, "varlen_attention") == {
         "fp8_e4m3": ["VarlenInstance<T, CT, 128>"]}
-    assert _tc_table(tmp_path) == []  # fp8 caches: no tensor-core decode kernel
+    for kernel in ("paged_attention_tc", "varlen_attention_tc"):
+        assert _tc_table(tmp_path, kernel) == []  # fp8 caches: no tensor-core kernel
     gk.generate(tmp_path / "b", "256", "auto")
-    assert _tc_table(tmp_path / "b") == []  # nor for head size 256
-    assert not list((tmp_path / "b").glob("paged_attention_tc_*.cu"))
+    for kernel in ("paged_attention_tc", "varlen_attention_tc"):
+        assert _tc_table(tmp_path / "b", kernel) == []  # nor for head size 256
+        assert not list((tmp_path / "b").glob(f"{kernel}_*.cu"))
     assert gk.parse_head_sizes("64 256;1") == (64, 256)
     assert gk.parse_cache_dtypes("ALL") == ("auto", "fp8_e4m3", "fp8_e5m2")
 
@@ -141,7 +146,8 @@ def test_cli_reads_the_environment_and_rewrites_only_changes(tmp_path):
     assert sorted(Path(p).name for p in first) == sorted(
         [f"{k}_{q}_auto.cu" for k in ("paged_attention", "varlen_attention")
          for q in ("f32", "f16", "bf16")]
-        + [f"paged_attention_tc_{q}_auto.cu" for q in ("f16", "bf16")])
+        + [f"{k}_tc_{q}_auto.cu" for k in ("paged_attention", "varlen_attention")
+           for q in ("f16", "bf16")])
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
     os.utime(tmp_path / "kernel_build_config.h", ns=(1, 1))  # would change if rewritten
     assert run() == first

@@ -11,14 +11,24 @@ inputs must be unchanged. Cases with corrupt metadata (lengths, query_start_loc,
 that were not validated) must only run without any access outside the tensors (ASan).
 Every case runs under each schedule seed of harness.seeds() (the first
 by default, the others with --full-grid); each (case, seed) is a test.
+
+The tensor-core kernel (varlen_attention_tc_kernels.cuh) runs where the launcher plans for
+an sm_80 / sm_90 GPU (Case.cc): its own cases (GQA 1 / 3 / 4 / 8, head sizes 64 and 128,
+prefixes of 0 tokens, a partial block and several blocks, 1 / 17 / 64 / 130 new tokens,
+both cache layouts), and every SIMT case it would take once more as on sm_90 (the corrupt
+metadata ones by default, the rest in the full grid). Each case checks the kernel path the
+launcher took against takes_tensor_cores.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +69,7 @@ class Case:
     v_scale: float = 1.0
     corrupt: bool = False  # metadata the launcher did not validate: check only for faults
     flash: bool = False  # the caches in the flash layout (the reference reads them so too)
+    cc: int = 75  # compute capability the launcher plans for (80+: the tensor-core kernel)
 
 
 # (context, new tokens): a whole prompt, a decode row, a chunk after a prefix, an empty
@@ -108,6 +119,45 @@ CASES = [
     Case("flash-corrupt-f16-d128-b8", F16, 8, 2, 128, 8, ((40, 12), (30, 5), (9, 3)),
          table_fill="garbage", table_extra_cols=3, corrupt=True, flash=True),
 ]
+
+# The tensor-core kernel's shapes: (context, new tokens) with prefixes of 0 tokens, part of
+# a block and several blocks, and new-token counts around its 64-row CTA tile.
+TC_CASES = [
+    Case("tc-gqa4-bf16-d128-b16", BF16, 8, 2, 128, 16,
+         ((130, 130), (27, 17), (214, 64), (301, 1)), cc=80),
+    Case("tc-gqa8-f16-d64-b32-flash", F16, 8, 1, 64, 32,
+         ((17, 17), (104, 64), (200, 130), (91, 1)), flash=True, cc=90),
+    Case("tc-mha-bf16-d64-b8-alibi", BF16, 2, 2, 64, 8, ((64, 64), (167, 17), (135, 130), (1, 1)),
+         alibi=True, cc=90),
+    Case("tc-gqa4-f16-d128-b8-flash-alibi", F16, 4, 1, 128, 8, ((130, 130), (90, 17), (65, 1)),
+         alibi=True, flash=True, cc=80),
+    Case("tc-gqa8-bf16-d128-b32-scales", BF16, 8, 1, 128, 32, ((81, 64), (17, 17), (300, 1)),
+         query="fused_qkv", k_scale=0.5, v_scale=2.0, cc=90),
+    Case("tc-gqa3-f16-d64-b16", F16, 9, 3, 64, 16, ((70, 70), (150, 4), (0, 0)), cc=90),
+]
+
+
+def takes_tensor_cores(cc: int, dtype: torch.dtype, kv: str, head_size: int) -> bool:
+    """The launcher's kernel choice (csrc/cuda/attention/attention_path.h), stated here
+    independently: the tensor-core prefill kernel on sm_80 and newer for 16-bit queries with
+    caches of their dtype, head sizes 64 and 128, any group size and either layout."""
+    return cc >= 80 and dtype in (F16, BF16) and kv == "auto" and head_size in (64, 128)
+
+
+def _params() -> list:
+    """The SIMT cases, the tensor-core cases, and every SIMT case the tensor-core kernel
+    takes once more planned for sm_90 (default: the corrupt-metadata ones)."""
+    params = [pytest.param(c, id=c.id) for c in CASES + TC_CASES]
+    for c in CASES:
+        if takes_tensor_cores(90, c.dtype, "auto", c.head_size):
+            c90 = dataclasses.replace(c, id=f"{c.id}-sm90", cc=90)
+            params.append(pytest.param(c90, id=c90.id,
+                                       marks=() if c.corrupt else pytest.mark.full_grid))
+    return params
+
+
+PARAMS = _params()
+ALL_CASES = [p.values[0] for p in PARAMS]
 
 
 @dataclass
@@ -178,7 +228,8 @@ def prepare(c: Case, root) -> Prepared:
            block_size=c.block_size, num_blocks=kv.key_cache.shape[0], max_blocks_per_seq=cols,
            q_stride_seq=query.stride(0), q_stride_head=query.stride(1), q_offset=q_off,
            max_query_len=max(news) + c.max_query_len_extra, scale=scale,
-           k_scale=c.k_scale, v_scale=c.v_scale, flash=int(c.flash))
+           k_scale=c.k_scale, v_scale=c.v_scale, flash=int(c.flash), cc=c.cc)
+    cd.buf("path", np.full(1, -1, dtype=np.int32), out=True)
     cd.buf("query_storage", storage, out=True)
     cd.buf("key_cache", kv.key_cache, out=True)
     cd.buf("value_cache", kv.value_cache, out=True)
@@ -198,20 +249,23 @@ def runs(request, tmp_path_factory):
     """Every selected case prepared and run (its selected seeds) in one emulator process."""
     want = harness.selected(request, "case") | harness.selected(request, "name")
     root = tmp_path_factory.mktemp("emu_varlen")
-    prepared = {c.id: prepare(c, root) for c in CASES if c.id in want}
+    prepared = {c.id: prepare(c, root) for c in ALL_CASES if c.id in want}
     results = harness.run_cases([p.dir.path for p in prepared.values()],
                                 sorted(harness.selected(request, "seed")))
     return prepared, results
 
 
 @pytest.mark.parametrize("seed", harness.seed_params())
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", PARAMS)
 def test_varlen_paged_attention_emulated(runs, case, seed):
     prepared, results = runs
     p = prepared[case.id]
     res = results[p.dir.path]
     assert res.ok, res.message
     d = p.dir
+    path = int(d.read("path", seed, torch.empty(1, dtype=torch.int32)))
+    want_tc = takes_tensor_cores(case.cc, case.dtype, "auto", case.head_size)
+    assert path == int(want_tc), f"kernel path {path}, expected tensor cores: {want_tc}"
     for name, t in (("query_storage", p.storage), ("key_cache", p.key_cache),
                     ("value_cache", p.value_cache)):
         assert_bitwise_equal(d.read(name, seed, t), t, f"{name} must not be modified")
@@ -222,3 +276,25 @@ def test_varlen_paged_attention_emulated(runs, case, seed):
                                      p.scale, p.block_tables, p.seq_lens, p.query_start_loc,
                                      case.block_size, p.slopes, case.k_scale, case.v_scale)
     assert_close(out, ref, case.dtype, f"out ({dtype_name(case.dtype)})")
+
+
+def test_varlen_path_choice(tmp_path):
+    """attention_path.h's varlen_path over compute capabilities, dtypes, cache formats and
+    head sizes (boundaries included) against takes_tensor_cores."""
+    rows, want = [], []
+    for cc, (dt, q16), kv, hs in itertools.product(
+            (70, 75, 80, 86, 89, 90, 100, 120), ((F32, 0), (F16, 1), (BF16, 1)),
+            ("auto", "fp8_e4m3"), (32, 48, 64, 80, 96, 128, 192, 256)):
+        rows.append([cc, q16, int(kv == "auto"), hs])
+        want.append(int(takes_tensor_cores(cc, dt, kv, hs)))
+    c = case_dir(tmp_path, "varlen_path")
+    c.set(op="varlen_path")
+    c.buf("in", np.array(rows, dtype=np.int32))
+    c.buf("out", np.full(len(rows), -1, dtype=np.int32), out=True)
+    c.write()
+    res = harness.run_cases([c.path], [0])[c.path]
+    assert res.ok, res.message
+    got = c.read("out", 0, torch.empty(len(rows), dtype=torch.int32)).tolist()
+    bad = [(r, g, w) for r, g, w in zip(rows, got, want) if g != w]
+    assert not bad, f"(cc, 16-bit, auto cache, head) -> got, want: {bad[:10]}"
+    assert 0 < sum(want) < len(want)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_lite.config.resolve import create_engine_config
 from vllm_lite.config.schema import (
+    ASYNC_OUTPUT_PROC,
     DEFAULT_INT4_GROUP_SIZE,
     DEFAULT_MODEL,
     DTYPE_NAMES,
@@ -111,6 +112,13 @@ class EngineArgs:
     scheduling_policy: str = _opt(SchedulerConfig.scheduling_policy, "which waiting request runs first: first come, "
                                   "lower priority value, or shortest prompt + max_tokens",
                                   choices=POLICIES)
+    async_output_proc: str = _opt(
+        "auto", "make a step's text and request outputs while the next step's forward runs "
+        "(vLLM's async output processing; the token, stop and block decisions stay in the "
+        "step that sampled, so outputs are unchanged and arrive one step later): on, off, "
+        "or auto: on with one GPU, off on the CPU (the forward's threads use every core) and "
+        "with tensor parallelism",
+        choices=ASYNC_OUTPUT_PROC)
     seed: int = _opt(ModelConfig.seed, "seed of the engine's random state (requests without their own seed)")
     num_gpu_blocks_override: int | None = _opt(
         None, "KV blocks in the device's cache, instead of sizing it from memory", type=int,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_lite.config import host
 from vllm_lite.config.schema import (
+    ASYNC_OUTPUT_PROC,
     DEFAULT_MAX_MODEL_LEN,
     DTYPE_NAMES,
     INT4_GROUP_SIZES,
@@ -55,7 +56,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_model_len=model_config["max_model_len"],
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
-        scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode)
+        scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
+        async_output_proc=resolve_async_output_proc(args.async_output_proc, device.type,
+                                                    parallel_config.tensor_parallel_size))
 
     hf_config = model_config["hf_config"]
     name = resolve_dtype_name(args.dtype, device.type, hf_config)
@@ -86,9 +89,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 
         model_cls = get_model_class(getattr(hf_config, "architectures", None))
         if not getattr(model_cls, "quantizable", True):
-            raise ValueError(f"quantization={quantization!r} is not implemented for "
-                             f"{model_cls.__name__} (mixture-of-experts weights); use "
-                             f"quantization='none'")
+            raise ValueError(_moe_quantization_refusal(quantization, model_cls.__name__,
+                                                       model_config["model"]))
     cpus = None
     if args.cpu_threads_bind is not None:
         if device.type != "cpu":
@@ -227,6 +229,17 @@ def auto_dtype(device_type: str, ckpt_dtype: str | None,
     return ckpt_dtype or "float32"
 
 
+def resolve_async_output_proc(value: Any, device_type: str, tensor_parallel_size: int) -> bool:
+    """async_output_proc's on/off: "auto" is on with one GPU (the host works while it
+    computes) and off on the CPU (the forward's threads use every core) or with tensor
+    parallelism (the driver's collectives then run off the main thread)."""
+    if not isinstance(value, str) or value not in ASYNC_OUTPUT_PROC:
+        raise ValueError(f"async_output_proc must be one of {ASYNC_OUTPUT_PROC}, got {value!r}")
+    if value == "auto":
+        return device_type == "cuda" and tensor_parallel_size == 1
+    return value == "on"
+
+
 def resolve_dtype_name(dtype: Any, device_type: str, hf_config: Any,
                        native_bf16: bool | None = None) -> str:
     """The canonical dtype name an engine runs in, from a name, "auto" or a torch dtype;
@@ -240,15 +253,48 @@ def resolve_dtype_name(dtype: Any, device_type: str, hf_config: Any,
 
 
 # -- quantization ---------------------------------------------------------------------------------
+def _moe_quantization_refusal(quantization: str, model: str, folder: str) -> str:
+    """Why a mixture-of-experts model is not run with ``quantization``: its experts (most of
+    its weights) run in the fused MoE op, which takes weights in the model's dtype only, and
+    quantizing the attention alone would be the option half applied."""
+    why = (f"quantization={quantization!r} is not implemented for {model} (mixture-of-experts "
+           f"weights: the experts run in the model's dtype, the fused MoE op has no quantized "
+           f"form)")
+    if quantization in ("gptq", "awq"):
+        return (f"{why}; {folder} is a {quantization} checkpoint, which the engine cannot run "
+                f"for this model: use the model's float (unquantized) checkpoint")
+    if quantization == "gguf":
+        return (f"{why}; leave quantization unset or use quantization='none' to load the GGUF "
+                f"file's blocks dequantized to the dtype")
+    return f"{why}; leave quantization unset (or 'none')"
+
+
+def _is_moe(hf_config: Any) -> bool:
+    from vllm_lite.models.registry import get_model_class
+
+    architectures = getattr(hf_config, "architectures", None)
+    try:
+        return not getattr(get_model_class(architectures), "quantizable", True)
+    except ValueError:
+        return False  # an unsupported architecture is refused where the model is built
+
+
 def resolve_quantization(requested: str | None, gguf_file: str | None, hf_config: Any,
                          device_type: str) -> str | None:
     """The method the engine runs ``requested`` (checked) with. None means the checkpoint's
     own: a GGUF model on a CPU keeps its blocks ("gguf", as vLLM runs a GGUF) when it can
-    keep every projection (else they are dequantized, logged); off the CPU there is no int4
-    GEMM yet, so None stays None. "none" is the explicit "weights in --dtype" (None)."""
+    keep every projection (else they are dequantized, logged); a mixture-of-experts GGUF's
+    blocks are always dequantized (logged); off the CPU there is no int4 GEMM yet, so None
+    stays None. "none" is the explicit "weights in --dtype" (None)."""
     if requested == "none":
         return None
-    if requested is not None or gguf_file is None or device_type != "cpu":
+    if requested is not None or gguf_file is None:
+        return requested
+    if _is_moe(hf_config):
+        logger.info("quantization: none (a mixture-of-experts GGUF: its blocks are dequantized "
+                    "to the model's dtype at load; its experts have no quantized kernel)")
+        return None
+    if device_type != "cpu":
         return requested
     from vllm_lite.models.gguf_quant import why_not_kept
 

@@ -41,6 +41,8 @@ PreemptionMode = Literal["recompute", "swap"]
 
 POLICIES = ("fcfs", "priority", "shortest_first")
 PREEMPTION_MODES = ("recompute", "swap")
+# async_output_proc's values: auto is on with a GPU, off on the CPU.
+ASYNC_OUTPUT_PROC = ("auto", "on", "off")
 
 #: dtype names accepted besides "auto" -> the canonical torch name.
 DTYPE_NAMES = {
@@ -206,6 +208,9 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode | None = None
     # Anti-starvation bound: a request waiting this many steps jumps ahead of the policy.
     max_wait_steps: int = 256
+    # A step's text and request outputs are made during the next step's forward (the
+    # engine's async output processing; "auto" resolved for the device).
+    async_output_proc: bool = False
 
     def __post_init__(self) -> None:
         _set(self, "max_num_seqs", check_int("max_num_seqs", self.max_num_seqs, 1))
@@ -214,6 +219,7 @@ class SchedulerConfig:
             _set(self, "max_num_batched_tokens", check_int(
                 "max_num_batched_tokens", self.max_num_batched_tokens, 1))
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        check_bool("async_output_proc", self.async_output_proc)
         _set(self, "max_wait_steps", check_int("max_wait_steps", self.max_wait_steps))
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, "

@@ -225,6 +225,14 @@ class BlockSpaceManager:
     def try_append_slots(self, seq_group: SequenceGroup) -> BlockMapping | None:
         """append_slots when the free blocks suffice (its copy pairs), else None and
         nothing changed: can_append_slots and append_slots in one pass."""
+        if len(seq_group.seqs_dict) == 1:
+            (seq,) = seq_group.seqs_dict.values()
+            if seq.status is SequenceStatus.RUNNING:
+                table = self.device_block_tables.get(seq.seq_id)
+                if table is not None:
+                    grown = self._try_grow_alone(seq, table)
+                    if grown is not None:
+                        return grown
         seqs = self._running_seqs_with_blocks(seq_group)
         # One plan per sequence, the counts carried as the earlier copies leave them: what
         # planning each one after the earlier ones ran would give (those frees included).
@@ -243,6 +251,23 @@ class BlockSpaceManager:
                 copies.append((src, dst))
             table.extend(self.device_allocator.allocate() for _ in range(num_new))
         return copies
+
+    def _try_grow_alone(self, seq: Sequence, table: BlockTable) -> BlockMapping | None:
+        """try_append_slots for a request's only sequence when no block it writes is shared
+        (the usual decode step): new tail blocks only. None: not that case, or no room
+        (the general path decides)."""
+        bs = self.block_size
+        num_new = -(-seq.get_len() // bs) - len(table)
+        ref_count = self.device_allocator.ref_count
+        for i in range(seq.num_computed_tokens // bs, len(table)):
+            if ref_count(table[i]) > 1:
+                return None
+        if num_new > 0:
+            if num_new > self.device_allocator.get_num_free_blocks():
+                return None
+            allocate = self.device_allocator.allocate
+            table.extend(allocate() for _ in range(num_new))
+        return []
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent."""

@@ -32,7 +32,7 @@ from vllm_lite.sequence import SeqOutputState, Sequence, SequenceGroup, Sequence
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """One sequence's work in a step: compute tokens [num_computed_tokens,
     num_computed_tokens + num_new_tokens) of its token ids, with KV slots from block_table."""
@@ -86,7 +86,9 @@ class SchedulerOutput:
 Finish = tuple[SequenceStatus, int | str | None]
 
 
-@dataclass(frozen=True)
+# The update records are built once per sequence per step and never changed afterwards:
+# plain slotted dataclasses (a frozen one costs several times as much to build).
+@dataclass(slots=True)
 class AppendToken:
     """A running sequence takes its sampled token (and its logprob); ``output`` is the
     sequence's output state with the token (None: unchanged); ``finish`` ends it."""
@@ -98,7 +100,7 @@ class AppendToken:
     finish: Finish | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ForkSeq:
     """A new running sequence ``seq_id`` sharing every block of its running parent (n /
     best_of children, beams; blocks are copied on write), then taking its own token."""
@@ -111,7 +113,7 @@ class ForkSeq:
     finish: Finish | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NewHypothesis:
     """A finished beam: a copy of the running parent plus one token, holding no blocks."""
 
@@ -123,7 +125,7 @@ class NewHypothesis:
     output: SeqOutputState | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DropSeq:
     """A sequence leaves its request: a beam that lost (its blocks are freed) or a
     hypothesis pushed out of the best."""
@@ -134,7 +136,7 @@ class DropSeq:
 SeqUpdate = AppendToken | ForkSeq | NewHypothesis | DropSeq
 
 
-@dataclass
+@dataclass(slots=True)
 class GroupUpdate:
     """What one step changes in one request: its sequences' updates, and the chunk of
     prompt logprobs the step computed."""
@@ -378,23 +380,54 @@ class Scheduler:
     def _schedule_running(self, state: _StepState) -> None:
         queue = sorted(self.running, key=running_key)
         kept: list[SequenceGroup] = []
-        while queue:
-            group = queue.pop(0)
-            while (copies := self.block_manager.try_append_slots(group)) is None:
+        append_slots = self.block_manager.try_append_slots
+        head, end = 0, len(queue)  # queue[head:end] still to serve; victims come off the end
+        while head < end:
+            group = queue[head]
+            head += 1
+            while (copies := append_slots(group)) is None:
                 # Victims come from the back only: groups already served this step keep
                 # their slots, so nothing scheduled is taken away again.
-                victim = queue.pop() if queue else group
+                if head < end:
+                    end -= 1
+                    victim = queue[end]
+                else:
+                    victim = group
                 self._preempt(victim, state)
                 if victim is group:
                     break
             else:
-                state.copies.extend(copies)
+                if copies:
+                    state.copies.extend(copies)
                 kept.append(group)
         self.running = kept
         # Decodes before prefill chunks: a long prompt must not stall the running batch.
+        # A request running one plain sequence with one token to compute (the usual
+        # decode) is served here directly; every other group goes through _assign_tokens.
+        rest: list[SequenceGroup] = []
+        running = SequenceStatus.RUNNING
+        tables = self.block_manager.device_block_tables
+        scheduled = state.scheduled
         for group in kept:
+            seqs = group.seqs_dict
+            if len(seqs) == 1 and not group.sampling_params.use_beam_search:
+                (seq,) = seqs.values()
+                output = seq.output_token_ids
+                computed = seq.num_computed_tokens
+                if (seq.status is running
+                        and len(seq.prompt_token_ids) + len(output) - computed == 1):
+                    # _schedule_seq for this case (its first entry of the step).
+                    if state.num_batched_tokens < state.token_budget:
+                        state.num_batched_tokens += 1
+                        scheduled[group.request_id] = ScheduledSequenceGroup(group, [
+                            ScheduledSequence(seq.seq_id, computed, 1,
+                                              list(tables[seq.seq_id]), not output, True)])
+                    else:
+                        state.blocked = True
+                    continue
             self._assign_tokens(group, state, decodes=True)
-        for group in kept:
+            rest.append(group)
+        for group in rest:
             self._assign_tokens(group, state, decodes=False)
 
     def _schedule_swapped(self, state: _StepState) -> None:
@@ -510,17 +543,10 @@ class Scheduler:
         state.num_batched_tokens += take
         entry = state.scheduled.get(group.request_id)
         if entry is None:
-            entry = state.scheduled[group.request_id] = ScheduledSequenceGroup(group)
-        entry.seqs.append(
-            ScheduledSequence(
-                seq_id=seq.seq_id,
-                num_computed_tokens=seq.num_computed_tokens,
-                num_new_tokens=take,
-                block_table=self.block_manager.get_block_table(seq),
-                is_prompt=seq.is_prefill(),
-                do_sample=do_sample,
-            )
-        )
+            entry = state.scheduled[group.request_id] = ScheduledSequenceGroup(group, [])
+        entry.seqs.append(ScheduledSequence(seq.seq_id, seq.num_computed_tokens, take,
+                                            self.block_manager.get_block_table(seq),
+                                            seq.is_prefill(), do_sample))
 
     def _assign_beam_tokens(self, group: SequenceGroup, state: _StepState,
                             decodes: bool | None) -> None:
@@ -603,15 +629,16 @@ class Scheduler:
         if output is not self._pending_output:
             raise InternalError("a step must be recorded once, after the latest schedule()")
         self._pending_output = None
+        running = SequenceStatus.RUNNING
+        mark_computed = self.block_manager.mark_computed
         for sched in output.scheduled_seq_groups:
-            group = sched.seq_group
-            if group.is_finished():
-                continue  # aborted since it was scheduled
+            seqs = sched.seq_group.seqs_dict
+            # A sequence aborted since it was scheduled is no longer RUNNING.
             for s in sched.seqs:
-                seq = group.get_seq(s.seq_id)
-                if seq is not None and seq.status == SequenceStatus.RUNNING:
+                seq = seqs.get(s.seq_id)
+                if seq is not None and seq.status is running:
                     seq.num_computed_tokens += s.num_new_tokens
-                    self.block_manager.mark_computed(seq)
+                    mark_computed(seq)
         for update in updates:
             group = self._requests.get(update.request_id)
             if group is None:

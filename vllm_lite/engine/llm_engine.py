@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable
 from collections.abc import Mapping, Sequence as Seq
 
 import torch
@@ -26,7 +28,7 @@ import torch
 from vllm_lite.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from vllm_lite.config.schema import EngineConfig
 from vllm_lite.engine.admission import Admission
-from vllm_lite.engine.output_processor import OutputProcessor
+from vllm_lite.engine.output_processor import DeferredText, OutputProcessor
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.outputs import RequestOutput, request_output
 from vllm_lite.sampling_params import SamplingParams
@@ -48,6 +50,16 @@ class EngineStepError(RuntimeError):
         self.request_ids = list(request_ids)
         self.cause = cause
         self.outputs = list(outputs or [])
+
+
+@dataclass
+class _Pending:
+    """A step whose outputs the next step makes (async output processing): the requests
+    that ran, their deferred text, and those aborted since (no output is due for them)."""
+
+    groups: list[SequenceGroup]
+    deferred: list[DeferredText]
+    aborted: set[str] = field(default_factory=set)
 
 
 class LLMEngine:
@@ -78,12 +90,20 @@ class LLMEngine:
             self.eos_token_id = mc.eos_token_id
         self.output_processor = OutputProcessor(
             StopChecker(config.scheduler_config.max_model_len), tokenizer)
+        self.async_output_proc = config.scheduler_config.async_output_proc
+        # The last step's requests and deferred text, when async_output_proc: their
+        # outputs are made during the next step's forward and returned by it.
+        self._pending: _Pending | None = None
+        self._forward_pool: ThreadPoolExecutor | None = None
         logger.info("engine: %d KV blocks of %d tokens on %s, %d CPU swap blocks",
                     num_gpu_blocks, self.cache_config.block_size, config.device, num_cpu_blocks)
 
     def shutdown(self) -> None:
         """Stops the executor's worker processes (tensor parallel; nothing otherwise). The
         engine cannot step afterwards."""
+        if self._forward_pool is not None:
+            self._forward_pool.shutdown(wait=True)
+            self._forward_pool = None
         self.executor.shutdown()
 
     # The worker's parts, for callers that inspect them (tests, benchmarks).
@@ -140,10 +160,13 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Seq[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.scheduler.abort_seq_group(ids)
+        aborted = self.scheduler.abort_seq_group(ids)
+        if self._pending is not None:
+            self._pending.aborted.update(g.request_id for g in aborted)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs()
+        """Requests in the scheduler, or outputs of the last step still to return."""
+        return self.scheduler.has_unfinished_seqs() or self._pending is not None
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
@@ -159,35 +182,96 @@ class LLMEngine:
         A request that breaks the step (a value that fails inside the shared sampler, a
         bug triggered by its state) fails alone: the step is re-run without it and every
         other request gets exactly the tokens it would have got. The step then raises
-        EngineStepError naming the failed requests, carrying everyone's outputs."""
+        EngineStepError naming the failed requests, carrying everyone's outputs.
+
+        With async output processing (``async_output_proc``) a step returns the previous
+        step's outputs: their text and RequestOutputs are made while this step's forward
+        runs (on the forward thread). Every token, stop and block decision is still made
+        in the step that sampled the token, so the tokens are those of the synchronous
+        engine and no token is computed in vain; a request's outputs come one step later
+        (a last call with nothing scheduled returns the final ones)."""
         out = self.scheduler.schedule()
-        outputs: list[RequestOutput] = [request_output(g) for g in out.ignored_seq_groups]
-        scheduled = [s.request_id for s in out.scheduled_seq_groups]
+        pending, self._pending = self._pending, None
+        # The previous step's outputs (async), then requests that finished unserved.
+        outputs: list[RequestOutput] = []
+        ignored = [request_output(g) for g in out.ignored_seq_groups]
+        groups = out.scheduled_seq_groups
         try:
             self.executor.execute_cache_ops(out)
         except DistributedError:
             raise  # fatal: the executor has shut every rank down
         except Exception as e:
+            outputs += self._finish_pending(pending) + ignored
             # The swap pool's contents are unknown now: every swapped group fails too.
-            self._fail_step(scheduled + [g.request_id for g in self.scheduler.swapped], e, outputs)
+            self._fail_step([s.request_id for s in groups]
+                            + [g.request_id for g in self.scheduler.swapped], e, outputs)
         failed: dict[str, Exception] = {}
         try:
-            result = self._execute_isolated(out, failed)
+            if pending is None or not groups:
+                outputs += self._finish_pending(pending)
+                result = self._execute_isolated(out, failed)
+            else:
+                # The previous step's text and outputs while this step's forward runs.
+                snap = self.executor.snapshot_rng(out)
+                forward = self._forward_thread().submit(self.executor.execute_model, out)
+                try:
+                    outputs += self._finish_pending(pending)
+                except BaseException:
+                    wait([forward])  # no request may be failed while its forward runs
+                    raise
+                result = self._execute_isolated(out, failed, snap, forward.result)
         except DistributedError:
             raise
         except Exception as e:
-            self._fail_step([r for r in scheduled if r not in failed], e, outputs, failed)
-        ran = [s.seq_group for s in out.scheduled_seq_groups if not s.seq_group.is_finished()]
+            outputs += ignored
+            self._fail_step([s.request_id for s in groups if s.request_id not in failed], e,
+                            outputs, failed)
+        outputs += ignored
+        ran = [s.seq_group for s in groups if not s.seq_group.is_finished()]
+        deferred: list[DeferredText] | None = [] if self.async_output_proc else None
         try:
-            updates = self.output_processor.process(out, result, failed)
+            updates = self.output_processor.process(out, result, failed, deferred)
             self.scheduler.apply(out, updates)
         except Exception as e:
             # Bookkeeping failed outside any one request: nothing is known.
-            self._fail_step([r for r in scheduled if r in self._requests], e, outputs, failed)
-        outputs.extend(request_output(g) for g in ran if g.request_id not in failed)
+            self._fail_step([s.request_id for s in groups if s.request_id in self._requests],
+                            e, outputs, failed)
         if failed:
+            if deferred:
+                self.output_processor.finish_text(deferred)
+            outputs.extend(request_output(g) for g in ran if g.request_id not in failed)
             raise self._step_error(failed, outputs)
+        if deferred is None:
+            outputs.extend(request_output(g) for g in ran)
+        elif ran:
+            self._pending = _Pending(ran, deferred)
         return outputs
+
+    def _finish_pending(self, pending: _Pending | None) -> list[RequestOutput]:
+        """The outputs of a step whose text was deferred: its text, then a RequestOutput per
+        request that ran, but none for a request aborted since (its output was never
+        due: a stream ends at the abort). A request whose text failed is aborted with an
+        error (its output carries it)."""
+        if pending is None:
+            return []
+        failed = self.output_processor.finish_text(pending.deferred)
+        for rid, cause in failed.items():
+            for group in self.scheduler.abort_seq_group(rid):
+                group.error = f"the engine failed while making this request's text: {cause!r}"
+        aborted = pending.aborted
+        return [request_output(g) for g in pending.groups
+                if g.request_id not in aborted or g.request_id in failed]
+
+    def _forward_thread(self) -> ThreadPoolExecutor:
+        if self._forward_pool is None:
+            self._forward_pool = ThreadPoolExecutor(
+                1, thread_name_prefix="vllm-lite-forward", initializer=self._init_forward_thread)
+        return self._forward_pool
+
+    def _init_forward_thread(self) -> None:
+        device = torch.device(self.config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread
 
     def _step_error(self, failed: dict[str, Exception],
                     outputs: list[RequestOutput]) -> EngineStepError:
@@ -219,15 +303,19 @@ class LLMEngine:
     # suspects all fail (a step that breaks for everybody is not worth more forwards).
     _MAX_ISOLATION_RUNS = 32
 
-    def _execute_isolated(self, out: SchedulerOutput, failed: dict[str, Exception]) -> RunnerOutput:
+    def _execute_isolated(self, out: SchedulerOutput, failed: dict[str, Exception],
+                          snap: Any = None,
+                          first: Callable[[], RunnerOutput] | None = None) -> RunnerOutput:
         """The step's forward and sampling. If it raises, re-run halves of the batch
         (random states restored each time, the KV writes are the same values again) to
         find the requests that make it fail, record them in ``failed`` (request_id ->
         exception) and run the others once more: their results are exactly those of a
-        step without the failed requests."""
-        snap = self.executor.snapshot_rng(out)
+        step without the failed requests. ``first``: the first run's result, awaited (a
+        run already started, its random states ``snap`` before it)."""
+        if first is None:
+            snap = self.executor.snapshot_rng(out)
         try:
-            return self.executor.execute_model(out)
+            return self.executor.execute_model(out) if first is None else first()
         except DistributedError:
             raise  # not a request's fault: nothing to bisect
         except Exception as e:

@@ -18,6 +18,7 @@ A request whose own decision raises fails alone (recorded in ``failed``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_lite.core.beam_search import BeamCandidate, Hypothesis, ScoredCandidate, select_beams
@@ -34,26 +35,61 @@ from vllm_lite.worker.model_runner import RunnerOutput
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class DeferredText:
+    """A sampled token whose text and logprob entries are made after its step was applied:
+    ``seq_len`` is the length ``seq`` had before ``token``; ``finish`` its finish (by the
+    token rules: a request with stop strings is never deferred)."""
+
+    group: SequenceGroup
+    seq: Sequence
+    token: int
+    entry: dict[int, Any] | None
+    finish: Finish | None
+    seq_len: int
+
+
 class OutputProcessor:
     def __init__(self, stop_checker: StopChecker, tokenizer: Any = None) -> None:
         self.stop_checker = stop_checker
         self.tokenizer = tokenizer
+        # The deferred-text list of the step being processed (None: text made at once).
+        self._deferred: list[DeferredText] | None = None
 
     def process(self, out: SchedulerOutput, result: RunnerOutput,
-                failed: dict[str, Exception]) -> list[GroupUpdate]:
+                failed: dict[str, Exception],
+                deferred: list[DeferredText] | None = None) -> list[GroupUpdate]:
         """The step's updates, one GroupUpdate per request that ran and is still in the
         engine. A request whose own decision raises is put in ``failed`` (the engine
-        aborts it) and gets no update."""
+        aborts it) and gets no update.
+
+        ``deferred`` (a list): the text and logprob entries of a sampled token whose
+        request's finish cannot depend on text (one sequence, no stop strings, no beams)
+        are not made here but recorded in it, for :meth:`finish_text` once the updates
+        are applied (the engine's async output processing runs that during the next
+        step's forward). Every token, finish and block decision is made here either way."""
+        self._deferred = deferred
         samples, beams = self._check_results(out, result)
         updates: list[GroupUpdate] = []
+        prompt_logprobs = result.prompt_logprobs
         for sched in out.scheduled_seq_groups:
             group = sched.seq_group
             rid = group.request_id
             if rid in failed or group.is_finished():
                 continue  # aborted meanwhile, or failed this step
             try:
+                if len(sched.seqs) == 1 and rid not in beams and rid not in prompt_logprobs:
+                    # The usual step of a request: one sequence, at most one sample.
+                    s = sched.seqs[0]
+                    sample = samples.get(s.seq_id) if s.do_sample else None
+                    seq = group.seqs_dict.get(s.seq_id) if sample is not None else None
+                    if seq is None or seq.is_finished():
+                        updates.append(GroupUpdate(rid, []))
+                    else:
+                        updates.append(GroupUpdate(rid, self._samples(group, seq, sample)))
+                    continue
                 updates.append(self._decide(group, sched, samples, beams.get(rid),
-                                            result.prompt_logprobs.get(rid)))
+                                            prompt_logprobs.get(rid)))
             except Exception as e:  # noqa: BLE001  (this request fails, the others go on)
                 logger.exception("request %s failed while recording its step", rid)
                 failed[rid] = e
@@ -66,19 +102,29 @@ class OutputProcessor:
         so = result.sampler_output
         samples = {s.seq_id: s for s in (so.outputs if so is not None else []) if s is not None}
         beams = dict(so.beams) if so is not None else {}
-        beam_requests = {s.seq_group.request_id for s in out.scheduled_seq_groups
-                         if s.seq_group.sampling_params.use_beam_search}
-        for rid in beams:
-            if rid not in beam_requests:
-                raise InternalError(f"beam candidates for {rid!r}, not a beam-search request "
-                                    "of this step")
+        beam_requests: set[str] = set()
         for sched in out.scheduled_seq_groups:
             group = sched.seq_group
+            params = group.sampling_params
+            if params.use_beam_search:
+                beam_requests.add(group.request_id)
+            elif len(sched.seqs) == 1:  # the usual step: one sequence scheduled
+                sched_seq = sched.seqs[0]
+                seq = group.seqs_dict.get(sched_seq.seq_id) if sched_seq.do_sample else None
+                if seq is None or seq.is_finished():
+                    continue
+                expected = (params.best_of if params.best_of > 1
+                            and group.awaiting_first_sample() else 1)
+                s = samples.get(seq.seq_id)
+                if s is None or len(s.token_ids) != expected or len(s.logprobs) != expected:
+                    raise InternalError(f"seq {seq.seq_id} must get {expected} sample(s), "
+                                        f"got {s!r}")
+                continue
             if group.is_finished():
                 continue
-            params = group.sampling_params
             if not params.use_beam_search:
-                expected = params.best_of if group.awaiting_first_sample() else 1
+                expected = (params.best_of if params.best_of > 1
+                            and group.awaiting_first_sample() else 1)
                 for sched_seq in sched.seqs:
                     if not sched_seq.do_sample:
                         continue
@@ -102,6 +148,10 @@ class OutputProcessor:
             if not cands or any(c.parent_seq_id not in live for c in cands):
                 raise InternalError(f"beam request {group.request_id!r} got candidates "
                                     f"{cands!r} for beams {sorted(live)}")
+        for rid in beams:
+            if rid not in beam_requests:
+                raise InternalError(f"beam candidates for {rid!r}, not a beam-search request "
+                                    "of this step")
         return samples, beams
 
     def _decide(self, group: SequenceGroup, sched: ScheduledSequenceGroup,
@@ -130,9 +180,19 @@ class OutputProcessor:
         tops = sample.top_logprobs
         if len(sample.token_ids) == 1:  # the usual step: one token, no fork
             token = sample.token_ids[0]
+            params = group.sampling_params
             finish = self.stop_checker.check_token(
-                group.sampling_params, group.eos_token_id, token, seq.get_output_len() + 1,
+                params, group.eos_token_id, token, len(seq.output_token_ids) + 1,
                 seq.get_len() + 1)
+            if not tops and (self.tokenizer is None or not params.detokenize):
+                # No text, no logprob entries: the output state does not change.
+                return [AppendToken(seq.seq_id, token, sample.logprobs[0], None, finish)]
+            deferred = self._deferred
+            if deferred is not None and not params.stop and len(group.seqs_dict) == 1:
+                # Text cannot finish this request: made later, from the state as it is.
+                deferred.append(DeferredText(group, seq, token, tops[0] if tops else None,
+                                             finish, seq.get_len()))
+                return [AppendToken(seq.seq_id, token, sample.logprobs[0], None, finish)]
             output, finish = self._advance(group, seq, token, tops[0] if tops else None,
                                            finish, fork=False)
             return [AppendToken(seq.seq_id, token, sample.logprobs[0], output, finish)]
@@ -197,20 +257,37 @@ class OutputProcessor:
         return ups
 
     # -- logprobs and text ---------------------------------------------------------------------
+    def finish_text(self, deferred: list[DeferredText]) -> dict[str, Exception]:
+        """The text and logprob entries ``process`` deferred, made now (the tokens are
+        applied: each record names the length its sequence had before its token). Returns
+        the requests whose text failed (request_id -> exception); the others are done."""
+        failed: dict[str, Exception] = {}
+        for d in deferred:
+            try:
+                self._advance(d.group, d.seq, d.token, d.entry, d.finish, fork=False,
+                              seq_len=d.seq_len)
+            except Exception as e:  # noqa: BLE001  (this request fails, the others go on)
+                logger.exception("request %s failed while making its text",
+                                 d.group.request_id)
+                failed[d.group.request_id] = e
+        return failed
+
     def _advance(self, group: SequenceGroup, seq: Sequence, token: int,
                  entry: dict[int, Any] | None, finish: Finish | None,
-                 fork: bool) -> tuple[SeqOutputState, Finish | None]:
+                 fork: bool, seq_len: int | None = None) -> tuple[SeqOutputState, Finish | None]:
         """The output state of ``seq`` extended by ``token`` (a copy when ``fork``; else
         seq's own state, which only this module reads), and the finish with the stop
-        strings checked on the new text: a stop string wins over a token rule."""
+        strings checked on the new text: a stop string wins over a token rule.
+        ``seq_len``: the sequence's length before ``token`` (default: its length now, the
+        token not yet applied)."""
         params = group.sampling_params
         state = seq.output.fork() if fork else seq.output
         detok = self._detokenizes(params)
+        n = seq.get_len() if seq_len is None else seq_len
         if params.logprobs is not None and entry is not None:
             state.logprobs.append(entry)
             if detok:
                 # Only the last tokens shape a token's text: no full copy per step.
-                n = seq.get_len()
                 self._decode_logprobs(entry, seq.token_slice(max(0, n - TEXT_CONTEXT), n),
                                       group)
         if not detok:
@@ -219,8 +296,9 @@ class OutputProcessor:
         if det is None:
             det = state.detokenizer = IncrementalDetokenizer.for_params(
                 self.tokenizer, group.prompt_token_ids, params)
-            if seq.output_token_ids:
-                det.add_tokens(seq.output_token_ids)
+            num_output = n - len(seq.prompt_token_ids)
+            if num_output:
+                det.add_tokens(seq.output_token_ids[:num_output])
         new_text = det.add_tokens([token])
         if finish is not None:
             # The text held back for an incomplete character comes out now, and a stop

@@ -664,9 +664,13 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     they are checked all the same, as process_logits would apply them) and that asks for
     no logprobs beyond its token's."""
     p = row.params
-    return (row.sampling_type == SamplingType.GREEDY and p.logprobs is None
-            and not _penalized(p) and p.top_k <= 0 and p.top_p >= 1.0
-            and p.min_p <= 0.0 and not row.min_tokens_banned_ids())
+    static = row.params_plain_greedy
+    if static is None:
+        static = row.params_plain_greedy = (
+            row.sampling_type == SamplingType.GREEDY and p.logprobs is None
+            and not _penalized(p) and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
+    return static and (len(row.output_token_ids) >= p.min_tokens
+                       or not row.min_tokens_banned_ids())
 
 
 def _plain_greedy(logits: torch.Tensor, rows: Seq[SamplingRow]) -> SamplerOutput | None:

@@ -51,6 +51,10 @@ class SamplingRow:
     # The sequence's cumulative logprob so far (beam search ranks extensions by it).
     cumulative_logprob: float = 0.0
     request: Any = field(default_factory=GeneratorHolder, compare=False, repr=False)
+    # What the sampler derives from params alone (its plain-greedy test), computed once
+    # for a row the runner reuses across steps.
+    params_plain_greedy: bool | None = field(default=None, init=False, compare=False,
+                                             repr=False)
 
     @classmethod
     def for_seq(cls, group: Any, seq: Any, first_step_draws: bool = True) -> SamplingRow:

@@ -3,7 +3,9 @@
 A GGUF file (possibly quantized) is converted once into a cache folder holding
 ``config.json``, ``model.safetensors`` (the dequantized weights in HF names, float32)
 and the tokenizer files; later loads read only that folder, through the ordinary
-safetensors path of :mod:`vllm_lite.models.loader`.
+safetensors path of :mod:`vllm_lite.models.loader`. Dense models are read by transformers'
+GGUF loader; mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) by
+:mod:`vllm_lite.models.gguf_moe`.
 
 Cache layout::
 
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_lite.models.gguf_file import GGUFModelSizes, check_model, read_header
+from vllm_lite.models.gguf_file import GGUFModelSizes, check_model, is_moe, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,6 @@ def _write_converted(model: Any, tokenizer: Any, out: Path, source_name: str) ->
     """config.json (without the GGUF quantization entry), float32 model.safetensors in
     HF names (a tied lm_head stored once, as the embedding) and the tokenizer files."""
     import torch
-    from safetensors.torch import save_file
 
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # the weights we write are plain float32
@@ -158,9 +159,6 @@ def _write_converted(model: Any, tokenizer: Any, out: Path, source_name: str) ->
     config.pop("_name_or_path", None)
     config["dtype"] = "float32"
     config["architectures"] = [type(model).__name__]  # save_pretrained would add it
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out)
     state: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for key, tensor in model.state_dict().items():
@@ -168,6 +166,18 @@ def _write_converted(model: Any, tokenizer: Any, out: Path, source_name: str) ->
             continue  # tied to the embedding: safetensors stores each storage once
         seen.add(tensor.data_ptr())
         state[key] = tensor.detach().to(torch.float32).contiguous()
+    _write_folder(config, state, getattr(model, "generation_config", None), tokenizer, out,
+                  source_name)
+
+
+def _write_folder(config: dict[str, Any], state: dict[str, Any], generation_config: Any,
+                  tokenizer: Any, out: Path, source_name: str) -> None:
+    """config.json, generation_config.json, model.safetensors and the tokenizer files."""
+    from safetensors.torch import save_file
+
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if generation_config is not None:
+        generation_config.save_pretrained(out)
     save_file(state, str(out / "model.safetensors"), metadata={
         "format": "pt", "converted_from": source_name,
         "converter": f"vllm_lite.models.gguf v{CONVERTER_VERSION}",
@@ -175,15 +185,43 @@ def _write_converted(model: Any, tokenizer: Any, out: Path, source_name: str) ->
     tokenizer.save_pretrained(out)
 
 
+def _convert_moe(gguf_file: Path, out: Path) -> None:
+    """A mixture-of-experts file, converted by :mod:`vllm_lite.models.gguf_moe`."""
+    from transformers import GenerationConfig
+
+    from vllm_lite.models import gguf_moe
+
+    header = read_header(gguf_file)
+    sizes = check_model(header)
+    config = gguf_moe.hf_config(header, sizes)
+    logger.info("converting %s (%s, %d experts, top %d): reading and dequantizing the GGUF "
+                "tensors", gguf_file, config["architectures"][0], sizes.num_experts,
+                sizes.num_experts_per_tok)
+    state = dict(gguf_moe.hf_weights(gguf_file, sizes))
+    try:
+        tokenizer = gguf_moe.read_tokenizer(gguf_file)
+    except Exception as e:  # noqa: BLE001  (transformers raises many kinds on bad files)
+        raise ValueError(f"cannot read the tokenizer of GGUF file {gguf_file}: "
+                         f"{type(e).__name__}: {e}") from None
+    generation = GenerationConfig(**{k: config[k] for k in ("bos_token_id", "eos_token_id",
+                                                           "pad_token_id")
+                                     if config.get(k) is not None})
+    _write_folder(config, state, generation, tokenizer, out, gguf_file.name)
+
+
 def _convert(gguf_file: Path, out: Path) -> None:
     """Converts ``gguf_file`` into the (empty) folder ``out``."""
     t0 = time.perf_counter()
-    try:
-        model, tokenizer = _read_gguf(gguf_file)
-    except Exception as e:  # noqa: BLE001  (the GGUF reader raises many kinds on bad files)
-        # A truncated or corrupt file is bad input, not a crash.
-        raise ValueError(f"cannot read GGUF file {gguf_file}: {type(e).__name__}: {e}") from None
-    _write_converted(model, tokenizer, out, gguf_file.name)
+    if is_moe(read_header(gguf_file)):
+        _convert_moe(gguf_file, out)  # ValueError naming the problem on a bad file
+    else:
+        try:
+            model, tokenizer = _read_gguf(gguf_file)
+        except Exception as e:  # noqa: BLE001  (the GGUF reader raises many kinds on bad files)
+            # A truncated or corrupt file is bad input, not a crash.
+            raise ValueError(f"cannot read GGUF file {gguf_file}: {type(e).__name__}: {e}") \
+                from None
+        _write_converted(model, tokenizer, out, gguf_file.name)
     logger.info("converted %s in %.1f s", gguf_file.name, time.perf_counter() - t0)
 
 

@@ -31,8 +31,12 @@ MAX_NAME_BYTES = 1 << 16
 MAX_ARRAY_DEPTH = 2
 #: ggml's GGML_MAX_DIMS.
 MAX_TENSOR_DIMS = 4
-#: The GGUF architectures whose checkpoints the engine runs (llama covers Mistral too).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+#: The GGUF architectures whose checkpoints the engine runs (llama covers Mistral too, and
+#: Mixtral: a llama file whose metadata has an ``expert_count``).
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe",
+                                "olmoe")
+#: The mixture-of-experts architectures (besides llama with experts).
+MOE_GGUF_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe")
 
 # Metadata value types: code -> (struct format, size) for the fixed-size ones.
 _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4),
@@ -215,17 +219,53 @@ def _parse(buf: Any, path: Path) -> GGUFHeader:
 #: Tensor types that are not floating point (ggml's integer types): refused as weights.
 _INTEGER_TYPES = ("I8", "I16", "I32", "I64")
 #: Each decoder layer's tensors and their shapes (ggml order), from the sizes.
-_LAYER_TENSORS = (
+_ATTENTION_TENSORS = (
     ("attn_norm.weight", lambda s: (s["hidden"],)),
     ("ffn_norm.weight", lambda s: (s["hidden"],)),
     ("attn_q.weight", lambda s: (s["hidden"], s["heads"] * s["head_dim"])),
     ("attn_k.weight", lambda s: (s["hidden"], s["kv_heads"] * s["head_dim"])),
     ("attn_v.weight", lambda s: (s["hidden"], s["kv_heads"] * s["head_dim"])),
     ("attn_output.weight", lambda s: (s["heads"] * s["head_dim"], s["hidden"])),
+)
+_DENSE_FFN_TENSORS = (
     ("ffn_gate.weight", lambda s: (s["hidden"], s["inter"])),
     ("ffn_up.weight", lambda s: (s["hidden"], s["inter"])),
     ("ffn_down.weight", lambda s: (s["inter"], s["hidden"])),
 )
+_LAYER_TENSORS = _ATTENTION_TENSORS + _DENSE_FFN_TENSORS
+#: A mixture-of-experts layer's feed-forward tensors: the router and the experts stacked
+#: along the outermost extent (llama.cpp's ``ffn_*_exps``).
+_MOE_FFN_TENSORS = (
+    ("ffn_gate_inp.weight", lambda s: (s["hidden"], s["experts"])),
+    ("ffn_gate_exps.weight", lambda s: (s["hidden"], s["expert_inter"], s["experts"])),
+    ("ffn_up_exps.weight", lambda s: (s["hidden"], s["expert_inter"], s["experts"])),
+    ("ffn_down_exps.weight", lambda s: (s["expert_inter"], s["hidden"], s["experts"])),
+)
+#: Qwen2-MoE's shared expert (its sigmoid gate, ffn_gate_inp_shexp, is checked apart: llama.cpp
+#: writes it as [hidden] or [hidden, 1]).
+_SHARED_FFN_TENSORS = (
+    ("ffn_gate_shexp.weight", lambda s: (s["hidden"], s["shared_inter"])),
+    ("ffn_up_shexp.weight", lambda s: (s["hidden"], s["shared_inter"])),
+    ("ffn_down_shexp.weight", lambda s: (s["shared_inter"], s["hidden"])),
+)
+#: The q / k norms of the MoE architectures that have them: per head (Qwen3-MoE) or over
+#: all heads at once (OLMoE).
+_QK_NORM_TENSORS = {
+    "qwen3moe": (("attn_q_norm.weight", lambda s: (s["head_dim"],)),
+                 ("attn_k_norm.weight", lambda s: (s["head_dim"],))),
+    "olmoe": (("attn_q_norm.weight", lambda s: (s["heads"] * s["head_dim"],)),
+              ("attn_k_norm.weight", lambda s: (s["kv_heads"] * s["head_dim"],))),
+}
+#: Qwen2-MoE's q / k / v biases (all three or none).
+_QKV_BIAS_TENSORS = (
+    ("attn_q.bias", lambda s: (s["heads"] * s["head_dim"],)),
+    ("attn_k.bias", lambda s: (s["kv_heads"] * s["head_dim"],)),
+    ("attn_v.bias", lambda s: (s["kv_heads"] * s["head_dim"],)),
+)
+#: The MoE architectures that may have dense layers (HF's mlp_only_layers).
+_MOE_WITH_DENSE_LAYERS = ("qwen2moe", "qwen3moe")
+#: ggml's expert_gating_func for softmax (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX).
+_GATING_SOFTMAX = 1
 
 
 def _size(header: GGUFHeader, key: str, *, required: bool = True) -> int | None:
@@ -250,9 +290,18 @@ def _positive(header: GGUFHeader, key: str) -> None:
                          f"finite number, got {value!r}")
 
 
+def is_moe(header: GGUFHeader) -> bool:
+    """Whether the file holds a mixture of experts: a MoE architecture, or llama with an
+    ``expert_count`` (how llama.cpp writes Mixtral)."""
+    arch = header.metadata.get("general.architecture")
+    return arch in MOE_GGUF_ARCHITECTURES or (
+        arch == "llama" and header.metadata.get("llama.expert_count") not in (None, 0))
+
+
 @dataclass(frozen=True)
 class GGUFModelSizes:
-    """The sizes a checked GGUF Llama-family file describes (HF config names)."""
+    """The sizes a checked GGUF file describes (HF config names); the expert fields are
+    None (and ``mlp_only_layers`` empty) for a dense model."""
 
     architecture: str
     num_hidden_layers: int
@@ -264,6 +313,68 @@ class GGUFModelSizes:
     vocab_size: int
     max_position_embeddings: int | None
     tie_word_embeddings: bool
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    # Layers whose feed-forward block is the dense MLP (Qwen MoEs only).
+    mlp_only_layers: tuple[int, ...] = ()
+    # Whether the router's top-k weights are renormalised (None: dense model).
+    norm_topk_prob: bool | None = None
+
+
+def _moe_sizes(header: GGUFHeader, arch: str, inter: int) -> dict[str, Any]:
+    """The expert settings of a MoE file, checked as the MoE layer's config check does
+    (a count past the kernels' limits, top-k above the expert count), and the routing
+    settings llama.cpp's graphs fix per architecture (softmax gating, unscaled weights,
+    renormalised per ``expert_weights_norm``, else as llama.cpp does for the architecture:
+    Mixtral and Qwen3-MoE yes, Qwen2-MoE and OLMoE no). ValueError naming the key."""
+    from vllm_lite.layers.moe import check_moe_config
+
+    p = f"{arch}."
+    where = f"GGUF file {header.path}"
+    experts = header.metadata.get(p + "expert_count")
+    top_k = header.metadata.get(p + "expert_used_count")
+    inter_key = p + "expert_feed_forward_length"
+    if arch in _MOE_WITH_DENSE_LAYERS:
+        expert_inter = header.metadata.get(inter_key)  # its own size, always written
+    else:  # Mixtral, OLMoE: the experts are feed_forward_length wide unless it says
+        expert_inter = header.metadata.get(inter_key, inter)
+        inter_key = inter_key if inter_key in header.metadata else p + "feed_forward_length"
+    if top_k is None:
+        raise ValueError(f"{where}: metadata {p}expert_used_count is missing")
+    if expert_inter is None:
+        raise ValueError(f"{where}: metadata {inter_key} is missing")
+    try:
+        check_moe_config((p + "expert_count", experts), (p + "expert_used_count", top_k),
+                         (inter_key, expert_inter))
+    except ValueError as e:
+        raise ValueError(f"{where}: {str(e).replace('config field', 'metadata')}") from None
+    gating = header.metadata.get(p + "expert_gating_func")
+    if gating is not None and gating != _GATING_SOFTMAX:
+        raise ValueError(f"{where}: metadata {p}expert_gating_func {gating!r} is not supported "
+                         f"(only {_GATING_SOFTMAX}, softmax)")
+    scale = header.metadata.get(p + "expert_weights_scale")
+    if scale is not None and scale != 1.0:
+        raise ValueError(f"{where}: metadata {p}expert_weights_scale {scale!r} is not "
+                         "supported (only 1.0: the routing weights unscaled)")
+    shared_count = header.metadata.get(p + "expert_shared_count")
+    want_shared = 1 if arch == "qwen2moe" else 0
+    if shared_count is not None and shared_count != want_shared:
+        raise ValueError(f"{where}: metadata {p}expert_shared_count {shared_count!r} is not "
+                         f"supported for {arch} (only {want_shared})")
+    norm = header.metadata.get(p + "expert_weights_norm")
+    if norm is not None and not isinstance(norm, bool):
+        raise ValueError(f"{where}: metadata {p}expert_weights_norm must be a bool, got {norm!r}")
+    if norm is None:
+        norm = arch in ("llama", "qwen3moe")
+    if arch == "llama" and not norm:
+        raise ValueError(f"{where}: metadata llama.expert_weights_norm false: Mixtral always "
+                         "renormalises its top-k weights")
+    shared = (_size(header, p + "expert_shared_feed_forward_length") if arch == "qwen2moe"
+              else None)
+    return {"experts": experts, "top_k": top_k, "expert_inter": expert_inter,
+            "shared_inter": shared, "norm_topk_prob": norm}
 
 
 def check_model(header: GGUFHeader) -> GGUFModelSizes:
@@ -271,7 +382,9 @@ def check_model(header: GGUFHeader) -> GGUFModelSizes:
     an architecture the engine runs, positive sizes that divide as heads must, rope and norm
     constants positive, every layer's tensors present with the shapes the sizes give (so no
     size can exceed what the file's own bytes hold), no tensor of a layer past the count,
-    and no integer-typed weight. ValueError naming the key or tensor otherwise."""
+    and no integer-typed weight; for a mixture of experts also the expert settings and the
+    router, stacked experts and shared expert of every layer. ValueError naming the key or
+    tensor otherwise."""
     arch = header.metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF file {header.path}: general.architecture {arch!r} is not "
@@ -303,6 +416,7 @@ def check_model(header: GGUFHeader) -> GGUFModelSizes:
         head_dim = hidden // heads
     for key in ("rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.factor"):
         _positive(header, p + key)
+    moe = _moe_sizes(header, arch, inter) if is_moe(header) else None
     embd = header.tensors.get("token_embd.weight")
     if embd is None or len(embd.shape) != 2 or embd.shape[0] != hidden:
         raise ValueError(f"GGUF file {header.path}: token_embd.weight must be "
@@ -313,29 +427,57 @@ def check_model(header: GGUFHeader) -> GGUFModelSizes:
     if declared_vocab is not None and declared_vocab != vocab:
         raise ValueError(f"GGUF file {header.path}: {p}vocab_size {declared_vocab!r} differs "
                          f"from token_embd.weight's {vocab} rows")
+    # Every layer has at least its attention tensors and three feed-forward ones.
     if layers * len(_LAYER_TENSORS) > len(header.tensors):
         raise ValueError(f"GGUF file {header.path}: {p}block_count {layers} needs "
                          f"{len(_LAYER_TENSORS)} tensors per layer; the file holds "
                          f"{len(header.tensors)} tensors in all (blk.N tensors are missing)")
     sizes = {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-             "inter": inter}
+             "inter": inter, **(moe or {})}
     expected = {"token_embd.weight": (hidden, vocab), "output_norm.weight": (hidden,)}
     if "output.weight" in header.tensors:
         expected["output.weight"] = (hidden, vocab)
+    dense_layers: list[int] = []
     for i in range(layers):
-        for part, shape in _LAYER_TENSORS:
-            expected[f"blk.{i}.{part}"] = shape(sizes)
+        blk = f"blk.{i}."
+        parts = list(_ATTENTION_TENSORS)
+        if moe is None:
+            parts += _DENSE_FFN_TENSORS
+        else:
+            parts += _QK_NORM_TENSORS.get(arch, ())
+            if arch == "qwen2moe" and any(blk + n in header.tensors for n, _ in _QKV_BIAS_TENSORS):
+                parts += _QKV_BIAS_TENSORS
+            if blk + "ffn_gate_inp.weight" not in header.tensors and \
+                    arch in _MOE_WITH_DENSE_LAYERS and blk + "ffn_gate.weight" in header.tensors:
+                dense_layers.append(i)  # a dense layer (HF's mlp_only_layers)
+                parts += _DENSE_FFN_TENSORS
+            else:
+                parts += _MOE_FFN_TENSORS
+                if arch == "qwen2moe":
+                    parts += _SHARED_FFN_TENSORS
+                    gate = header.tensors.get(blk + "ffn_gate_inp_shexp.weight")
+                    if gate is None or gate.shape not in ((hidden,), (hidden, 1)):
+                        raise ValueError(
+                            f"GGUF file {header.path}: tensor {blk}ffn_gate_inp_shexp.weight "
+                            f"must be [{hidden}] ({p}embedding_length), got "
+                            f"{None if gate is None else list(gate.shape)}")
+        for part, shape in parts:
+            expected[blk + part] = shape(sizes)
     for name, shape in expected.items():
         info = header.tensors.get(name)
         if info is None:
             raise ValueError(f"GGUF file {header.path}: tensor {name} is missing ({p}block_count "
                              f"says {layers} layers)")
         if info.shape != shape:
+            expert_sizes = "" if moe is None else (
+                f", {moe['experts']} experts of {moe['expert_inter']} features"
+                + (f", a shared expert of {moe['shared_inter']}" if moe["shared_inter"] else ""))
             raise ValueError(f"GGUF file {header.path}: tensor {name} is {list(info.shape)}, "
                              f"the metadata's sizes make it {list(shape)} ({p}embedding_length "
                              f"{hidden}, {p}attention.head_count {heads}, "
                              f"{p}attention.head_count_kv {kv_heads}, head size {head_dim} "
-                             f"from {head_dim_from}, {p}feed_forward_length {inter})")
+                             f"from {head_dim_from}, {p}feed_forward_length {inter}"
+                             f"{expert_sizes})")
         if info.type_name in _INTEGER_TYPES:
             raise ValueError(f"GGUF file {header.path}: tensor {name} is stored as "
                              f"{info.type_name}; model weights must be floating point or a "
@@ -346,5 +488,10 @@ def check_model(header: GGUFHeader) -> GGUFModelSizes:
             if not index.isdigit() or int(index) >= layers:
                 raise ValueError(f"GGUF file {header.path}: tensor {name} lies past "
                                  f"{p}block_count {layers}")
+    if moe is None:
+        return GGUFModelSizes(arch, layers, hidden, inter, heads, kv_heads, head_dim, vocab,
+                              context, "output.weight" not in header.tensors)
     return GGUFModelSizes(arch, layers, hidden, inter, heads, kv_heads, head_dim, vocab, context,
-                          "output.weight" not in header.tensors)
+                          "output.weight" not in header.tensors, moe["experts"], moe["top_k"],
+                          moe["expert_inter"], moe["shared_inter"], tuple(dense_layers),
+                          moe["norm_topk_prob"])

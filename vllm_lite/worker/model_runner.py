@@ -80,6 +80,9 @@ class ModelRunner:
         self.before_forward = before_forward
         self._tables = BlockTableRows()
         self._staging = StepStaging(self.device)
+        # The sampling rows of the last step, by seq_id: a sequence sampling again reuses
+        # its row (only its cumulative logprob moves; its token list is the live one).
+        self._rows: dict[int, SamplingRow] = {}
         # Captured decode graphs (a GPU without --enforce-eager; set by the worker once
         # the KV cache exists), else None: every step eager.
         self.graphs: DecodeGraphs | None = None
@@ -101,6 +104,7 @@ class ModelRunner:
         is_prompt = False
         max_blocks = 1
         tables = self._tables
+        last_rows, step_rows = self._rows, {}
         for sched in out.scheduled_seq_groups:
             group = sched.seq_group
             wants_plp = group.sampling_params.prompt_logprobs is not None
@@ -118,7 +122,11 @@ class ModelRunner:
                         plp_idx.append(np.arange(count) + (len(ids) - start + first))
                         plp_spans.append((group, first, count))
                 if n == 1:
-                    ids.append(seq.token_slice(start, start + 1)[0])
+                    output = seq.output_token_ids
+                    if output and start == len(seq.prompt_token_ids) + len(output) - 1:
+                        ids.append(output[-1])  # a decode: the token sampled last
+                    else:
+                        ids.append(seq.token_slice(start, start + 1)[0])
                 else:
                     ids.extend(seq.token_slice(start, start + n))
                     is_prompt = True
@@ -132,8 +140,16 @@ class ModelRunner:
                     max_blocks = len(table)
                 if s.do_sample:
                     sample_idx.append(len(ids) - 1)
-                    rows.append(SamplingRow.for_seq(group, seq))
+                    row = last_rows.get(s.seq_id)
+                    if (row is not None and row.request is group and row.num_samples == 1
+                            and row.output_token_ids is seq.output_token_ids):
+                        row.cumulative_logprob = seq.cumulative_logprob
+                    else:
+                        row = SamplingRow.for_seq(group, seq)
+                    step_rows[s.seq_id] = row
+                    rows.append(row)
         tables.end_step()
+        self._rows = step_rows
         if not counts:
             return None
         num_tokens, num_seqs = len(ids), len(counts)

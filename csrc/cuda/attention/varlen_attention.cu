@@ -1,5 +1,7 @@
 // varlen_paged_attention on CUDA: the argument checks, the launch plan and the launch of
-// varlen_paged_attention_kernel (see varlen_attention_kernels.cuh for the design). One CTA
+// varlen_paged_attention_kernel or, on sm_80 and newer where attention_path.h says so, of
+// varlen_paged_attention_tc_kernel (see varlen_attention_kernels.cuh and
+// varlen_attention_tc_kernels.cuh for the designs). One CTA
 // per (query tile, sequence, kv head[, head chunk]); the grid comes from max_query_len and
 // the kernel finds its rows through query_start_loc on the device, so the launch needs no
 // host copy of the metadata (CUDA-graph safe). Caches in the query dtype or fp8.
@@ -45,8 +47,18 @@ void varlen_paged_attention(at::Tensor& out, const at::Tensor& query,
   TORCH_CHECK(is_aligned16(key_cache.data_ptr()) && is_aligned16(value_cache.data_ptr()), op,
               ": key_cache and value_cache must start at 16-byte aligned addresses on CUDA");
 
-  const varlen::VarlenPlan plan = varlen::plan_varlen(
-      d.num_seqs, d.num_kv_heads, d.num_heads / d.num_kv_heads, d.head_size, max_query_len);
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int cc = props->major * 10 + props->minor;
+  // The kernel (SIMT or tensor cores: attention_path.h) and its grid.
+  varlen::VarlenLaunch launch{};
+  VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query.scalar_type(), op, [&] {
+    dispatch_cache_elem<scalar_t>(d.cache_dtype, [&](auto cache_tag) {
+      launch = varlen::plan_varlen_launch<scalar_t, decltype(cache_tag)>(
+          cc, d.num_seqs, d.num_kv_heads, d.num_heads / d.num_kv_heads, d.head_size,
+          max_query_len);
+    });
+  });
+  const varlen::VarlenPlan& plan = launch.plan;
   TORCH_CHECK(plan.grid_x <= INT_MAX, op, ": too many CTAs for one launch (",
               plan.query_tiles, " query tiles of ", plan.query_tile, " tokens x ", d.num_seqs,
               " sequences x ", d.num_kv_heads * plan.head_chunks, " head groups)");
@@ -57,15 +69,8 @@ void varlen_paged_attention(at::Tensor& out, const at::Tensor& query,
       block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
       query_start_loc.data_ptr<int32_t>(),
       alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr, d.flash_layout);
-
-  VLLM_LITE_CUDA_DISPATCH_FLOAT_TYPES(query.scalar_type(), op, [&] {
-    dispatch_cache_elem<scalar_t>(d.cache_dtype, [&](auto cache_tag) {
-      const varlen::VarlenKernel kernel = varlen::varlen_kernel_for<scalar_t, decltype(cache_tag)>(
-          static_cast<int>(d.head_size));
-      kernel<<<static_cast<unsigned>(plan.grid_x), varlen::kThreads, plan.smem_bytes, stream>>>(
-          p);
-    });
-  });
+  launch.kernel<<<static_cast<unsigned>(plan.grid_x), launch.threads, plan.smem_bytes, stream>>>(
+      p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

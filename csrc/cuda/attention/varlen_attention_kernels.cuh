@@ -438,12 +438,27 @@ struct VarlenInstance {
   static VarlenKernel get();
 };
 
+// One instance of varlen_paged_attention_tc_kernel (varlen_attention_tc_kernels.cuh),
+// declared like VarlenInstance; HEAD is the head size (64 or 128).
+template <typename T, typename CT, int HEAD>
+struct VarlenTcInstance {
+  static VarlenKernel get();
+};
+
+// The tensor-core kernel's CTA: kVarlenTcWarps warps of 16 query rows each (one MMA tile
+// of M rows per warp).
+constexpr int kVarlenTcWarps = 4;
+constexpr int kVarlenTcThreads = 32 * kVarlenTcWarps;
+constexpr int kVarlenTcRows = 16 * kVarlenTcWarps;
+
 }  // namespace varlen
 }  // namespace cuda
 }  // namespace vllm_lite
 
+#include "attention_path.h"
 #include "kernel_build_config.h"      // generated: the build options
 #include "varlen_attention_table.h"  // generated: varlen_attention_table<T, CT>
+#include "varlen_attention_tc_table.h"  // generated: varlen_attention_tc_table<T, CT>
 
 namespace vllm_lite {
 namespace cuda {
@@ -471,12 +486,12 @@ struct VarlenPlan {
   size_t smem_bytes;
 };
 
-// How the rows of a CTA are split between query heads and tokens (see the grid above).
-inline VarlenPlan plan_varlen(int64_t num_seqs, int64_t num_kv_heads, int64_t group,
-                              int64_t head_size, int64_t max_query_len) {
+// How the rows of a CTA are split between query heads and tokens (see the grid above):
+// `rows` query rows per CTA (the SIMT kernel's varlen_rows, the tensor-core kernel's
+// kVarlenTcRows), `smem_bytes` of dynamic shared memory.
+inline VarlenPlan plan_varlen_rows(int64_t num_seqs, int64_t num_kv_heads, int64_t group,
+                                   int64_t max_query_len, int64_t rows, size_t smem_bytes) {
   auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
-  const int bucket = varlen_head_bucket(static_cast<int>(head_size));
-  const int64_t rows = varlen_rows(bucket);
   VarlenPlan pl{};
   pl.head_chunks = cdiv(group, rows);
   pl.heads_per_cta = cdiv(group, pl.head_chunks);
@@ -487,9 +502,47 @@ inline VarlenPlan plan_varlen(int64_t num_seqs, int64_t num_kv_heads, int64_t gr
   pl.grid_x = pl.query_tiles > INT64_MAX / (per_tile > 0 ? per_tile : 1)
                   ? INT64_MAX
                   : pl.query_tiles * per_tile;
-  pl.smem_bytes =
-      static_cast<size_t>(varlen_smem_floats(bucket, static_cast<int>(head_size))) * sizeof(float);
+  pl.smem_bytes = smem_bytes;
   return pl;
+}
+
+// The SIMT kernel's plan.
+inline VarlenPlan plan_varlen(int64_t num_seqs, int64_t num_kv_heads, int64_t group,
+                              int64_t head_size, int64_t max_query_len) {
+  const int bucket = varlen_head_bucket(static_cast<int>(head_size));
+  return plan_varlen_rows(
+      num_seqs, num_kv_heads, group, max_query_len, varlen_rows(bucket),
+      static_cast<size_t>(varlen_smem_floats(bucket, static_cast<int>(head_size))) * sizeof(float));
+}
+
+// How a varlen launch runs (the launcher and the emulator's replay of it use this).
+struct VarlenLaunch {
+  attn::VarlenPath path;
+  VarlenKernel kernel;
+  VarlenPlan plan;
+  int threads;
+};
+
+// The kernel, grid plan and block of one varlen_paged_attention launch for query dtype T
+// and cache element CT on a device of compute capability `cc`: varlen_path
+// (attention_path.h) chooses the kernel; a tensor-core choice this build has no instance
+// for falls back to the SIMT kernel.
+template <typename T, typename CT>
+VarlenLaunch plan_varlen_launch(int cc, int64_t num_seqs, int64_t num_kv_heads, int64_t group,
+                                int64_t head_size, int64_t max_query_len) {
+  constexpr bool k16 = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+  if (attn::varlen_path(cc, k16, std::is_same_v<CT, T>, head_size) ==
+      attn::VarlenPath::kTensorCore) {
+    const VarlenKernel kernel = varlen_attention_tc_table<T, CT>(static_cast<int>(head_size));
+    if (kernel != nullptr) {
+      // The tensor-core kernel's shared memory is static (under the 48 KiB limit).
+      return {attn::VarlenPath::kTensorCore, kernel,
+              plan_varlen_rows(num_seqs, num_kv_heads, group, max_query_len, kVarlenTcRows, 0),
+              kVarlenTcThreads};
+    }
+  }
+  return {attn::VarlenPath::kSimt, varlen_kernel_for<T, CT>(static_cast<int>(head_size)),
+          plan_varlen(num_seqs, num_kv_heads, group, head_size, max_query_len), kThreads};
 }
 
 // The kernel's parameters from the (validated) dimensions, the plan and the pointers.
