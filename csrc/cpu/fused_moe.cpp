@@ -121,7 +121,9 @@ void packed_experts(PackedLinearFn fn, const MoeDims& d, const std::vector<Exper
     for (int64_t i = 0; i < static_cast<int64_t>(active.size()); ++i) {
       const int64_t parts =
           std::clamp<int64_t>((4 * threads * active[i].rows + P - 1) / P, 1, panels);
-      for (int64_t c = 0; c < parts; ++c) items.push_back({i, c * panels / parts, (c + 1) * panels / parts});
+      for (int64_t c = 0; c < parts; ++c) {
+        items.push_back({i, c * panels / parts, (c + 1) * panels / parts});
+      }
     }
     return items;
   };
@@ -209,7 +211,9 @@ void fused_moe_impl(const MoeDims& d, const at::Tensor& hidden, const at::Tensor
   const T* x = hidden.data_ptr<T>();
   T* xr = xs.data_ptr<T>();
   at::parallel_for(0, P, 256, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) std::memcpy(xr + r * H, x + token_of_row[r] * H, H * sizeof(T));
+    for (int64_t r = r0; r < r1; ++r) {
+      std::memcpy(xr + r * H, x + token_of_row[r] * H, H * sizeof(T));
+    }
   });
   // 3. the experts
   at::Tensor act = at::empty({P, d.intermediate}, hidden.options());
@@ -243,8 +247,8 @@ at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& router_logits,
                      const at::Tensor& w13, const at::Tensor& w2, int64_t top_k,
                      bool renormalize) {
   const MoeDims d = check_fused_moe(hidden, router_logits, w13, w2, top_k, kPackedPanelCols);
-  TORCH_CHECK(hidden.device().is_cpu(), "fused_moe: the CPU kernel needs CPU tensors, got hidden on ",
-              hidden.device());
+  TORCH_CHECK(hidden.device().is_cpu(),
+              "fused_moe: the CPU kernel needs CPU tensors, got hidden on ", hidden.device());
   at::Tensor out = at::empty({d.tokens, d.hidden}, hidden.options());
   if (d.tokens == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hidden.scalar_type(), "fused_moe", [&] {

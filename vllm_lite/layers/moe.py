@@ -17,13 +17,14 @@ One function does the whole block's arithmetic, :func:`fused_moe`: the native op
 Routing (:func:`select_experts`, the models' shared normalisation): softmax over the E
 logits in float32, the ``top_k`` largest probabilities (the op breaks ties to the lower
 expert id; torch.topk, which :func:`select_experts` uses, leaves their order unspecified, so
-on exactly tied probabilities the two may route differently), divided by their sum when ``renormalize`` (Mixtral always; Qwen-MoE and OLMoE
-when ``norm_topk_prob``). The experts: tokens grouped by expert (a stable sort of the
-T * top_k (token, expert) pairs), per expert one GEMM of its rows by its gate_up, SiLU-and-mul,
-one GEMM by its down projection; each row times its routing weight (float32), summed back
-into its token's row in float32 and rounded once to the dtype. An expert no token chose
-costs nothing. :func:`fused_moe_torch` is the same math in torch ops, the readable
-statement of the contract and the op's peer in benchmarks/moe.py.
+on exactly tied probabilities the two may route differently), divided by their sum when
+``renormalize`` (Mixtral always; Qwen-MoE and OLMoE when ``norm_topk_prob``). The experts:
+tokens grouped by expert (a stable sort of the T * top_k (token, expert) pairs), per expert
+one GEMM of its rows by its gate_up, SiLU-and-mul, one GEMM by its down projection; each row
+times its routing weight (float32), summed back into its token's row in float32 and rounded
+once to the dtype. An expert no token chose costs nothing. :func:`fused_moe_torch` is the
+same math in torch ops, the readable statement of the contract and the op's peer in
+benchmarks/moe.py.
 
 On the CPU, :meth:`FusedMoE.prepare_for_cpu` packs the experts' weights at load
 (``ops.pack_moe_weights``) where the selected CPU build runs packed_linear's kernels for the
