@@ -194,8 +194,8 @@ else
   (( L > $(left) - ENGINE_S )) && L=$(( $(left) - ENGINE_S ))
   (( L < 30 )) && L=30
   # The decode benchmark runs twice: first the GQA shapes of the tensor-core kernel (bf16,
-  # batch 64, 32/8x128, 28/4x128, 9/3x64 at contexts 4096 and 16384) with the project's
-  # goals for them as flags, then the CUDA grid (BENCH_ARGS may add flags). Each starts no
+  # batch 64, 32/8x128, 28/4x128, 9/3x64 at contexts 4096 and 16384; bf16 and fp8 caches)
+  # with the project's goals for them as flags, then the CUDA grid (BENCH_ARGS may add flags). Each starts no
   # new shape 30 s before its limit so that its table is always written (SIGINT from
   # timeout also makes it write what it has). The prefill benchmark (varlen_paged_attention,
   # the tensor-core kernel on sm_80+, vs gather + SDPA, SDPA flash on contiguous K/V and
@@ -204,11 +204,11 @@ else
   # runs.
   PREFILL_S="${PREFILL_S:-60}"
   LD=$(( L - PREFILL_S )); (( LD < 30 )) && LD=30
-  LG=$(( LD * 2 / 5 )); (( LG < 30 )) && LG=30
+  LG=$(( LD * 3 / 5 )); (( LG < 30 )) && LG=30
   LD=$(( LD - LG )); (( LD < 30 )) && LD=30
   DEADLINE_G=$(awk -v l="$LG" 'BEGIN { d = (l - 30) / 60; if (d < 0.2) d = 0.2; printf "%.2f", d }')
   DEADLINE=$(awk -v l="$LD" 'BEGIN { d = (l - 30) / 60; if (d < 0.2) d = 0.2; printf "%.2f", d }')
-  GQA="--dtypes bf16 --batches 64 --heads 32/8x128 28/4x128 9/3x64 --contexts 4096 16384 --goal-copy-bw 0.85 --goal-vs-sdpa 0.8"
+  GQA="--dtypes bf16 --kv-cache-dtypes auto fp8 --batches 64 --heads 32/8x128 28/4x128 9/3x64 --contexts 4096 16384 --goal-copy-bw 0.85 --goal-vs-sdpa 0.8 --goal-fp8-speedup 1.6"
   (  # a subshell: its exit sets RC
     echo "$PY benchmarks/kernels.py --device cuda $GQA --out $OUTDIR --deadline-min $DEADLINE_G   (limit ${LG} s)"
     timeout -s INT -k 20 "$LG" "$PY" benchmarks/kernels.py --device cuda $GQA --out "$OUTDIR" \

@@ -15,6 +15,13 @@ very same K/V values:
   flash_attn    flash_attn_with_kvcache with a block table over pages of 256 tokens
                 (CUDA only, when the flash_attn package imports)
 
+--kv-cache-dtypes fp8 (= fp8_e4m3) / fp8_e5m2 rows: the pool holds fp8 bytes (key / 0.5,
+value / 2: scales != 1) and v1 / v2 read them with kv_cache_dtype and the scales; the peers
+have no fp8 KV input and run on the dequantized values in the query dtype (gather+SDPA
+converts in its timed gather). Each kernel's bandwidth counts the bytes it reads (1 per
+element for v1 / v2 on fp8, 2 for the peers), and an fp8 row also gives the time of the
+same shape's 16-bit-cache row / its own (the fp8 speedup) when both ran.
+
 Before timing, every kernel's output is checked against a float32 reference on the first
 and last sequence; a kernel that disagrees is reported as WRONG and not timed.
 
@@ -58,7 +65,7 @@ from typing import Any
 from collections.abc import Callable
 
 from . import RESULTS_DIR, prefill_kernels
-from vllm_lite.config import KV_CACHE_LAYOUTS, THREADS_HELP, EngineArgs
+from vllm_lite.config import KV_CACHE_DTYPES, KV_CACHE_LAYOUTS, THREADS_HELP, EngineArgs
 
 log = logging.getLogger("bench.kernels")
 
@@ -89,6 +96,9 @@ SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # Largest |kernel - reference| / max|reference| accepted (reference: float32 math on the
 # same rounded values). A wrong block, head or partition gives errors of order 1.
 REL_TOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}
+# fp8 pools hold key / FP8_SCALES[0] and value / FP8_SCALES[1] (powers of two: the
+# dequantized copies of the peers are exact).
+FP8_SCALES = (0.5, 2.0)
 KERNELS = ["v1", "v2", "sdpa", "gather_sdpa", "flash_attn"]
 KERNEL_TITLES = {
     "v1": "paged v1",
@@ -135,6 +145,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=EngineArgs.block_size,
                    help="tokens per KV block of the paged pools (default: %(default)s, the "
                         "engine's)")
+    p.add_argument("--kv-cache-dtypes", nargs="+", choices=KV_CACHE_DTYPES,
+                   default=[EngineArgs.kv_cache_dtype],
+                   help="what the KV pools store: auto (the query dtype), fp8 (= fp8_e4m3), "
+                        "fp8_e5m2; each is a row per shape (default: %(default)s)")
     p.add_argument("--kv-cache-layout", choices=KV_CACHE_LAYOUTS,
                    default=EngineArgs.kv_cache_layout,
                    help="the pool's layout: split (vLLM's paged) or flash ([block, token, "
@@ -168,6 +182,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="report whether each row's paged kernel reaches FRACTION of copy "
                         "bandwidth (default: no goal; the project's goals are in "
                         "docs/design/benchmarks.md)")
+    p.add_argument("--goal-fp8-speedup", type=float, default=None, metavar="RATIO",
+                   help="report whether each fp8-cache row's paged kernel is at least RATIO x "
+                        "faster than on the same shape's 16-bit cache (default: no goal)")
     p.add_argument("--goal-vs-sdpa", type=float, default=None, metavar="RATIO",
                    help="report whether each row's paged kernel takes at most RATIO x SDPA's "
                         "time on the contiguous cache (default: no goal)")
@@ -183,7 +200,7 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     args.contexts = args.contexts or (QUICK["contexts"] if args.quick else DEFAULT_CONTEXTS)
     heads = args.heads or (QUICK["heads"] if args.quick else DEFAULT_HEADS[args.device])
     args.heads = [h for item in heads for h in item.split(",") if h]
-    for name in ("goal_copy_bw", "goal_vs_sdpa"):
+    for name in ("goal_copy_bw", "goal_vs_sdpa", "goal_fp8_speedup"):
         value = getattr(args, name)
         if value is not None and not 0 < value < math.inf:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -365,13 +382,14 @@ class Shape:
     heads: Heads
     batch: int
     ctx: int
+    kv: str = "auto"  # kv_cache_dtype of the pool
 
     def kv_bytes(self, elem: int) -> int:
         return self.batch * self.ctx * self.heads.kv * self.heads.size * 2 * elem
 
     @property
     def key(self) -> tuple:
-        return (SHORT_DTYPE[self.dtype], self.heads.name, self.batch, self.ctx)
+        return (SHORT_DTYPE[self.dtype], self.kv, self.heads.name, self.batch, self.ctx)
 
 
 def fill_random_(torch: Any, t: Any, gen: Any, chunk_elems: int = 16 * MIB) -> None:
@@ -391,6 +409,20 @@ def fill_random_(torch: Any, t: Any, gen: Any, chunk_elems: int = 16 * MIB) -> N
         flat[start:start + first].copy_(src[s:s + first])
         if n > first:
             flat[start + first:start + n].copy_(src[:n - first])
+
+
+def fill_fp8_(torch: Any, t: Any, fp8: Any, scale: float, gen: Any,
+              chunk_elems: int = 16 * MIB) -> None:
+    """Fills the uint8 cache t with the fp8 bytes of N(0, 1) / scale (so the cache read
+    with that scale holds N(0, 1) values), a chunk of random values at a time."""
+    flat = t.view(-1)
+    src = (torch.randn(min(chunk_elems, flat.numel()), generator=gen) / scale).to(fp8)
+    src = src.view(torch.uint8).to(t.device)
+    offs = torch.randint(0, src.numel(), (flat.numel() // src.numel() + 1,), generator=gen).tolist()
+    for i, start in enumerate(range(0, flat.numel(), src.numel())):
+        n = min(src.numel(), flat.numel() - start)
+        rolled = torch.roll(src, offs[i])[:n]
+        flat[start:start + n].copy_(rolled)
 
 
 class Bench:
@@ -462,6 +494,10 @@ class Bench:
     def elem(self, dtype: str) -> int:
         return self.torch.empty((), dtype=getattr(self.torch, dtype)).element_size()
 
+    def cache_elem(self, dtype: str, kv_dtype: str) -> int:
+        """Bytes of one cache element: the query dtype's, or 1 for fp8."""
+        return self.elem(dtype) if kv_dtype == "auto" else 1
+
     def need_bytes(self, s: Shape) -> int:
         """Memory a shape needs besides the pool: contiguous copy + staging (+ flash pages)."""
         kv = s.kv_bytes(self.elem(s.dtype))
@@ -470,37 +506,41 @@ class Bench:
             need += max(kv, int(self.args.pool_gib * GIB))  # flash_attn's own paged pool
         return need + kv // 4  # outputs, reference, slack
 
-    def plan(self) -> list[tuple[str, Heads, int, list[Shape], list[tuple[Shape, str]]]]:
-        """Per (dtype, heads): pool bytes, shapes to run, shapes skipped (with reason)."""
+    def plan(self) -> list[tuple[str, str, Heads, int, list[Shape], list[tuple[Shape, str]]]]:
+        """Per (dtype, kv cache dtype, heads): pool bytes, shapes to run, shapes skipped
+        (with reason)."""
         a = self.args
         groups = []
-        for dtype in a.dtypes:
-            for heads in a.head_cfgs:
-                shapes = [Shape(dtype, heads, b, c) for c in a.contexts for b in a.batches]
-                elem = self.elem(dtype)
-                pool_min = int(a.pool_gib * GIB)
-                run, skip = [], []
-                for s in shapes:
-                    kv = s.kv_bytes(elem)
-                    total = max(pool_min, kv) + self.need_bytes(s)
-                    if total > self.mem_budget:
-                        skip.append((s, f"skipped: needs {total / GIB:.1f} GiB (pool + "
-                                        f"contiguous copy + buffers) > budget "
-                                        f"{self.mem_budget / GIB:.1f} GiB"))
-                    else:
-                        run.append(s)
-                pool = max([pool_min] + [s.kv_bytes(elem) for s in run])
-                run.sort(key=lambda s: (s.ctx, s.batch))
-                groups.append((dtype, heads, pool, run, skip))
+        # Cache dtypes innermost: a run cut short by --deadline-min still pairs fp8 rows
+        # with their 16-bit-cache rows.
+        for dtype, heads, kv_dtype in [(d, h, k) for d in a.dtypes for h in a.head_cfgs
+                                       for k in a.kv_cache_dtypes]:
+            shapes = [Shape(dtype, heads, b, c, kv_dtype) for c in a.contexts
+                      for b in a.batches]
+            elem = self.cache_elem(dtype, kv_dtype)
+            pool_min = int(a.pool_gib * GIB)
+            run, skip = [], []
+            for s in shapes:
+                kv = s.kv_bytes(elem)
+                total = max(pool_min, kv) + self.need_bytes(s)
+                if total > self.mem_budget:
+                    skip.append((s, f"skipped: needs {total / GIB:.1f} GiB (pool + "
+                                    f"contiguous copy + buffers) > budget "
+                                    f"{self.mem_budget / GIB:.1f} GiB"))
+                else:
+                    run.append(s)
+            pool = max([pool_min] + [s.kv_bytes(elem) for s in run])
+            run.sort(key=lambda s: (s.ctx, s.batch))
+            groups.append((dtype, kv_dtype, heads, pool, run, skip))
         return groups
 
     # ---- pool and per-shape inputs ---------------------------------------------------
 
-    def make_pool(self, dtype: str, heads: Heads, pool_bytes: int) -> dict[str, Any]:
+    def make_pool(self, dtype: str, kv_dtype: str, heads: Heads, pool_bytes: int) -> dict[str, Any]:
         torch, ops = self.torch, self.ops
-        tdt = getattr(torch, dtype)
+        tdt = ops.kv_cache_storage_dtype(kv_dtype, getattr(torch, dtype))
         bs = self.args.block_size
-        block_bytes = 2 * heads.kv * heads.size * bs * self.elem(dtype)
+        block_bytes = 2 * heads.kv * heads.size * bs * self.cache_elem(dtype, kv_dtype)
         num_blocks = max(1, math.ceil(pool_bytes / block_bytes))
         kshape, vshape = ops.kv_cache_shapes(num_blocks, heads.kv, heads.size, bs, tdt,
                                              self.args.kv_cache_layout)
@@ -511,18 +551,24 @@ class Bench:
         else:
             kc = torch.empty(kshape, dtype=tdt, device=self.dev)
             vc = torch.empty(vshape, dtype=tdt, device=self.dev)
-        fill_random_(torch, kc, self.gen)
-        fill_random_(torch, vc, self.gen)
+        if kv_dtype == "auto":
+            fill_random_(torch, kc, self.gen)
+            fill_random_(torch, vc, self.gen)
+        else:
+            fill_fp8_(torch, kc, ops.fp8_cache_dtype(kv_dtype), FP8_SCALES[0], self.gen)
+            fill_fp8_(torch, vc, ops.fp8_cache_dtype(kv_dtype), FP8_SCALES[1], self.gen)
         if self.device == "cuda":
             torch.cuda.synchronize()
-        info = {"dtype": SHORT_DTYPE[dtype], "heads": heads.name, "num_blocks": num_blocks,
+        info = {"dtype": SHORT_DTYPE[dtype], "kv_cache_dtype": kv_dtype, "heads": heads.name,
+                "num_blocks": num_blocks,
                 "block_size": bs, "layout": self.args.kv_cache_layout,
                 "GiB": num_blocks * block_bytes / GIB,
                 "fill_s": round(time.perf_counter() - t0, 2)}
-        log.info("pool %s %s: %d blocks of %d tokens, %.2f GiB (filled in %.1f s)",
-                 info["dtype"], heads.name, num_blocks, bs, info["GiB"], info["fill_s"])
+        log.info("pool %s (cache %s) %s: %d blocks of %d tokens, %.2f GiB (filled in %.1f s)",
+                 info["dtype"], kv_dtype, heads.name, num_blocks, bs, info["GiB"],
+                 info["fill_s"])
         self.pools.append(info)
-        return {"k": kc, "v": vc, "num_blocks": num_blocks, "info": info}
+        return {"k": kc, "v": vc, "num_blocks": num_blocks, "info": info, "kv": kv_dtype}
 
     def gather_into(self, pool: dict, idx: Any, stage: Any, k_out: Any, v_out: Any,
                     batch: int, nbps: int, heads: Heads) -> None:
@@ -534,23 +580,35 @@ class Bench:
         torch = self.torch
         kc, vc = pool["k"], pool["v"]
         bs, kv, hs = self.args.block_size, heads.kv, heads.size
+        # fp8 pools: the staged bytes are read as the fp8 dtype (the copies convert them)
+        # and scaled after.
+        fp8 = None if pool["kv"] == "auto" else self.ops.fp8_cache_dtype(pool["kv"])
+
+        def values(st):
+            return st if fp8 is None else st.view(fp8)
+
         if kc.dim() == 4:  # the flash layout: [block, token, kv head, dim], K and V alike
             for cache, out in ((kc, k_out), (vc, v_out)):
                 st = stage.view(-1)[: idx.numel() * cache[0].numel()].view(
                     (idx.numel(),) + tuple(cache.shape[1:]))
                 torch.index_select(cache, 0, idx, out=st)
                 out.view(batch, kv, nbps, bs, hs).copy_(
-                    st.view(batch, nbps, bs, kv, hs).permute(0, 3, 1, 2, 4))
-            return
-        x = kc.shape[-1]
-        ks = stage.view(-1)[: idx.numel() * kc[0].numel()].view((idx.numel(),) + tuple(kc.shape[1:]))
-        torch.index_select(kc, 0, idx, out=ks)
-        k_out.view(batch, kv, nbps, bs, hs // x, x).copy_(
-            ks.view(batch, nbps, kv, hs // x, bs, x).permute(0, 2, 1, 4, 3, 5))
-        vs = stage.view(-1)[: idx.numel() * vc[0].numel()].view((idx.numel(),) + tuple(vc.shape[1:]))
-        torch.index_select(vc, 0, idx, out=vs)
-        v_out.view(batch, kv, nbps, bs, hs).copy_(
-            vs.view(batch, nbps, kv, hs, bs).permute(0, 2, 1, 4, 3))
+                    values(st).view(batch, nbps, bs, kv, hs).permute(0, 3, 1, 2, 4))
+        else:
+            x = kc.shape[-1]
+            ks = stage.view(-1)[: idx.numel() * kc[0].numel()].view(
+                (idx.numel(),) + tuple(kc.shape[1:]))
+            torch.index_select(kc, 0, idx, out=ks)
+            k_out.view(batch, kv, nbps, bs, hs // x, x).copy_(
+                values(ks).view(batch, nbps, kv, hs // x, bs, x).permute(0, 2, 1, 4, 3, 5))
+            vs = stage.view(-1)[: idx.numel() * vc[0].numel()].view(
+                (idx.numel(),) + tuple(vc.shape[1:]))
+            torch.index_select(vc, 0, idx, out=vs)
+            v_out.view(batch, kv, nbps, bs, hs).copy_(
+                values(vs).view(batch, nbps, kv, hs, bs).permute(0, 2, 1, 4, 3))
+        if fp8 is not None:
+            k_out.mul_(FP8_SCALES[0])
+            v_out.mul_(FP8_SCALES[1])
 
     # ---- one shape -------------------------------------------------------------------
 
@@ -559,12 +617,15 @@ class Bench:
         tdt = getattr(torch, s.dtype)
         h, bs = s.heads, a.block_size
         dev = self.dev
-        elem = self.elem(s.dtype)
-        kv_bytes = s.kv_bytes(elem)
+        kv_bytes = s.kv_bytes(self.cache_elem(s.dtype, s.kv))  # what v1 / v2 read
+        peer_kv_bytes = s.kv_bytes(self.elem(s.dtype))  # the peers: the query dtype
         nbps = math.ceil(s.ctx / bs)
         scale = 1.0 / math.sqrt(h.size)
+        fp8_kw: dict[str, Any] = {} if s.kv == "auto" else {
+            "kv_cache_dtype": s.kv, "k_scale": FP8_SCALES[0], "v_scale": FP8_SCALES[1]}
         row: dict[str, Any] = {
-            "dtype": SHORT_DTYPE[s.dtype], "heads": h.name, "num_heads": h.q,
+            "dtype": SHORT_DTYPE[s.dtype], "kv_cache_dtype": s.kv, "heads": h.name,
+            "num_heads": h.q,
             "num_kv_heads": h.kv, "head_size": h.size, "batch": s.batch, "ctx": s.ctx,
             "block_size": bs, "layout": a.kv_cache_layout, "kv_bytes": kv_bytes, "pool_GiB": round(pool["info"]["GiB"], 2),
             "auto": "v2" if ops.use_v2(s.ctx, s.batch, h.q) else "v1", "kernels": {},
@@ -581,7 +642,8 @@ class Bench:
         query = (torch.randn(s.batch, h.q, h.size, generator=self.gen) * 2).to(tdt).to(dev)
 
         # Contiguous cache with the same values, built once outside timing.
-        stage = torch.empty(s.batch * nbps * h.kv * h.size * bs, dtype=tdt, device=dev)
+        stage = torch.empty(s.batch * nbps * h.kv * h.size * bs, dtype=pool["k"].dtype,
+                            device=dev)
         k_cont = torch.empty(s.batch, h.kv, nbps * bs, h.size, dtype=tdt, device=dev)
         v_cont = torch.empty_like(k_cont)
         self.gather_into(pool, idx, stage, k_cont, v_cont, s.batch, nbps, h)
@@ -605,12 +667,13 @@ class Bench:
 
         def run_v1():
             ops.paged_attention_v1(out_v1, query, pool["k"], pool["v"], h.kv, scale,
-                                   block_tables, seq_lens, bs, s.ctx)
+                                   block_tables, seq_lens, bs, s.ctx, **fp8_kw)
             return out_v1
 
         def run_v2():
             ops.paged_attention_v2(out_v2, exp_sums, max_logits, tmp_out, query, pool["k"],
-                                   pool["v"], h.kv, scale, block_tables, seq_lens, bs, s.ctx)
+                                   pool["v"], h.kv, scale, block_tables, seq_lens, bs, s.ctx,
+                                   **fp8_kw)
             return out_v2
 
         sdpa_fn, sdpa_label = self.pick_sdpa(q4, k_sd, v_sd, scale, gqa_kw)
@@ -688,11 +751,12 @@ class Bench:
             except Exception as e:
                 entry["status"] = f"error while timing: {type(e).__name__}: {e}"[:300]
                 continue
-            gbps = kv_bytes / t / 1e9
+            read = kv_bytes if name in ("v1", "v2") else peer_kv_bytes
+            gbps = read / t / 1e9
             if self.timer.last_cpu_share is not None:
                 entry["cpu_share"] = round(self.timer.last_cpu_share, 3)
             entry.update({"ms": t * 1e3, "ms_min": self.timer.last_min * 1e3, "iters": n,
-                          "GBps": gbps,
+                          "kv_bytes": read, "GBps": gbps,
                           "frac_copy_bw": gbps / self.copy_bw["copy_GBps"]})
         sd = row["kernels"]["sdpa"].get("ms")
         for name, entry in row["kernels"].items():
@@ -778,23 +842,23 @@ class Bench:
         torch, a = self.torch, self.args
         self.measure_bandwidth()
         groups = self.plan()
-        for _, _, _, _, skip in groups:
+        for *_, skip in groups:
             for s, why in skip:
                 self.rows.append(self.skipped_row(s, why))
-        total = sum(len(g[3]) for g in groups)
+        total = sum(len(g[4]) for g in groups)
         log.info("%d shapes to run, %d skipped for memory (budget %.1f GiB)", total,
                  len(self.rows), self.mem_budget / GIB)
         bar = _progress(total)
         deadline = a.deadline_min * 60 if a.deadline_min else None
         try:
-            for dtype, heads, pool_bytes, run, _ in groups:
+            for dtype, kv_dtype, heads, pool_bytes, run, _ in groups:
                 if not run:
                     continue
                 if deadline and time.monotonic() - self.t_start > deadline:
                     for s in run:
                         self.rows.append(self.skipped_row(s, "not run: --deadline-min reached"))
                     continue
-                pool = self.make_pool(dtype, heads, pool_bytes)
+                pool = self.make_pool(dtype, kv_dtype, heads, pool_bytes)
                 for i, s in enumerate(run):
                     if deadline and time.monotonic() - self.t_start > deadline:
                         for s2 in run[i:]:
@@ -838,8 +902,9 @@ class Bench:
                     k["frac_copy_bw"] = k["GBps"] / self.copy_bw["copy_GBps"]
 
     def skipped_row(self, s: Shape, why: str) -> dict[str, Any]:
-        return {"dtype": SHORT_DTYPE[s.dtype], "heads": s.heads.name, "batch": s.batch,
-                "ctx": s.ctx, "kv_bytes": s.kv_bytes(self.elem(s.dtype)), "skipped": why,
+        return {"dtype": SHORT_DTYPE[s.dtype], "kv_cache_dtype": s.kv, "heads": s.heads.name,
+                "batch": s.batch, "ctx": s.ctx,
+                "kv_bytes": s.kv_bytes(self.cache_elem(s.dtype, s.kv)), "skipped": why,
                 "kernels": {}}
 
     # ---- reporting -------------------------------------------------------------------
@@ -907,9 +972,14 @@ class Bench:
             f"start and after each pool: {', '.join(f'{x:.1f}' for x in meta['copy_bandwidth_samples_GBps'])}); "
             f"read bandwidth {bw['read_GBps']:.1f} GB/s",
             f"- KV pools (shuffled block tables, block size {meta['block_size']}): "
-            + ", ".join(f"{p['dtype']} {p['heads']} {p['GiB']:.1f} GiB" for p in meta["pools"]),
+            + ", ".join(f"{p['dtype']}{'' if p['kv_cache_dtype'] == 'auto' else ' ' + p['kv_cache_dtype']} "
+                        f"{p['heads']} {p['GiB']:.1f} GiB" for p in meta["pools"]),
             "- cells: median time, achieved KV bandwidth (KV bytes read / time) and its "
-            "fraction of the copy bandwidth; ratio columns: time / SDPA contiguous time",
+            "fraction of the copy bandwidth; ratio columns: time / SDPA contiguous time; "
+            "fp8 speedup: the 16-bit-cache row's time / the fp8 row's (auto kernel); the "
+            "peers of an fp8 row read the dequantized values in the query dtype"
+            + (f" (fp8 scales k {FP8_SCALES[0]}, v {FP8_SCALES[1]})"
+               if any(k != "auto" for k in self.args.kv_cache_dtypes) else ""),
             f"- {meta['timing']}; cold cache: {meta['cold_cache']}",
             f"- SDPA: {meta['sdpa_gqa']} for GQA, backend per row; flash_attn: {meta['flash_attn']}",
             f"- check: each kernel vs a float32 reference on the first and last sequence "
@@ -921,16 +991,17 @@ class Bench:
                          "other processes took cores during the timing, distrust that row")
         for n in meta["notes"]:
             lines.append(f"- note: {n}")
-        lines += ["", "| dtype | heads | batch | ctx | KV MiB | " + " | ".join(
-            KERNEL_TITLES[k] for k in KERNELS) + " | v1/SDPA | v2/SDPA | auto | SDPA backend | check |"
-            + (" CPU share |" if self.device == "cpu" else ""),
-            "|" + "---|" * (5 + len(KERNELS) + 5 + (self.device == "cpu"))]
-        for r in self.rows:
-            head = f"| {r['dtype']} | {r['heads']} | {r['batch']} | {r['ctx']} | " \
-                   f"{r['kv_bytes'] / MIB:.4g} |"
+        lines += ["", "| dtype | KV cache | heads | batch | ctx | KV MiB | " + " | ".join(
+            KERNEL_TITLES[k] for k in KERNELS) + " | v1/SDPA | v2/SDPA | auto | fp8 speedup "
+            "| SDPA backend | check |" + (" CPU share |" if self.device == "cpu" else ""),
+            "|" + "---|" * (6 + len(KERNELS) + 6 + (self.device == "cpu"))]
+        speedups = self.fp8_speedups()
+        for i, r in enumerate(self.rows):
+            head = f"| {r['dtype']} | {r.get('kv_cache_dtype', 'auto')} | {r['heads']} | " \
+                   f"{r['batch']} | {r['ctx']} | {r['kv_bytes'] / MIB:.4g} |"
             if "skipped" in r:
                 lines.append(head + f" {r['skipped']} |"
-                             + " |" * (len(KERNELS) + 4 + (self.device == "cpu")))
+                             + " |" * (len(KERNELS) + 5 + (self.device == "cpu")))
                 continue
             cells = [_cell(r["kernels"].get(k, {})) for k in KERNELS]
             ratios = [_ratio(r["kernels"].get(k, {})) for k in ("v1", "v2")]
@@ -943,20 +1014,38 @@ class Bench:
                 shares = [k["cpu_share"] for k in r["kernels"].values() if "cpu_share" in k]
                 extra = [f"{min(shares):.2f}" + (" ⚠" if min(shares) < 0.8 else "")
                          if shares else ""]
-            lines.append(head + " " + " | ".join(cells + ratios + [r["auto"], r["sdpa_backend"],
-                                                                    check] + extra) + " |")
+            sp = f"{speedups[i]:.2f}x" if i in speedups else ""
+            lines.append(head + " " + " | ".join(cells + ratios + [r["auto"], sp,
+                                                                    r["sdpa_backend"], check]
+                                                   + extra) + " |")
         goals = self.goals()
         if goals:
             lines += ["", "### Goals (reported, not asserted)", ""] + goals
         return "\n".join(lines) + "\n"
 
+    def fp8_speedups(self) -> dict[int, float]:
+        """Row index of each timed fp8-cache row -> time of the same shape's 16-bit-cache
+        row / its time (the kernel `paged_attention` picks in both)."""
+        def key(r):
+            return (r["dtype"], r["heads"], r["batch"], r["ctx"], r.get("layout"))
+
+        def ms(r):
+            return r.get("kernels", {}).get(r.get("auto"), {}).get("ms")
+
+        base = {key(r): ms(r) for r in self.rows
+                if r.get("kv_cache_dtype", "auto") == "auto" and ms(r)}
+        return {i: base[key(r)] / ms(r) for i, r in enumerate(self.rows)
+                if r.get("kv_cache_dtype", "auto") != "auto" and ms(r) and key(r) in base}
+
     def goals(self) -> list[str]:
         """--goal-copy-bw / --goal-vs-sdpa: whether each timed row's paged kernel (the one
         `paged_attention` picks) reaches that fraction of copy bandwidth and stays within
         that multiple of SDPA's time on the contiguous cache."""
-        bw, vs = self.args.goal_copy_bw, self.args.goal_vs_sdpa
-        if bw is None and vs is None:
+        bw, vs, f8 = self.args.goal_copy_bw, self.args.goal_vs_sdpa, self.args.goal_fp8_speedup
+        if bw is None and vs is None and f8 is None:
             return []
+        if bw is None and vs is None:
+            return self.fp8_goal(f8)
         wanted = [f">= {bw:.0%} of copy bandwidth" if bw is not None else "",
                   f"<= {vs}x SDPA time" if vs is not None else ""]
         out = ["paged kernel (the one `paged_attention` picks): "
@@ -985,7 +1074,16 @@ class Bench:
         if noisy:
             out.append(f"- caution: {noisy} of these rows were timed while other processes "
                        f"held cores (CPU share < 0.8)")
-        return out + [f"- missed: {f}" for f in fails]
+        return out + [f"- missed: {f}" for f in fails] + (self.fp8_goal(f8) if f8 else [])
+
+    def fp8_goal(self, ratio: float) -> list[str]:
+        """--goal-fp8-speedup: each fp8 row with a 16-bit-cache row of the same shape."""
+        sp = self.fp8_speedups()
+        out = [f"fp8 cache >= {ratio}x faster than the 16-bit cache (same shape, paged kernel "
+               f"`paged_attention` picks):",
+               f"- {sum(v >= ratio for v in sp.values())} of {len(sp)} fp8 rows met"]
+        return out + [f"- missed: {_rowname(self.rows[i])}: {v:.2f}x" for i, v in sp.items()
+                      if v < ratio]
 
     def write(self) -> tuple[Path, Path, str]:
         meta = self.meta()
@@ -1032,7 +1130,9 @@ def _ratio(k: dict[str, Any]) -> str:
 
 
 def _rowname(r: dict[str, Any]) -> str:
-    return f"{r['dtype']} {r['heads']} b={r['batch']} ctx={r['ctx']}"
+    kv = r.get("kv_cache_dtype", "auto")
+    return (f"{r['dtype']}{'' if kv == 'auto' else ' ' + kv + ' cache'} {r['heads']} "
+            f"b={r['batch']} ctx={r['ctx']}")
 
 
 def _row_brief(r: dict[str, Any]) -> str:

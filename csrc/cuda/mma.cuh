@@ -117,6 +117,20 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
 #endif
 }
 
+// 8 bytes global -> shared, asynchronously (cp.async.ca: the only form for copies under
+// 16 bytes), zero-filled with valid == false as cp_async_16.
+__device__ __forceinline__ void cp_async_8(void* dst, const void* src, bool valid = true) {
+#if defined(VLLM_LITE_CUDA_EMU)
+  ::cuda_emu::cp_async(dst, src, 8, valid ? 8 : 0, CUDA_EMU_WHERE);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(valid ? 8 : 0)
+               : "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
 // Closes the group of this thread's cp.async copies issued since the last commit.
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(VLLM_LITE_CUDA_EMU)

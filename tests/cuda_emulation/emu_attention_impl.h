@@ -23,7 +23,7 @@ void launch_attention(const AttentionArgs& d, void* out, float* exp_sums, float*
   const int64_t group = d.num_heads / d.num_kv_heads;
   const attn::DecodeLaunch plan = attn::plan_decode_launch<T, CT>(
       static_cast<int>(d.cc), d.num_seqs, d.num_kv_heads, group, d.head_size,
-      static_cast<int>(d.block_size), grid_partitions, d.sms, d.flash_layout != 0);
+      static_cast<int>(d.block_size), grid_partitions, d.sms);
   if (d.path_out != nullptr) *d.path_out = static_cast<int32_t>(plan.path);
   const attn::CtaSplit split = plan.split;
   const int64_t grid_x = d.num_seqs * d.num_kv_heads * split.ctas_per_kv_head;

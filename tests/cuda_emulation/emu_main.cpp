@@ -422,14 +422,14 @@ void run_case(const Case& c) {
   } else if (op == "fused_moe") {
     run_moe(c);
   } else if (op == "decode_path") {
-    // rows of 6 int32 (cc, query is 16-bit, cache is the query dtype, group, head_size,
-    // flash layout) -> out[i] = attn::decode_path(...) of row i.
+    // rows of 4 int32 (cc, query is 16-bit, group, head_size) -> out[i] =
+    // attn::decode_path(...) of row i.
     const auto* in = static_cast<const int32_t*>(c.p("in"));
     auto* out = static_cast<int32_t*>(c.p("out"));
-    for (int64_t i = 0; i < c.bytes("in") / 24; ++i) {
-      const int32_t* r = in + 6 * i;
-      out[i] = static_cast<int32_t>(vllm_lite::cuda::attn::decode_path(
-          r[0], r[1] != 0, r[2] != 0, r[3], r[4], r[5] != 0));
+    for (int64_t i = 0; i < c.bytes("in") / 16; ++i) {
+      const int32_t* r = in + 4 * i;
+      out[i] = static_cast<int32_t>(
+          vllm_lite::cuda::attn::decode_path(r[0], r[1] != 0, r[2], r[3]));
     }
   } else if (op == "varlen_path") {
     // rows of 4 int32 (cc, query is 16-bit, cache is the query dtype, head_size) ->

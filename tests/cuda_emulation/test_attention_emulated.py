@@ -8,6 +8,12 @@ bit, v1 == v2 within tolerance, and the inputs must be unchanged. Sizes are redu
 emulator runs each GPU thread as a fiber under ASan). Every case runs under each schedule
 seed of harness.seeds() (two random schedules: the first by default, the second with
 --full-grid); each (case, seed) is a test.
+
+The tensor-core decode kernel (cases planned for sm_90) runs every case of the SIMT
+kernel it takes, and a grid of its own (TC_GRID: caches in the query dtype and fp8 e4m3 /
+e5m2 with scales != 1, split and flash layouts, GQA 3 / 4 / 8, head sizes 64 / 128, block
+sizes 8 / 16 / 32), a representative part by default and the rest with --full-grid. Each
+case also checks which kernel the launcher took (test_decode_path_choice states the rule).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from ops.reference import (  # tests/ is on sys.path (rootdir-based packages)
     num_partitions,
     ref_paged_attention,
     split_to_flash,
+    to_fp8_caches,
 )
 from . import harness
 from .conftest import case_dir
@@ -43,6 +50,7 @@ pytestmark = pytest.mark.cuda_emulated
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 CODE = {F32: "f32", F16: "f16", BF16: "bf16"}
+FP8_NAN_BYTE = 0x7F  # NaN in both fp8 formats
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ class Case:
     corrupt: int = 0  # table entries inside the lengths replaced by ids outside the pool
     flash: bool = False  # the caches in the flash layout (split_to_flash of the same values)
     cc: int = 75  # compute capability the launcher plans for (80+: the tensor-core kernel)
+    kv: str = "auto"  # kv_cache_dtype: auto (caches in dtype), fp8_e4m3, fp8_e5m2
 
     @property
     def msl(self) -> int:
@@ -156,25 +165,58 @@ def _cases() -> list[Case]:
                       k_scale=2.0))
     # Every case the tensor-core kernel takes once more as on an sm_90 GPU.
     cases += [dataclasses.replace(c, id=f"{c.id}-sm90", cc=90) for c in cases
-              if takes_tensor_cores(90, c.dtype, "auto", c.num_heads // c.num_kv_heads,
-                                    c.head_size, c.flash)]
-    # A flash-layout case planned for sm_90: the launcher must keep it on the SIMT kernel.
-    cases.append(Case("flash-gqa-bf16-8x2-d128-sm90", BF16, 8, 2, 128, 16, (1, 300, 17),
-                      flash=True, cc=90))
+              if takes_tensor_cores(90, c.dtype, c.num_heads // c.num_kv_heads, c.head_size)]
+    # fp8 caches on the SIMT kernel (sm_75) next to the same shapes on tensor cores.
+    cases.append(Case("fp8-e4m3-gqa3-bf16-9x3-d64-sm75", BF16, 9, 3, 64, 16, (77, 1, 530),
+                      k_scale=0.05, v_scale=0.5, kv="fp8_e4m3"))
+    cases.append(Case("fp8-e5m2-flash-gqa4-f16-8x2-d128-sm75", F16, 8, 2, 128, 8, (77, 530),
+                      k_scale=2.0, v_scale=0.25, kv="fp8_e5m2", flash=True))
     return cases
 
 
-def takes_tensor_cores(cc: int, dtype: torch.dtype, kv: str, group: int,
-                       head_size: int, flash: bool = False) -> bool:
+# The tensor-core kernel's grid: cache element x layout x (heads, kv heads, head size) for
+# GQA 3 (the default model's 9/3 x 64), 4 and 8 x block size, on sm_90; the query dtype
+# alternates. Lengths end inside a block and a stage and cross a partition (v1 and v2 both
+# run). The default set covers every value of every axis; the rest is the full grid.
+TC_SHAPES = ((9, 3, 64), (6, 2, 128), (8, 2, 64), (4, 1, 128), (8, 1, 64), (16, 2, 128))
+TC_KV = ("auto", "fp8_e4m3", "fp8_e5m2")
+TC_SCALES = ((0.05, 0.5), (2.0, 0.25), (0.37, 1.5))
+TC_LENS = ((77, 1, 530), (530, 17), (33, 0, 515), (1, 100, 45))
+TC_DEFAULT = {  # (kv, flash, shape index, block size)
+    ("fp8_e4m3", False, 0, 16), ("fp8_e5m2", True, 0, 16), ("fp8_e4m3", True, 5, 8),
+    ("fp8_e5m2", False, 3, 8), ("fp8_e4m3", False, 4, 32), ("auto", True, 2, 32),
+    ("fp8_e5m2", True, 1, 32), ("auto", True, 1, 8), ("fp8_e4m3", True, 3, 16),
+}
+
+
+def _tc_grid() -> list:
+    params = []
+    for i, (kv, flash, si, bs) in enumerate(itertools.product(
+            TC_KV, (False, True), range(len(TC_SHAPES)), (8, 16, 32))):
+        h, kvh, d = TC_SHAPES[si]
+        dt = (F16, BF16)[i % 2]
+        ks, vs = TC_SCALES[i % len(TC_SCALES)]
+        lens = TC_LENS[i % len(TC_LENS)]
+        c = Case(f"tc-{kv}-{'flash' if flash else 'split'}-g{h // kvh}-{h}x{kvh}-d{d}-b{bs}-"
+                 f"{dtype_name(dt)}", dt, h, kvh, d, bs, lens, k_scale=ks, v_scale=vs,
+                 flash=flash, cc=90, kv=kv, alibi=i % 5 == 0)
+        default = (kv, flash, si, bs) in TC_DEFAULT
+        params.append(pytest.param(c, id=c.id, marks=() if default else pytest.mark.full_grid))
+    return params
+
+
+def takes_tensor_cores(cc: int, dtype: torch.dtype, group: int, head_size: int) -> bool:
     """The launcher's kernel choice (csrc/cuda/attention/attention_path.h), stated here
-    independently: the tensor-core decode kernel on sm_80 and newer for 16-bit queries with
-    caches of their dtype in the split layout, GQA/MQA groups of >= 2 heads and head sizes
-    64 and 128."""
-    return (cc >= 80 and dtype in (F16, BF16) and kv == "auto" and group >= 2
-            and head_size in (64, 128) and not flash)
+    independently: the tensor-core decode kernel on sm_80 and newer for 16-bit queries,
+    GQA/MQA groups of >= 2 heads and head sizes 64 and 128, whatever the cache element
+    (the query dtype, fp8 e4m3 / e5m2) and layout (split, flash)."""
+    return cc >= 80 and dtype in (F16, BF16) and group >= 2 and head_size in (64, 128)
 
 
-CASES = _cases()
+TC_GRID = _tc_grid()
+_BASE = _cases()
+CASES = _BASE + [p.values[0] for p in TC_GRID]
+PARAMS = [pytest.param(c, id=c.id) for c in _BASE] + TC_GRID
 
 
 @dataclass
@@ -210,10 +252,17 @@ def _query(c: Case, g: torch.Generator) -> torch.Tensor:
 def prepare(c: Case, root) -> Prepared:
     g = torch.Generator().manual_seed(zlib.crc32(c.id.encode()))
     cols = max(1, math.ceil(c.msl / c.block_size)) + c.table_extra_cols
-    kv = make_paged_kv(list(c.seq_lens), c.num_kv_heads, c.head_size, c.block_size, c.dtype,
-                       "cpu", g, table_cols=cols, unused_table_fill=c.table_fill)
+    fp8 = c.kv != "auto"
+    kv = make_paged_kv(list(c.seq_lens), c.num_kv_heads, c.head_size, c.block_size,
+                       torch.float32 if fp8 else c.dtype, "cpu", g, table_cols=cols,
+                       unused_table_fill=c.table_fill)
     query = _query(c, g)
     ref_kv = (kv.key_cache, kv.value_cache, kv.block_tables)
+    if fp8:  # uint8 caches of key / k_scale, value / v_scale; the reference reads them x scale
+        assert not c.corrupt
+        kv.key_cache, kv.value_cache, kd, vd = to_fp8_caches(kv, c.kv, c.k_scale, c.v_scale)
+        ref_kv = (kd, vd, kv.block_tables)
+        assert (kv.key_cache == FP8_NAN_BYTE).any(), "unused cache slots must be NaN bytes"
     if c.corrupt:
         ref_kv, kv.block_tables = _corrupt_table(c, kv, g)
     if c.flash:  # the kernel reads the same values in the flash layout
@@ -228,7 +277,7 @@ def prepare(c: Case, root) -> Prepared:
     tmp_out = torch.full((s, h, p, d), float("nan"), dtype=c.dtype)
 
     cd = case_dir(root, c.id)
-    cd.set(op="attention", dtype=CODE[c.dtype], num_seqs=s, num_heads=h,
+    cd.set(op="attention", dtype=CODE[c.dtype], kv=c.kv, num_seqs=s, num_heads=h,
            num_kv_heads=c.num_kv_heads, head_size=d, block_size=c.block_size,
            num_blocks=kv.key_cache.shape[0], max_blocks_per_seq=cols,
            q_stride_seq=query.stride(0), q_stride_head=query.stride(1), q_offset=q_off,
@@ -306,7 +355,7 @@ def _check_v2_scratch(c: Case, stats, exp_sums, max_logits, tmp_out):
 
 
 @pytest.mark.parametrize("seed", harness.seed_params())
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", PARAMS)
 def test_paged_attention_emulated(runs, case, seed):
     prepared, results = runs
     p = prepared[case.id]
@@ -314,12 +363,13 @@ def test_paged_attention_emulated(runs, case, seed):
     assert res.ok, res.message
     d = p.dir
     ref_k, ref_v, ref_table = p.ref_kv
+    fp8 = case.kv != "auto"  # the dequantized fp8 caches hold the scales already
     ref, stats = ref_paged_attention(p.query, ref_k, ref_v, case.num_kv_heads, p.scale,
                                      ref_table, p.seq_lens, case.block_size, p.slopes,
-                                     case.k_scale, case.v_scale)
+                                     1.0 if fp8 else case.k_scale, 1.0 if fp8 else case.v_scale)
     path = int(d.read("path", seed, torch.empty(1, dtype=torch.int32)))
-    want_tc = takes_tensor_cores(case.cc, case.dtype, "auto",
-                                 case.num_heads // case.num_kv_heads, case.head_size, case.flash)
+    want_tc = takes_tensor_cores(case.cc, case.dtype, case.num_heads // case.num_kv_heads,
+                                 case.head_size)
     assert path == int(want_tc), f"kernel path {path}, expected tensor cores: {want_tc}"
     out1 = d.read("out_v1", seed, p.out)
     out2 = d.read("out_v2", seed, p.out)
@@ -336,15 +386,16 @@ def test_paged_attention_emulated(runs, case, seed):
 
 
 def test_decode_path_choice(tmp_path):
-    """attention_path.h's decode_path over compute capabilities, dtypes, cache formats,
-    group and head sizes (boundaries included) against takes_tensor_cores."""
+    """attention_path.h's decode_path over compute capabilities, query dtypes, group and
+    head sizes (boundaries included) against takes_tensor_cores. The cache element and
+    layout do not enter the choice; the kernel cases above check that every one of them
+    (fp8 e4m3 / e5m2, split / flash) takes the path this predicts."""
     rows, want = [], []
-    for cc, (dt, q16), kv, group, hs, flash in itertools.product(
-            (70, 75, 80, 86, 89, 90, 100, 120), ((F32, 0), (F16, 1), (BF16, 1)),
-            ("auto", "fp8_e4m3"), (1, 2, 3, 7, 8, 16, 17, 64), (32, 48, 64, 80, 96, 128, 192, 256),
-            (False, True)):
-        rows.append([cc, q16, int(kv == "auto"), group, hs, int(flash)])
-        want.append(int(takes_tensor_cores(cc, dt, kv, group, hs, flash)))
+    for cc, (dt, q16), group, hs in itertools.product(
+            (70, 75, 79, 80, 86, 89, 90, 100, 120), ((F32, 0), (F16, 1), (BF16, 1)),
+            (1, 2, 3, 4, 7, 8, 16, 17, 64), (32, 48, 63, 64, 65, 80, 96, 127, 128, 129, 192, 256)):
+        rows.append([cc, q16, group, hs])
+        want.append(int(takes_tensor_cores(cc, dt, group, hs)))
     c = case_dir(tmp_path, "decode_path")
     c.set(op="decode_path")
     c.buf("in", np.array(rows, dtype=np.int32))
@@ -354,5 +405,5 @@ def test_decode_path_choice(tmp_path):
     assert res.ok, res.message
     got = c.read("out", 0, torch.empty(len(rows), dtype=torch.int32)).tolist()
     bad = [(r, g, w) for r, g, w in zip(rows, got, want) if g != w]
-    assert not bad, f"(cc, 16-bit, auto cache, group, head, flash) -> got, want: {bad[:10]}"
+    assert not bad, f"(cc, 16-bit query, group, head) -> got, want: {bad[:10]}"
     assert 0 < sum(want) < len(want)

@@ -51,21 +51,23 @@ def _expected(buckets, caches) -> list[tuple[str, ...]]:
         want += [("AttentionInstance", q, ct, str(bs), str(hb))
                  for bs in (8, 16, 32) for hb in buckets]
         want += [("VarlenInstance", q, ct, str(hb)) for hb in buckets]
-        if q != "float" and c == "auto":  # the tensor-core kernels: head sizes 64, 128
-            want += [("AttentionTcInstance", q, q, str(bs), str(hb))
+        if q != "float":  # the tensor-core kernels: 16-bit queries, head sizes 64, 128
+            want += [("AttentionTcInstance", q, ct, str(bs), str(hb))
                      for bs in (8, 16, 32) for hb in buckets if hb in (64, 128)]
-            want += [("VarlenTcInstance", q, q, str(hb)) for hb in buckets if hb in (64, 128)]
+            if c == "auto":  # the prefill kernel: caches in the query dtype
+                want += [("VarlenTcInstance", q, q, str(hb))
+                         for hb in buckets if hb in (64, 128)]
     return want
 
 
-def _tc_table(outdir: Path, kernel: str = "paged_attention_tc") -> list[str]:
-    """The instances a tensor-core kernel's table returns (all under one condition: caches
-    in the query dtype, fp16 / bf16 queries)."""
+def _tc_table(outdir: Path, kernel: str = "paged_attention_tc") -> dict[str, list[str]]:
+    """The instances a tensor-core kernel's table returns per cache section ("T": caches in
+    the query dtype; each section also limited to fp16 / bf16 queries)."""
     text = (outdir / f"{kernel}_table.h").read_text()
-    if re.findall(r"return (\w+<[^>]*>)::get\(\)", text):
-        assert ("if constexpr (std::is_same_v<CT, T> && (std::is_same_v<T, __half> || "
-                "std::is_same_v<T, __nv_bfloat16>))") in text
-    return re.findall(r"return (\w+<[^>]*>)::get\(\)", text)
+    sections = re.split(r"if constexpr \(std::is_same_v<CT, (\w+)> && \((std::is_same_v<T, "
+                        r"__half> \|\| std::is_same_v<T, __nv_bfloat16>)\)\)", text)[1:]
+    return {cond: re.findall(r"return (\w+<[^>]*>)::get\(\)", body)
+            for cond, _, body in zip(sections[::3], sections[1::3], sections[2::3])}
 
 
 def _table_entries(outdir: Path, name: str) -> dict[str, list[str]]:
@@ -78,8 +80,9 @@ def _table_entries(outdir: Path, name: str) -> dict[str, list[str]]:
 
 def test_default_builds_every_instance_exactly_once(tmp_path):
     units = gk.generate(tmp_path)
-    # (kernel, query dtype, cache element), and the tensor-core kernels' (fp16 / bf16, auto)
-    assert len(units) == 2 * 3 * 3 + 2 * 2
+    # (kernel, query dtype, cache element), the tensor-core decode kernel's (fp16 / bf16,
+    # cache) and the tensor-core prefill kernel's (fp16 / bf16, caches in the query dtype)
+    assert len(units) == 2 * 3 * 3 + 2 * 3 + 2
     got = _instances(tmp_path)
     assert len(got) == len(set(got)), "an instance is compiled twice"
     assert sorted(got) == sorted(_expected((64, 128, 256), CTS))
@@ -91,10 +94,11 @@ def test_default_builds_every_instance_exactly_once(tmp_path):
     varlen = _table_entries(tmp_path, "varlen_attention")
     assert {k: sorted(v) for k, v in varlen.items()} == {
         k: sorted(f"VarlenInstance<T, CT, {hb}>" for hb in (64, 128, 256)) for k in paged}
-    assert sorted(_tc_table(tmp_path)) == sorted(
-        f"AttentionTcInstance<T, CT, {bs}, {hb}>" for bs in (8, 16, 32) for hb in (64, 128))
-    assert sorted(_tc_table(tmp_path, "varlen_attention_tc")) == sorted(
-        f"VarlenTcInstance<T, CT, {hb}>" for hb in (64, 128))
+    assert {k: sorted(v) for k, v in _tc_table(tmp_path).items()} == {
+        k: sorted(f"AttentionTcInstance<T, CT, {bs}, {hb}>" for bs in (8, 16, 32)
+                  for hb in (64, 128)) for k in paged}
+    assert {k: sorted(v) for k, v in _tc_table(tmp_path, "varlen_attention_tc").items()} == {
+        "T": sorted(f"VarlenTcInstance<T, CT, {hb}>" for hb in (64, 128))}
     assert "VLLM_LITE_HEAD_SIZES unset (all) and VLLM_LITE_KV_CACHE_DTYPES unset (all)" in (
         tmp_path / "kernel_build_config.h").read_text()
 
@@ -103,18 +107,21 @@ def test_options_leave_out_exactly_the_unselected(tmp_path):
     # 80 falls in the <= 128 bucket; "fp8" is fp8_e4m3, as kv_cache_dtype reads it.
     gk.generate(tmp_path, "80", "fp8")
     assert sorted(p.name for p in tmp_path.glob("*.cu")) == sorted(
-        f"{k}_{q}_fp8_e4m3.cu" for k in ("paged_attention", "varlen_attention")
-        for q in ("f32", "f16", "bf16"))
+        [f"{k}_{q}_fp8_e4m3.cu" for k in ("paged_attention", "varlen_attention")
+         for q in ("f32", "f16", "bf16")]
+        + [f"paged_attention_tc_{q}_fp8_e4m3.cu" for q in ("f16", "bf16")])
     assert sorted(_instances(tmp_path)) == sorted(_expected((128,), ["fp8_e4m3"]))
     assert _table_entries(tmp_path, "paged_attention") == {
         "fp8_e4m3": [f"AttentionInstance<T, CT, {bs}, 128>" for bs in (8, 16, 32)]}
     assert _table_entries(tmp_path, "varlen_attention") == {
         "fp8_e4m3": ["VarlenInstance<T, CT, 128>"]}
-    for kernel in ("paged_attention_tc", "varlen_attention_tc"):
-        assert _tc_table(tmp_path, kernel) == []  # fp8 caches: no tensor-core kernel
+    assert _tc_table(tmp_path) == {
+        "fp8_e4m3": [f"AttentionTcInstance<T, CT, {bs}, 128>" for bs in (8, 16, 32)]}
+    # fp8 caches: no tensor-core prefill kernel
+    assert not any(_tc_table(tmp_path, "varlen_attention_tc").values())
     gk.generate(tmp_path / "b", "256", "auto")
     for kernel in ("paged_attention_tc", "varlen_attention_tc"):
-        assert _tc_table(tmp_path / "b", kernel) == []  # nor for head size 256
+        assert not any(_tc_table(tmp_path / "b", kernel).values())  # no kernel for 256
         assert not list((tmp_path / "b").glob(f"{kernel}_*.cu"))
     assert gk.parse_head_sizes("64 256;1") == (64, 256)
     assert gk.parse_cache_dtypes("ALL") == ("auto", "fp8_e4m3", "fp8_e5m2")

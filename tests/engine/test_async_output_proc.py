@@ -84,7 +84,7 @@ def _mixed_requests(stop_text: str | None = None) -> list[tuple[list[int], Sampl
     params = [
         SamplingParams(temperature=0.0, max_tokens=7),
         SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),
-        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
         SamplingParams(temperature=0.9, seed=3, max_tokens=9),
         SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=8, n=2, best_of=3),
         SamplingParams(temperature=0.0, max_tokens=6, use_beam_search=True, best_of=2),
@@ -241,3 +241,48 @@ def test_a_failed_request_fails_alone_with_the_same_streams(folder: Path) -> Non
     assert got == want
     assert got["r1"][-1][1] and "injected failure" in got["r1"][-1][3]
     assert_all_free(llm)
+
+
+def test_a_request_whose_text_fails_fails_alone(folder: Path) -> None:
+    """Text made one call late (async) that raises fails its request only, as in the
+    synchronous engine: EngineStepError names it, its last output carries the error, its
+    blocks are free, and every other stream is unchanged."""
+    from vllm_lite.engine.llm_engine import EngineStepError
+    from vllm_lite.engine.output_processor import OutputProcessor
+
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+                for p in _prompts(3, seed=4)]
+    advance = OutputProcessor._advance
+
+    def failing(self: Any, group: Any, seq: Any, *args: Any, **kw: Any) -> Any:
+        if group.request_id == "r1" and seq.get_output_len() >= 3:
+            raise RuntimeError("injected text failure")
+        return advance(self, group, seq, *args, **kw)
+
+    results = []
+    for mode in ("off", "on"):
+        llm = _llm(folder, mode)
+        engine = llm.llm_engine
+        for i, (prompt, params) in enumerate(requests):
+            engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt)
+        streams: dict[str, list] = {f"r{i}": [] for i in range(len(requests))}
+        failed: list[str] = []
+        OutputProcessor._advance = failing
+        try:
+            while engine.has_unfinished_requests():
+                try:
+                    outs = engine.step()
+                except EngineStepError as e:
+                    failed += e.request_ids
+                    outs = e.outputs
+                for out in outs:
+                    streams[out.request_id].append(_view(out))
+        finally:
+            OutputProcessor._advance = advance
+        assert failed == ["r1"]
+        last = streams["r1"][-1]
+        assert last[1] and "injected text failure" in last[3]
+        assert_all_free(llm)
+        results.append(streams)
+    want, got = results
+    assert got["r0"] == want["r0"] and got["r2"] == want["r2"]

@@ -196,26 +196,27 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         ignored = [request_output(g) for g in out.ignored_seq_groups]
         groups = out.scheduled_seq_groups
+        failed: dict[str, Exception] = {}
         try:
             self.executor.execute_cache_ops(out)
         except DistributedError:
             raise  # fatal: the executor has shut every rank down
         except Exception as e:
-            outputs += self._finish_pending(pending) + ignored
+            outputs += self._finish_pending(pending, failed) + ignored
             # The swap pool's contents are unknown now: every swapped group fails too.
             self._fail_step([s.request_id for s in groups]
-                            + [g.request_id for g in self.scheduler.swapped], e, outputs)
-        failed: dict[str, Exception] = {}
+                            + [g.request_id for g in self.scheduler.swapped], e, outputs,
+                            failed)
         try:
             if pending is None or not groups:
-                outputs += self._finish_pending(pending)
+                outputs += self._finish_pending(pending, failed)
                 result = self._execute_isolated(out, failed)
             else:
                 # The previous step's text and outputs while this step's forward runs.
                 snap = self.executor.snapshot_rng(out)
                 forward = self._forward_thread().submit(self.executor.execute_model, out)
                 try:
-                    outputs += self._finish_pending(pending)
+                    outputs += self._finish_pending(pending, failed)
                 except BaseException:
                     wait([forward])  # no request may be failed while its forward runs
                     raise
@@ -237,9 +238,13 @@ class LLMEngine:
             self._fail_step([s.request_id for s in groups if s.request_id in self._requests],
                             e, outputs, failed)
         if failed:
+            text_failed: dict[str, Exception] = {}
             if deferred:
-                self.output_processor.finish_text(deferred)
-            outputs.extend(request_output(g) for g in ran if g.request_id not in failed)
+                text_failed = self._text_failures(
+                    self.output_processor.finish_text(deferred), ran)
+                failed.update(text_failed)
+            outputs.extend(request_output(g) for g in ran
+                           if g.request_id not in failed or g.request_id in text_failed)
             raise self._step_error(failed, outputs)
         if deferred is None:
             outputs.extend(request_output(g) for g in ran)
@@ -247,20 +252,34 @@ class LLMEngine:
             self._pending = _Pending(ran, deferred)
         return outputs
 
-    def _finish_pending(self, pending: _Pending | None) -> list[RequestOutput]:
+    def _finish_pending(self, pending: _Pending | None,
+                        failed: dict[str, Exception]) -> list[RequestOutput]:
         """The outputs of a step whose text was deferred: its text, then a RequestOutput per
         request that ran, but none for a request aborted since (its output was never
-        due: a stream ends at the abort). A request whose text failed is aborted with an
-        error (its output carries it)."""
+        due: a stream ends at the abort). A request whose text failed is aborted (its
+        blocks are only freed: safe while a forward runs), its output carries the error,
+        and it joins ``failed`` (the step then raises EngineStepError naming it)."""
         if pending is None:
             return []
-        failed = self.output_processor.finish_text(pending.deferred)
-        for rid, cause in failed.items():
-            for group in self.scheduler.abort_seq_group(rid):
-                group.error = f"the engine failed while making this request's text: {cause!r}"
+        text_failed = self._text_failures(self.output_processor.finish_text(pending.deferred),
+                                          pending.groups)
+        failed.update(text_failed)
         aborted = pending.aborted
         return [request_output(g) for g in pending.groups
-                if g.request_id not in aborted or g.request_id in failed]
+                if g.request_id not in aborted or g.request_id in text_failed]
+
+    def _text_failures(self, text_failed: dict[str, Exception],
+                       groups: list[SequenceGroup] | None = None) -> dict[str, Exception]:
+        """Aborts the requests whose text failed, each with its error (``groups``: where to
+        find those that already left the scheduler)."""
+        for group in groups or []:
+            if group.request_id in text_failed:
+                group.error = (f"the engine failed while making this request's text: "
+                               f"{text_failed[group.request_id]!r}")
+        for group in self.scheduler.abort_seq_group(list(text_failed)):
+            group.error = (f"the engine failed while making this request's text: "
+                           f"{text_failed[group.request_id]!r}")
+        return text_failed
 
     def _forward_thread(self) -> ThreadPoolExecutor:
         if self._forward_pool is None:

@@ -769,10 +769,9 @@ struct DecodeLaunch {
 template <typename T, typename CT>
 DecodeLaunch plan_decode_launch(int cc, int64_t num_seqs, int64_t num_kv_heads, int64_t group,
                                 int64_t head_size, int block_size, int64_t grid_partitions,
-                                int64_t sms, bool flash_layout) {
+                                int64_t sms) {
   constexpr bool k16 = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
-  if (decode_path(cc, k16, std::is_same_v<CT, T>, group, head_size, flash_layout) ==
-      DecodePath::kTensorCore) {
+  if (decode_path(cc, k16, group, head_size) == DecodePath::kTensorCore) {
     const AttentionKernel kernel =
         paged_attention_tc_table<T, CT>(block_size, static_cast<int>(head_size));
     if (kernel != nullptr) {

@@ -16,16 +16,16 @@ namespace attn {
 enum class DecodePath : int { kSimt = 0, kTensorCore = 1 };
 
 // compute_capability: major * 10 + minor (80 = A100, 90 = H100). The tensor-core kernel
-// needs sm_80 (bf16 mma.m16n8k16, cp.async), 16-bit queries with caches of the same dtype
-// (fp8 caches stay on the SIMT kernel), a GQA/MQA group of at least 2 query heads (one
-// head fills 1 of the 16 rows of an MMA tile: the SIMT kernel's single-head loop is the
-// better fit) and a head size of 64 or 128 (its register and shared-memory tiles are
-// sized for exactly those); and the split cache layout (its staging reads vLLM's split
-// key layout: flash-layout caches stay on the SIMT kernel).
-inline DecodePath decode_path(int compute_capability, bool query_is_16bit, bool cache_is_query_dtype,
-                              int64_t group_size, int64_t head_size, bool flash_layout) {
-  const bool tc = compute_capability >= 80 && query_is_16bit && cache_is_query_dtype &&
-                  group_size >= 2 && (head_size == 64 || head_size == 128) && !flash_layout;
+// needs sm_80 (bf16 mma.m16n8k16, cp.async), 16-bit queries, a GQA/MQA group of at least 2
+// query heads (one head fills 1 of the 16 rows of an MMA tile: the SIMT kernel's
+// single-head loop is the better fit) and a head size of 64 or 128 (its register and
+// shared-memory tiles are sized for exactly those). The cache does not enter the choice:
+// both kernels read every cache element the launchers take (the query dtype, fp8 e4m3 and
+// e5m2 with their scales) in both layouts (split and flash).
+inline DecodePath decode_path(int compute_capability, bool query_is_16bit, int64_t group_size,
+                              int64_t head_size) {
+  const bool tc = compute_capability >= 80 && query_is_16bit && group_size >= 2 &&
+                  (head_size == 64 || head_size == 128);
   return tc ? DecodePath::kTensorCore : DecodePath::kSimt;
 }
 

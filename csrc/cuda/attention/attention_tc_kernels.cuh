@@ -4,29 +4,45 @@
 // tmp_out / max_logits / exp_sums for the same reduce kernel); decode_path
 // (attention_path.h) decides which of the two kernels a call runs.
 //
-// paged_attention_tc_kernel<T, CT, BLOCK_SIZE, HEAD> (T = CT = half or bfloat16, HEAD = the
-// head size, 64 or 128):
+// paged_attention_tc_kernel<T, CT, BLOCK_SIZE, HEAD> (T = half or bfloat16; CT = T, or an
+// fp8 cache element, fp8_e4m3 / fp8_e5m2; HEAD = the head size, 64 or 128). Both cache
+// layouts (p.flash_layout, a CTA-uniform branch): vLLM's split K [blocks, kv_heads,
+// head / x, block, x] / V [blocks, kv_heads, head, block], and the flash layout K = V =
+// [blocks, block, kv_heads, head].
 //   Grid   x = num_seqs * num_kv_heads * ctas_per_kv_head, y = partitions (v1: 1). A CTA
 //          serves up to 16 query heads of one kv head: they are the M rows of the MMA tile
 //          (rows past the CTA's heads are zero queries whose results are dropped).
 //   Block  tc_warps(HEAD) warps (attention_kernels.cuh: 4 for 64, 2 for 128). The CTA walks
 //          its token range in stages of TcLayout::kTokens = 16 * warps tokens (one stage's
-//          K and V are 16 KiB either way); warp w owns tokens [16 w, 16 w + 16) of every
-//          stage and keeps its own online-softmax state (running max m and sum l per row,
-//          o = 16 rows x HEAD in the MMA accumulator layout) over all stages.
-//   Stage  K and V tiles of a stage go global -> shared with 16-byte cp.async copies
-//          (zero-filled for tokens past the range and for block ids outside the pool),
-//          double-buffered: stage i + 1 is in flight while stage i is computed.
-//          Shared K tile [tokens][HEAD + 8], V tile [HEAD][tokens + 8] (the vLLM value
-//          layout keeps a block's tokens contiguous per dimension, so V^T lands as rows; the
-//          8-element pad staggers the rows over the shared-memory banks for ldmatrix).
+//          16-bit K and V are 16 KiB either way); warp w owns tokens [16 w, 16 w + 16) of
+//          every stage and keeps its own online-softmax state (running max m and sum l per
+//          row, o = 16 rows x HEAD in the MMA accumulator layout) over all stages.
+//   Stage  K and V tiles of a stage go global -> shared with cp.async copies of 16 bytes (8
+//          for the 8-byte value rows of an fp8 split cache at block size 8), zero-filled
+//          for tokens past the range and for block ids outside the pool. Shared K tile
+//          [tokens][HEAD + 8]; V tile: split layout V^T [HEAD][tokens + 8] (the value
+//          layout keeps a block's tokens contiguous per dimension, so V^T lands as rows),
+//          flash layout V [tokens][HEAD + 8] (a token's values are one row there) read
+//          with ldmatrix .trans. The 8-element pad staggers the rows over the banks.
+//          16-bit caches: two stages of tiles, stage i + 1 in flight while stage i is
+//          computed. fp8 caches: cp.async cannot convert, so the copies land in two stages
+//          of raw byte tiles (same orientation, unpadded) and after the wait every thread
+//          converts 16 bytes at a time into ONE stage of 16-bit tiles (exact: e4m3 / e5m2
+//          values are all representable in half and bfloat16; k_scale and v_scale stay
+//          folded into qk_scale and the output scale), then the same MMA code reads them.
+//          The raw double buffer keeps the next stage's global reads in flight during the
+//          conversion and the math, as for 16-bit caches; one 16-bit stage (plus two raw
+//          half-size stages) fits the 48 KiB of static shared memory, where two converted
+//          stages would not, at the price of one more barrier per stage. Converting in
+//          registers on the way in (plain loads instead of cp.async) would need the next
+//          stage's bytes held in registers across the MMA loop.
 //   Math   S = Q K^T: per 16-dim step one ldmatrix.x4 of K gives the B fragments of two
 //          8-token tiles, Q's A fragments stay in registers for the whole kernel; then
 //          scale, ALiBi, mask past the range (-inf), online softmax per row (quad shuffles),
 //          P (float32 C fragments) -> the A fragment of P.V in T; O += P V with one
-//          ldmatrix.x4 of V^T per 16 output dims. Value slots past the range hold whatever
-//          the cache has (NaN in the tests), and 0 * NaN = NaN inside the MMA, so the
-//          B fragments of the last stage are masked to 0 there.
+//          ldmatrix.x4 of V^T (or .trans of V) per 16 output dims. Value slots past the
+//          range hold whatever the cache has (NaN in the tests), and 0 * NaN = NaN inside
+//          the MMA, so the B fragments of the last stage are masked to 0 there.
 //   End    the warps' states are merged through shared memory (reusing the stage buffers):
 //          M = max_w m_w, L = sum_w l_w e^(m_w - M), out = sum_w o_w e^(m_w - M) * v_scale / L.
 #pragma once
@@ -43,43 +59,83 @@ namespace vllm_lite {
 namespace cuda {
 namespace attn {
 
-template <int HEAD>
+template <int HEAD, bool FP8>
 struct TcLayout {
   static constexpr int kWarps = tc_warps(HEAD);
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTokens = 16 * kWarps;  // tokens per stage
-  static constexpr int kKRow = HEAD + 8;       // elements per shared K row (a token)
-  static constexpr int kVRow = kTokens + 8;    // elements per shared V row (a dimension)
+  static constexpr int kKRow = HEAD + 8;       // elements per shared K row (a token); flash V too
+  static constexpr int kVtRow = kTokens + 8;   // elements per shared V^T row (a dimension)
   static constexpr int kKElems = kTokens * kKRow;
-  static constexpr int kVElems = HEAD * kVRow;
-  static constexpr int kStageElems = kKElems + kVElems;
-  static constexpr int kBytes = 2 * kStageElems * 2;  // two stages of 16-bit elements
+  static constexpr int kVElems = HEAD * kVtRow > kKElems ? HEAD * kVtRow : kKElems;
+  static constexpr int kTileElems = kKElems + kVElems;  // one stage of 16-bit K and V tiles
+  static constexpr int kTiles = FP8 ? 1 : 2;             // 16-bit stages
+  static constexpr int kRawBytes = FP8 ? 2 * kTokens * HEAD : 0;  // one stage of fp8 K and V
+  static constexpr int kRawOffset = kTiles * kTileElems * 2;       // bytes: after the tiles
+  static constexpr int kBytes = kRawOffset + 2 * kRawBytes;
   // The merge of the warps' states reuses the stage buffers: o of every warp, in float.
   static_assert(kWarps * 16 * HEAD * 4 <= kBytes, "merge buffer fits the stage buffers");
   static_assert(kBytes + 2 * kWarps * 16 * 4 <= 48 * 1024, "static shared memory limit");
-  static_assert((kKRow * 2) % 16 == 0 && (kVRow * 2) % 16 == 0, "ldmatrix rows 16-byte aligned");
+  static_assert((kKRow * 2) % 16 == 0 && (kVtRow * 2) % 16 == 0, "ldmatrix rows 16-byte aligned");
+  static_assert(kRawOffset % 16 == 0 && kKElems % 8 == 0, "16-byte aligned tiles");
 };
+
+// Converts n16 16-byte chunks of fp8 rows (cols bytes each, contiguous) into 16-bit T rows of
+// dpitch elements, thread tid of nt taking every nt-th chunk. Exact (see the header).
+template <typename T, typename CT>
+__device__ __forceinline__ void fp8_rows_to_tile(T* dst, int dpitch, const CT* src, int cols,
+                                                 int n16, int tid, int nt) {
+  using F = decltype(fp8_format(CT{}));
+  const int per_row = cols / 16;
+  for (int i = tid; i < n16; i += nt) {
+    const int r = i / per_row;
+    const int c = (i - r * per_row) * 16;
+    const uint4 raw = *reinterpret_cast<const uint4*>(src + r * cols + c);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    uint32_t o[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float f[4];
+      fp8_word_to_float<F>(w[j], f);
+      o[2 * j] = tc::pack2<T>(f[0], f[1]);
+      o[2 * j + 1] = tc::pack2<T>(f[2], f[3]);
+    }
+    uint4* d = reinterpret_cast<uint4*>(dst + r * dpitch + c);
+    d[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    d[1] = make_uint4(o[4], o[5], o[6], o[7]);
+  }
+}
 
 template <typename T, typename CT, int BLOCK_SIZE, int HEAD>
 __global__ void __launch_bounds__(tc_threads(HEAD))
     paged_attention_tc_kernel(const AttentionParams p) {
 #if VLLM_LITE_TC_AVAILABLE
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "16-bit queries");
-  static_assert(std::is_same_v<CT, T>, "caches in the query dtype");
+  constexpr bool FP8 = is_fp8_v<CT>;
+  static_assert(std::is_same_v<CT, T> || FP8, "caches in the query dtype or fp8");
   static_assert(HEAD == 64 || HEAD == 128, "head size");
-  using Lay = TcLayout<HEAD>;
+  using Lay = TcLayout<HEAD, FP8>;
   constexpr int BS = BLOCK_SIZE;
   constexpr int NT = Lay::kThreads;
   constexpr int TOK = Lay::kTokens;
-  constexpr int X = 8;            // elements per 16-byte chunk (the key layout's x)
+  constexpr int X = kChunkElems<CT>;  // elements per 16-byte chunk (the key layout's x)
+  constexpr int KC = HEAD / X;        // chunks of one key
+  // A split-layout value row of a block is BS elements: copied in units of VX tokens, 16
+  // bytes, or 8 for fp8 at block size 8 (a 16-byte copy would straddle two blocks).
+  constexpr int VX = X < BS ? X : BS;
+  constexpr int VC = TOK / VX;  // copies per V^T row of a stage
   constexpr int KSTEPS = HEAD / 16;
   constexpr int NTILES = HEAD / 8;  // 8-dim tiles of the output
-  static_assert(TOK % BS == 0 && BS % X == 0, "stages are whole blocks, blocks whole chunks");
+  static_assert(TOK % BS == 0 && BS % VX == 0 && HEAD % X == 0,
+                "stages are whole blocks, rows whole copies");
+  static_assert(VX * sizeof(CT) == 16 || VX * sizeof(CT) == 8, "copy units");
 
   __shared__ __align__(16) unsigned char smem_raw[Lay::kBytes];
   __shared__ float m_w[Lay::kWarps][16];
   __shared__ float l_w[Lay::kWarps][16];
-  T* const stage_base = reinterpret_cast<T*>(smem_raw);
+  T* const tiles = reinterpret_cast<T*>(smem_raw);
+  // fp8: two stages of raw K [TOK][HEAD] then V ([HEAD][TOK] split, [TOK][HEAD] flash).
+  CT* const raw = reinterpret_cast<CT*>(smem_raw + Lay::kRawOffset);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -105,44 +161,64 @@ __global__ void __launch_bounds__(tc_threads(HEAD))
       min(static_cast<int64_t>(L), static_cast<int64_t>(start) + p.partition_tokens));
   const int nstages = (end - start + TOK - 1) / TOK;
 
-  const int64_t head_offset = static_cast<int64_t>(kvh) * HEAD * BS;
-  const T* kc = static_cast<const T*>(p.key_cache) + head_offset;
-  const T* vc = static_cast<const T*>(p.value_cache) + head_offset;
+  const bool flash = p.flash_layout;  // CTA-uniform
+  const int64_t ts = p.kv_token_stride;
+  const int64_t head_offset = static_cast<int64_t>(kvh) * HEAD * (flash ? 1 : BS);
+  const CT* kc = static_cast<const CT*>(p.key_cache) + head_offset;
+  const CT* vc = static_cast<const CT*>(p.value_cache) + head_offset;
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq;
+  // Pitches (elements) of the tiles the copies land in: 16-bit tiles, or fp8's raw ones.
+  constexpr int kPitchK = FP8 ? HEAD : Lay::kKRow;  // K rows, and flash V rows
+  constexpr int kPitchVt = FP8 ? TOK : Lay::kVtRow;  // split V^T rows
+
+  // The pool block of token tok, or -1 past the range / outside the pool (reads as zeros).
+  auto block_of = [&](int tok) -> int {
+    if (tok >= end) return -1;
+    const int id = table[tok / BS];
+    return (id >= 0 && id < p.num_blocks) ? id : -1;
+  };
 
   // Issues the copies of stage s (tokens start + s * TOK ...) into buffer s & 1.
   auto issue_stage = [&](int s) {
-    T* ks = stage_base + (s & 1) * Lay::kStageElems;
-    T* vs = ks + Lay::kKElems;
-    const int s0 = start + s * TOK;
-    // K: chunk dc of token t -> row t; consecutive threads take consecutive tokens, which
-    // are consecutive 16-byte chunks of a block in the [head/x][block][x] layout.
-    for (int i = tid; i < TOK * (HEAD / X); i += NT) {
-      const int t = i % TOK;
-      const int dc = i / TOK;
-      const int tok = s0 + t;
-      int blk = -1;
-      if (tok < end) {
-        const int id = table[tok / BS];
-        blk = (id >= 0 && id < p.num_blocks) ? id : -1;
-      }
-      const T* src = kc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
-                     dc * (BS * X) + (tok % BS) * X;
-      tc::cp_async_16(ks + t * Lay::kKRow + dc * X, blk < 0 ? kc : src, blk >= 0);
+    CT* kd;
+    if constexpr (FP8) {
+      kd = raw + (s & 1) * Lay::kRawBytes;
+    } else {
+      kd = reinterpret_cast<CT*>(tiles + (s & 1) * Lay::kTileElems);
     }
-    // V^T: 8 tokens (one chunk) of dimension d -> row d; tokens of a chunk share a block.
-    for (int i = tid; i < HEAD * (TOK / X); i += NT) {
-      const int tc8 = i % (TOK / X);
-      const int d = i / (TOK / X);
-      const int tok = s0 + tc8 * X;
-      int blk = -1;
-      if (tok < end) {
-        const int id = table[tok / BS];
-        blk = (id >= 0 && id < p.num_blocks) ? id : -1;
+    CT* vd = kd + (FP8 ? TOK * HEAD : Lay::kKElems);
+    const int s0 = start + s * TOK;
+    // K (and flash V): chunk dc of token t -> row t. Consecutive threads take consecutive
+    // 16-byte chunks of the cache: split layout [head/x][block][x]: consecutive tokens of
+    // one chunk column; flash layout: the chunks of one token's row.
+    for (int i = tid; i < TOK * KC; i += NT) {
+      const int t = flash ? i / KC : i % TOK;
+      const int dc = flash ? i % KC : i / TOK;
+      const int tok = s0 + t;
+      const int blk = block_of(tok);
+      const int64_t base = static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride;
+      const int64_t off = flash ? (tok % BS) * ts + dc * X : dc * (BS * X) + (tok % BS) * X;
+      tc::cp_async_16(kd + t * kPitchK + dc * X, blk < 0 ? kc : kc + base + off, blk >= 0);
+      if (flash) {
+        tc::cp_async_16(vd + t * kPitchK + dc * X, blk < 0 ? vc : vc + base + off, blk >= 0);
       }
-      const T* src = vc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
-                     d * BS + tok % BS;
-      tc::cp_async_16(vs + d * Lay::kVRow + tc8 * X, blk < 0 ? vc : src, blk >= 0);
+    }
+    if (!flash) {
+      // V^T: VX tokens (one copy) of dimension d -> row d; tokens of a copy share a block.
+      for (int i = tid; i < HEAD * VC; i += NT) {
+        const int c = i % VC;
+        const int d = i / VC;
+        const int tok = s0 + c * VX;
+        const int blk = block_of(tok);
+        const CT* src = vc + static_cast<int64_t>(blk < 0 ? 0 : blk) * p.kv_block_stride +
+                        d * BS + tok % BS;
+        CT* dst = vd + d * kPitchVt + c * VX;
+        if constexpr (VX * sizeof(CT) == 16) {
+          tc::cp_async_16(dst, blk < 0 ? vc : src, blk >= 0);
+        } else {
+          tc::cp_async_8(dst, blk < 0 ? vc : src, blk >= 0);
+        }
+      }
     }
   };
 
@@ -193,7 +269,24 @@ __global__ void __launch_bounds__(tc_threads(HEAD))
     }
     __syncthreads();  // ... and every thread's
 
-    const T* ks = stage_base + (s & 1) * Lay::kStageElems;
+    const T* ks = tiles;
+    if constexpr (FP8) {
+      // raw stage s -> the 16-bit tiles (the previous stage's readers passed the barrier at
+      // the end of the last iteration).
+      const CT* kr = raw + (s & 1) * Lay::kRawBytes;
+      const CT* vr = kr + TOK * HEAD;
+      fp8_rows_to_tile<T, CT>(tiles, Lay::kKRow, kr, HEAD, TOK * HEAD / 16, tid, NT);
+      if (flash) {
+        fp8_rows_to_tile<T, CT>(tiles + Lay::kKElems, Lay::kKRow, vr, HEAD, TOK * HEAD / 16,
+                                tid, NT);
+      } else {
+        fp8_rows_to_tile<T, CT>(tiles + Lay::kKElems, Lay::kVtRow, vr, TOK, TOK * HEAD / 16,
+                                tid, NT);
+      }
+      __syncthreads();
+    } else {
+      ks = tiles + (s & 1) * Lay::kTileElems;
+    }
     const T* vs = ks + Lay::kKElems;
     const int w0 = warp * 16;               // the warp's first token in the stage
     const int tok0 = start + s * TOK + w0;  // its absolute position
@@ -270,9 +363,17 @@ __global__ void __launch_bounds__(tc_threads(HEAD))
       };
 #pragma unroll
       for (int n2 = 0; n2 < HEAD / 16; ++n2) {
-        // matrices: (dims 0-7, tokens 0-7), (dims 0-7, tokens 8-15), (dims 8-15, 0-7), (8-15, 8-15)
+        // B fragments of dims [16 n2, 16 n2 + 8) (vb[0], vb[1]: tokens 0-7, 8-15) and of
+        // dims [16 n2 + 8, 16 n2 + 16) (vb[2], vb[3]). V^T: matrices (dims, tokens) read
+        // as rows; V: matrices (tokens, dims), transposed by ldmatrix.
         uint32_t vb[4];
-        tc::ldmatrix_x4(vb, vs + (n2 * 16 + (mat >> 1) * 8 + mrow) * Lay::kVRow + w0 + (mat & 1) * 8);
+        if (flash) {
+          tc::ldmatrix_x4_trans(vb, vs + (w0 + (mat & 1) * 8 + mrow) * Lay::kKRow + n2 * 16 +
+                                        (mat >> 1) * 8);
+        } else {
+          tc::ldmatrix_x4(vb, vs + (n2 * 16 + (mat >> 1) * 8 + mrow) * Lay::kVtRow + w0 +
+                                  (mat & 1) * 8);
+        }
         if (tail) {
           vb[0] = mask_pair(vb[0], tok0 + 2 * t4);
           vb[1] = mask_pair(vb[1], tok0 + 8 + 2 * t4);
@@ -285,7 +386,7 @@ __global__ void __launch_bounds__(tc_threads(HEAD))
         tc::mma_m16n8k16<T>(o[2 * n2 + 1], pa, b1, o[2 * n2 + 1]);
       }
     }
-    __syncthreads();  // buffer s & 1 is refilled by the next iteration's copies
+    __syncthreads();  // buffer s & 1 (fp8: the 16-bit tiles) is refilled next
   }
 
   // ---- merge the warps' states.

@@ -79,7 +79,7 @@ void PagedAttentionCall::launch(void* out, float* exp_sums, float* max_logits,
     dispatch_cache_elem<scalar_t>(d.cache_dtype, [&](auto cache_tag) {
       plan = plan_decode_launch<scalar_t, decltype(cache_tag)>(
           cc, d.num_seqs, d.num_kv_heads, group, d.head_size, static_cast<int>(d.block_size),
-          grid_partitions, sms, d.flash_layout);
+          grid_partitions, sms);
     });
   });
   const int64_t ctas = plan.split.ctas_per_kv_head;
