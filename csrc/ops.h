@@ -80,8 +80,19 @@ namespace vllm_lite {
   void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,   \
                         int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox);
 
+// fused_moe(hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k,
+// renormalize) -> [T, H] in hidden's dtype: a mixture-of-experts block (vllm_lite/layers/
+// moe.py states the math and rounding; validate.h's check_fused_moe the arguments and the
+// CPU's packed weight form, ops.pack_moe_weights). Limits: moe_limits.h. CPU:
+// cpu/fused_moe.cpp; CUDA: cuda/moe/fused_moe.cu.
+#define VLLM_LITE_DECLARE_MOE_OPS                                                           \
+  at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& router_logits,          \
+                       const at::Tensor& w13, const at::Tensor& w2, int64_t top_k,         \
+                       bool renormalize);
+
 namespace cpu {
 VLLM_LITE_DECLARE_OPS
+VLLM_LITE_DECLARE_MOE_OPS
 // int8 weight-only linear (quantization="int8"): y = x @ (qweight * scales[:, None]).T + bias.
 // CPU only; CUDA uses torch's _weight_int8pack_mm (vllm_lite/layers/quantization.py).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -152,8 +163,10 @@ std::string init_cpu_threads_env(const std::string& cpu_ids);
 
 namespace cuda {
 VLLM_LITE_DECLARE_OPS
+VLLM_LITE_DECLARE_MOE_OPS
 }  // namespace cuda
 
 #undef VLLM_LITE_DECLARE_OPS
+#undef VLLM_LITE_DECLARE_MOE_OPS
 
 }  // namespace vllm_lite

@@ -9,6 +9,7 @@
 
 #include "cpu/cpu_isa.h"
 #include "cpu/packed_linear_params.h"
+#include "moe_limits.h"
 #include "ops.h"
 
 namespace {
@@ -68,7 +69,10 @@ PyMODINIT_FUNC PyInit__C(void) {
   PyObject* m = PyModule_Create(&module);
   // pack_linear_weight's panel width, for the op's fake (shape-only) implementation.
   if (m != nullptr &&
-      PyModule_AddIntConstant(m, "PACKED_PANEL_COLS", vllm_lite::cpu::kPackedPanelCols) < 0) {
+      (PyModule_AddIntConstant(m, "PACKED_PANEL_COLS", vllm_lite::cpu::kPackedPanelCols) < 0 ||
+       // fused_moe's limits (moe_limits.h), which layers/moe.py applies to a model's config.
+       PyModule_AddIntConstant(m, "MOE_MAX_NUM_EXPERTS", vllm_lite::kMoeMaxNumExperts) < 0 ||
+       PyModule_AddIntConstant(m, "MOE_MAX_TOP_K", vllm_lite::kMoeMaxTopK) < 0)) {
     Py_DECREF(m);
     return nullptr;
   }

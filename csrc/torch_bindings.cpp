@@ -61,6 +61,10 @@ TORCH_LIBRARY(vllm_lite, m) {
       "int block_size, int max_seq_len, int num_kv_heads, float scale, str kv_cache_dtype, "
       "float k_scale, float v_scale, Tensor(e!) attn_out, Tensor(f!)? exp_sums, "
       "Tensor(g!)? max_logits, Tensor(h!)? tmp_out, float epsilon) -> Tensor");
+  // A mixture-of-experts block (ops.h); w13 / w2 may be packed on the CPU (pack_moe_weights).
+  m.def(
+      "fused_moe(Tensor hidden, Tensor router_logits, Tensor w13, Tensor w2, int top_k, "
+      "bool renormalize) -> Tensor");
   // No tensors: one implementation for every backend (vLLM v0.6's CPU schema).
   m.def("init_cpu_threads_env(str cpu_ids) -> str", &vllm_lite::cpu::init_cpu_threads_env);
 }
@@ -76,7 +80,8 @@ TORCH_LIBRARY(vllm_lite, m) {
   m.impl("rms_norm", &vllm_lite::ns::rms_norm);                     \
   m.impl("fused_add_rms_norm", &vllm_lite::ns::fused_add_rms_norm); \
   m.impl("silu_and_mul", &vllm_lite::ns::silu_and_mul);             \
-  m.impl("rotary_embedding", &vllm_lite::ns::rotary_embedding);
+  m.impl("rotary_embedding", &vllm_lite::ns::rotary_embedding);     \
+  m.impl("fused_moe", &vllm_lite::ns::fused_moe);
 
 TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   VLLM_LITE_REGISTER_IMPLS(cpu)

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attention_limits.h"
+#include "moe_limits.h"
 
 namespace vllm_lite {
 namespace {
@@ -670,6 +671,79 @@ int64_t check_int4_linear(const at::Tensor& x, const at::Tensor& qweight,
     check_same_device(op, *bias, "bias", x, "x");
   }
   return n;
+}
+
+MoeDims check_fused_moe(const at::Tensor& hidden, const at::Tensor& router_logits,
+                        const at::Tensor& w13, const at::Tensor& w2, int64_t top_k,
+                        int64_t packed_panel_cols) {
+  const char* op = "fused_moe";
+  check_float_dtype(op, hidden, "hidden");
+  check_dim(op, hidden, "hidden", 2, "[T, H]");
+  check_contiguous(op, hidden, "hidden");
+  check_float_dtype(op, router_logits, "router_logits");
+  check_dim(op, router_logits, "router_logits", 2, "[T, E]");
+  check_contiguous(op, router_logits, "router_logits");
+  check_same_device(op, router_logits, "router_logits", hidden, "hidden");
+  const int64_t tokens = hidden.size(0), h = hidden.size(1), e = router_logits.size(1);
+  TORCH_CHECK(h >= 1, op, ": hidden [T, H] needs H >= 1, got shape ", hidden.sizes());
+  TORCH_CHECK(router_logits.size(0) == tokens, op, ": router_logits has ", router_logits.size(0),
+              " rows but hidden has ", tokens, " tokens");
+  TORCH_CHECK(e >= 1 && e <= kMoeMaxNumExperts, op, ": the expert count E (router_logits' ",
+              "last dimension) must be in [1, ", kMoeMaxNumExperts, "], got ", e);
+  TORCH_CHECK(top_k >= 1 && top_k <= kMoeMaxTopK, op, ": top_k must be in [1, ", kMoeMaxTopK,
+              "], got ", top_k);
+  TORCH_CHECK(top_k <= e, op, ": top_k (", top_k, ") exceeds the expert count E (", e,
+              "): a token cannot be routed to more experts than there are");
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{w13, "w13"},
+                                std::pair<const at::Tensor&, const char*>{w2, "w2"}}) {
+    check_same_device(op, t, name, hidden, "hidden");
+    TORCH_CHECK(t.scalar_type() == hidden.scalar_type(), op, ": ", name, " is ",
+                t.scalar_type(), " but hidden is ", hidden.scalar_type(),
+                "; the weights must have hidden's dtype");
+    check_contiguous(op, t, name);
+    TORCH_CHECK(t.dim() >= 1 && t.size(0) == e, op, ": ", name, " must hold E = ", e,
+                " experts (router_logits' last dimension) in its first dimension, got shape ",
+                t.sizes());
+  }
+  if (w13.dim() == 3 || w2.dim() == 3 || packed_panel_cols <= 0) {
+    check_dim(op, w13, "w13", 3, "[E, 2I, H]");
+    check_dim(op, w2, "w2", 3, "[E, H, I]");
+    const int64_t inter = w2.size(2);
+    TORCH_CHECK(inter >= 1 && w2.size(1) == h, op, ": w2 must be [E, H, I] = [", e, ", ", h,
+                ", I] with I >= 1, got shape ", w2.sizes());
+    TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == h, op, ": w13 must be [E, 2I, H] = [",
+                e, ", ", 2 * inter, ", ", h, "] (I from w2), got shape ", w13.sizes());
+    return {tokens, h, e, inter, top_k, false};
+  }
+  // Packed per expert (pack_moe_weights): pack_linear_weight's layout with an expert
+  // dimension in front.
+  const bool pairs = hidden.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(hidden.scalar_type() != at::kHalf, op,
+              ": packed weights are float32 or bfloat16; float16 takes w13 [E, 2I, H] and "
+              "w2 [E, H, I]");
+  const int64_t rank = pairs ? 5 : 4;
+  const char* w13_layout = pairs ? "[E, panels, H / 2, panel columns, 2] (pack_moe_weights)"
+                                 : "[E, panels, H, panel columns] (pack_moe_weights)";
+  const char* w2_layout = pairs ? "[E, panels, I / 2, panel columns, 2] (pack_moe_weights)"
+                                : "[E, panels, I, panel columns] (pack_moe_weights)";
+  check_dim(op, w13, "w13", rank, w13_layout);
+  check_dim(op, w2, "w2", rank, w2_layout);
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{w13, "w13"},
+                                std::pair<const at::Tensor&, const char*>{w2, "w2"}}) {
+    TORCH_CHECK(t.size(3) == packed_panel_cols && (!pairs || t.size(4) == 2), op, ": ", name,
+                " must be packed with ", packed_panel_cols, " panel columns", pairs ? " and "
+                "pairs of k" : "", ", got shape ", t.sizes());
+  }
+  const int64_t k_mult = pairs ? 2 : 1;
+  const int64_t inter = w2.size(2) * k_mult;
+  const int64_t gated_cols = packed_panel_cols / 2;
+  TORCH_CHECK(inter >= 1 && w2.size(1) == (h + packed_panel_cols - 1) / packed_panel_cols, op,
+              ": w2 must be the packed [E, H, I] with H = ", h, ", got shape ", w2.sizes());
+  TORCH_CHECK(w13.size(2) * k_mult == h && w13.size(1) == (inter + gated_cols - 1) / gated_cols,
+              op, ": w13 must be the packed [E, 2I, H] with H = ", h, " and I = ", inter,
+              " (from w2), got shape ", w13.sizes());
+  TORCH_CHECK(!pairs || h % 2 == 0, op, ": packed bfloat16 weights need an even H, got ", h);
+  return {tokens, h, e, inter, top_k, true};
 }
 
 namespace {

@@ -162,6 +162,22 @@ RowsDims check_silu_and_mul(const at::Tensor& out, const at::Tensor& input);
 RowsDims check_greedy_sample(const at::Tensor& logits, const at::Tensor& token_ids,
                              const at::Tensor& logprobs);
 
+// fused_moe: hidden [T, H] float32, float16 or bfloat16, contiguous; router_logits [T, E]
+// float32, float16 or bfloat16, contiguous; w13 [E, 2I, H] and w2 [E, H, I] in hidden's
+// dtype, contiguous, or (CPU only, packed_panel_cols > 0) both packed per expert by
+// ops.pack_moe_weights: float32 w13 [E, ceil(I / (cols / 2)), H, cols] (gated panel order)
+// and w2 [E, ceil(H / cols), I, cols]; bfloat16 the same with the K dimension halved and a
+// trailing 2 (H and I even). 1 <= top_k <= min(E, kMoeMaxTopK), E <= kMoeMaxNumExperts; all
+// on one device. packed_panel_cols: the CPU's packed panel width, 0 where packed weights are
+// not accepted (CUDA).
+struct MoeDims {
+  int64_t tokens, hidden, experts, intermediate, top_k;
+  bool packed;
+};
+MoeDims check_fused_moe(const at::Tensor& hidden, const at::Tensor& router_logits,
+                        const at::Tensor& w13, const at::Tensor& w2, int64_t top_k,
+                        int64_t packed_panel_cols);
+
 struct RotaryDims {
   int64_t num_tokens;
   int64_t num_heads;

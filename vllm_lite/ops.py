@@ -342,6 +342,41 @@ def packed_gated_linear(x: torch.Tensor, packed_weight: torch.Tensor,
     return _ops.packed_gated_linear(x, packed_weight, bias, intermediate_size)
 
 
+def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """A mixture-of-experts block's output [T, H] in ``hidden``'s dtype
+    (vllm_lite.layers.moe states the math and rounding): router softmax over the E logits
+    in float32, the ``top_k`` largest (ties to the lower expert id), renormalised to sum 1
+    when ``renormalize``; per expert its tokens' rows through its SwiGLU expert; each row
+    times its routing weight, summed per token in float32.
+
+    ``hidden`` [T, H] float32, float16 or bfloat16 and ``router_logits`` [T, E] (any of
+    those dtypes), contiguous; ``w13`` [E, 2I, H] (each expert's [gate | up] rows) and
+    ``w2`` [E, H, I] in hidden's dtype, contiguous, or on the CPU both packed by
+    :func:`pack_moe_weights` (float32 / bfloat16). Limits: E <= MOE_MAX_NUM_EXPERTS, top_k
+    in [1, min(E, MOE_MAX_TOP_K)]. CPU and CUDA."""
+    return _ops.fused_moe(hidden, router_logits, w13, w2, top_k, renormalize)
+
+
+def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w13`` [E, 2I, H] and ``w2`` [E, H, I] (float32, or bfloat16 with H and I even) in
+    the form :func:`fused_moe`'s CPU kernel runs on packed_linear's GEMM kernels: each
+    expert's gate_up packed gated (:func:`gated_panel_rows` then
+    :func:`pack_linear_weight`), its down projection packed, stacked over experts. Worth it
+    where :func:`packed_linear_kernel_selected` holds for the dtype; fused_moe takes either
+    form on the CPU."""
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]:
+        raise ValueError(f"pack_moe_weights: w13 must be [E, 2I, H] and w2 [E, H, I] with one E, "
+                         f"got shapes {tuple(w13.shape)} and {tuple(w2.shape)}")
+    return (torch.stack([pack_linear_weight(gated_panel_rows(w)) for w in w13]),
+            torch.stack([pack_linear_weight(w) for w in w2]))
+
+
+#: fused_moe's limits (csrc/moe_limits.h).
+MOE_MAX_NUM_EXPERTS: int = vllm_lite._C.MOE_MAX_NUM_EXPERTS
+MOE_MAX_TOP_K: int = vllm_lite._C.MOE_MAX_TOP_K
+
+
 # One projection as llama_decode_layers takes it: (weight, scales, zeros, group_size,
 # float32 bias or None): packed_linear on a packed float weight (scales None), int8_linear
 # (zeros None), or int4_linear with group_size.
@@ -520,6 +555,12 @@ def _register_fakes() -> None:
                           zeros: torch.Tensor, group_size: int,
                           bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], scales.shape[0]))
+
+
+    @torch.library.register_fake("vllm_lite::fused_moe")
+    def _fused_moe_fake(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                        w2: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        return hidden.new_empty(hidden.shape)
 
 
 _register_fakes()

@@ -8,7 +8,7 @@
 //   op NAME                       attention | varlen | reshape_and_cache | copy_blocks
 //                                 | swap_blocks | convert | selftest | rms_norm
 //                                 | fused_add_rms_norm | silu_and_mul | rotary_embedding
-//                                 | decode_path | varlen_path
+//                                 | decode_path | varlen_path | fused_moe
 //   dtype f32|f16|bf16
 //   kv auto|fp8_e4m3|fp8_e5m2     what the caches hold (default auto: the dtype)
 //   KEY INT_OR_FLOAT              the op's scalar arguments (see run_case)
@@ -375,6 +375,32 @@ void run_rotary(const Case& c) {
   });
 }
 
+// fused_moe: tokens, hidden, experts, inter, top_k, renormalize (0 / 1), logits f32 | same
+// (router_logits float32 or the dtype); buffers hidden, router_logits, w13, w2, out.
+void run_moe(const Case& c) {
+  emu_ops::MoeArgs a{};
+  a.tokens = c.i("tokens");
+  a.hidden = c.i("hidden");
+  a.experts = c.i("experts");
+  a.inter = c.i("inter");
+  a.top_k = c.i("top_k");
+  a.renormalize = c.i("renormalize") != 0;
+  a.hidden_states = c.p("hidden");
+  a.router_logits = c.p("router_logits");
+  a.w13 = c.p("w13");
+  a.w2 = c.p("w2");
+  a.out = c.p("out");
+  const bool f32_logits = c.s("logits") == "f32";
+  dispatch(dtype_of(c), [&](auto tag) {
+    using T = decltype(tag);
+    if (f32_logits) {
+      emu_ops::fused_moe<T, float>(a);
+    } else {
+      emu_ops::fused_moe<T, T>(a);
+    }
+  });
+}
+
 void run_case(const Case& c) {
   const std::string& op = c.s("op");
   if (op == "attention") {
@@ -393,6 +419,8 @@ void run_case(const Case& c) {
     run_elementwise(c, op);
   } else if (op == "rotary_embedding") {
     run_rotary(c);
+  } else if (op == "fused_moe") {
+    run_moe(c);
   } else if (op == "decode_path") {
     // rows of 4 int32 (cc, query is 16-bit, group, head_size) -> out[i] =
     // attn::decode_path(...) of row i.

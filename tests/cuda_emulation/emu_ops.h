@@ -102,4 +102,18 @@ struct RotaryArgs {
 template <typename T, typename CT>
 void rotary_embedding(const RotaryArgs& a);
 
+// fused_moe.cu: hidden [tokens, hidden] (T), router_logits [tokens, experts] (L: float or
+// T), w13 [experts, 2 inter, hidden], w2 [experts, hidden, inter], out [tokens, hidden].
+struct MoeArgs {
+  int64_t tokens, hidden, experts, inter, top_k;
+  bool renormalize;
+  const void* hidden_states;
+  const void* router_logits;
+  const void* w13;
+  const void* w2;
+  void* out;
+};
+template <typename T, typename L>
+void fused_moe(const MoeArgs& a);
+
 }  // namespace emu_ops

@@ -45,12 +45,12 @@ SOURCES = [
     "emu_runtime.cpp", "emu_tensor.cpp", "emu_main.cpp", "emu_selftest.cpp", "emu_cache.cpp",
     "emu_attention_f32.cpp", "emu_attention_f16.cpp", "emu_attention_bf16.cpp",
     "emu_attention_fp8_e4m3.cpp", "emu_attention_fp8_e5m2.cpp", "emu_varlen.cpp",
-    "emu_varlen_fp8.cpp", "emu_elementwise.cpp",
+    "emu_varlen_fp8.cpp", "emu_elementwise.cpp", "emu_moe.cpp",
 ]
 # Sources a translation unit includes besides the headers (its object depends on them).
 INCLUDED = {"emu_varlen_fp8.cpp": ("emu_varlen.cpp",)}
 # The translation units that include kernels from csrc/cuda (their objects depend on it).
-KERNEL_TUS = ("emu_attention", "emu_varlen", "emu_cache", "emu_elementwise")
+KERNEL_TUS = ("emu_attention", "emu_varlen", "emu_cache", "emu_elementwise", "emu_moe")
 # The slowest first, so two parallel jobs finish together.
 SOURCES.sort(key=lambda s: not s.startswith(("emu_attention", "emu_varlen")))
 
@@ -117,7 +117,7 @@ def _object_key(src: str) -> str:
         # for the cache element types).
         # The generator is under csrc/cuda: its tables are hashed with the kernels.
         _hash_files(h, [*(CSRC / "cuda").rglob("*"), CSRC / "attention_limits.h",
-                        CSRC / "fp8.h"])
+                        CSRC / "moe_limits.h", CSRC / "fp8.h"])
     h.update(" ".join(CXXFLAGS).encode())
     h.update(_compiler_version().encode())
     return h.hexdigest()[:16]

@@ -102,13 +102,18 @@ class OutputProcessor:
         so = result.sampler_output
         samples = {s.seq_id: s for s in (so.outputs if so is not None else []) if s is not None}
         beams = dict(so.beams) if so is not None else {}
-        beam_requests: set[str] = set()
+        if beams:
+            beam_requests = {s.seq_group.request_id for s in out.scheduled_seq_groups
+                             if s.seq_group.sampling_params.use_beam_search}
+            for rid in beams:
+                if rid not in beam_requests:
+                    raise InternalError(f"beam candidates for {rid!r}, not a beam-search "
+                                        "request of this step")
         for sched in out.scheduled_seq_groups:
             group = sched.seq_group
             params = group.sampling_params
-            if params.use_beam_search:
-                beam_requests.add(group.request_id)
-            elif len(sched.seqs) == 1:  # the usual step: one sequence scheduled
+            if not params.use_beam_search and len(sched.seqs) == 1:
+                # The usual step: one sequence scheduled, checked in one pass.
                 sched_seq = sched.seqs[0]
                 seq = group.seqs_dict.get(sched_seq.seq_id) if sched_seq.do_sample else None
                 if seq is None or seq.is_finished():
@@ -148,10 +153,6 @@ class OutputProcessor:
             if not cands or any(c.parent_seq_id not in live for c in cands):
                 raise InternalError(f"beam request {group.request_id!r} got candidates "
                                     f"{cands!r} for beams {sorted(live)}")
-        for rid in beams:
-            if rid not in beam_requests:
-                raise InternalError(f"beam candidates for {rid!r}, not a beam-search request "
-                                    "of this step")
         return samples, beams
 
     def _decide(self, group: SequenceGroup, sched: ScheduledSequenceGroup,

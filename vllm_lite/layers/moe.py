@@ -1,9 +1,8 @@
 """Mixture-of-experts feed-forward block: a router picks ``top_k`` of ``num_experts`` SwiGLU
 experts per token and the block returns their outputs' weighted sum.
 
-One function does the whole block's arithmetic, :func:`fused_moe`; its signature is the
-schema of the native op meant to replace it (``torch.ops.vllm_lite.fused_moe``), so that
-swap happens in that one function and nothing else changes:
+One function does the whole block's arithmetic, :func:`fused_moe`: the native op
+``torch.ops.vllm_lite.fused_moe`` (csrc/cpu/fused_moe.cpp, csrc/cuda/moe/), whose schema is
 
     fused_moe(Tensor hidden, Tensor router_logits, Tensor w13, Tensor w2, int top_k,
               bool renormalize) -> Tensor
@@ -16,13 +15,21 @@ swap happens in that one function and nothing else changes:
 - returns [T, H] in ``hidden``'s dtype.
 
 Routing (:func:`select_experts`, the models' shared normalisation): softmax over the E
-logits in float32, the ``top_k`` largest probabilities (ties to the lower expert id, as
-torch.topk), divided by their sum when ``renormalize`` (Mixtral always; Qwen-MoE and OLMoE
-when ``norm_topk_prob``). The experts: tokens grouped by expert (a stable sort of the
-T * top_k (token, expert) pairs), per expert one GEMM of its rows by its gate_up, SiLU-and-mul,
-one GEMM by its down projection; each row times its routing weight (float32), summed back
-into its token's row in float32 and rounded once to the dtype. An expert no token chose
-costs nothing.
+logits in float32, the ``top_k`` largest probabilities (the op breaks ties to the lower
+expert id; torch.topk, which :func:`select_experts` uses, leaves their order unspecified, so
+on exactly tied probabilities the two may route differently), divided by their sum when
+``renormalize`` (Mixtral always; Qwen-MoE and OLMoE when ``norm_topk_prob``). The experts:
+tokens grouped by expert (a stable sort of the T * top_k (token, expert) pairs), per expert
+one GEMM of its rows by its gate_up, SiLU-and-mul, one GEMM by its down projection; each row
+times its routing weight (float32), summed back into its token's row in float32 and rounded
+once to the dtype. An expert no token chose costs nothing. :func:`fused_moe_torch` is the
+same math in torch ops, the readable statement of the contract and the op's peer in
+benchmarks/moe.py.
+
+On the CPU, :meth:`FusedMoE.prepare_for_cpu` packs the experts' weights at load
+(``ops.pack_moe_weights``) where the selected CPU build runs packed_linear's kernels for the
+dtype (AVX-512 float32, AVX512-BF16 / AMX bfloat16); elsewhere the op takes the weights as
+they are and runs each expert's GEMMs through ATen.
 
 Limits (:data:`MAX_NUM_EXPERTS`, :data:`MAX_TOP_K`) are what the kernels promise to cover;
 :func:`check_moe_config` refuses a model past them when it loads, naming the field.
@@ -40,10 +47,10 @@ from vllm_lite import ops
 from vllm_lite.distributed.group import TensorParallelGroup
 from vllm_lite.distributed.layers import Shard, all_reduce
 
-#: The most experts a layer may have (the largest released MoE checkpoints have 256).
-MAX_NUM_EXPERTS = 512
-#: The most experts a token may be routed to.
-MAX_TOP_K = 32
+#: The most experts a layer may have (the kernels' limit, csrc/moe_limits.h).
+MAX_NUM_EXPERTS = ops.MOE_MAX_NUM_EXPERTS
+#: The most experts a token may be routed to (likewise).
+MAX_TOP_K = ops.MOE_MAX_TOP_K
 
 
 def _check_count(field: str, value: Any, limit: int) -> int:
@@ -85,8 +92,15 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
-    """The MoE block's output [T, H] (see the module doc for the contract, which is the
-    native op's schema): routing, grouped expert GEMMs, weighted sum in token order."""
+    """The MoE block's output [T, H] (see the module doc for the contract): the native op.
+    On the CPU ``w13`` / ``w2`` may be ``ops.pack_moe_weights``'."""
+    return ops.fused_moe(hidden, router_logits, w13, w2, top_k, renormalize)
+
+
+def fused_moe_torch(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """:func:`fused_moe` in torch ops (unpacked weights): routing, grouped expert GEMMs,
+    weighted sum in token order."""
     tokens = hidden.shape[0]
     num_experts = w13.shape[0]
     out = torch.zeros(tokens, w2.shape[1], dtype=torch.float32, device=hidden.device)
@@ -143,8 +157,26 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size,
                                                   self.intermediate_size))
 
+    _packed: tuple[torch.Tensor, torch.Tensor] | None = None  # ops.pack_moe_weights'
+
+    def prepare_for_cpu(self) -> None:
+        """Packs the experts' weights for the CPU kernel where the selected build runs
+        packed_linear's kernels for their dtype (bfloat16: H and I even); run at load, again
+        after changing weights. The parameters stay as they are (state_dict, other devices)."""
+        self._packed = None
+        w13, w2 = self.w13_weight, self.w2_weight
+        if (w13.device.type != "cpu" or not ops.packed_linear_kernel_selected(w13.dtype)
+                or (w13.dtype == torch.bfloat16 and (w13.shape[2] % 2 or w2.shape[2] % 2))):
+            return
+        with torch.no_grad():
+            self._packed = ops.pack_moe_weights(w13.detach(), w2.detach())
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return fused_moe(hidden, router_logits, self.w13_weight, self.w2_weight, self.top_k,
+        w13, w2 = self.w13_weight, self.w2_weight
+        if (self._packed is not None and hidden.device.type == "cpu"
+                and hidden.dtype == w13.dtype and not torch.is_grad_enabled()):
+            w13, w2 = self._packed
+        return fused_moe(hidden.contiguous(), router_logits.contiguous(), w13, w2, self.top_k,
                          self.renormalize)
 
     def extra_repr(self) -> str:

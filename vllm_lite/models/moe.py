@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from vllm_lite.distributed.group import TensorParallelGroup
-from vllm_lite.layers.moe import SparseMoeBlock, check_moe_config
+from vllm_lite.layers.moe import FusedMoE, SparseMoeBlock, check_moe_config
 from vllm_lite.models.llama import (
     LayerOptions,
     LlamaDecoderLayer,
@@ -77,7 +77,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     has_dense_layers: ClassVar[bool] = False
     # Weight quantization covers nn.Linear projections, not the experts: refused.
     quantizable: ClassVar[bool] = False
-    # fused_moe reads how many rows each expert got on the host: not capturable.
+    # The CUDA fused_moe needs no host round trip, but no GPU has yet run it under graph
+    # capture: eager until one does.
     supports_cuda_graphs: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -145,6 +146,14 @@ class MoeForCausalLM(LlamaForCausalLM):
                               tp, shared)
 
     # -- weights ------------------------------------------------------------------------
+    def prepare_for_cpu(self) -> None:
+        """The dense projections' packing (LlamaForCausalLM), and the experts' for the CPU
+        fused_moe kernel (:meth:`FusedMoE.prepare_for_cpu`)."""
+        super().prepare_for_cpu()
+        for module in self.modules():
+            if isinstance(module, FusedMoE):
+                module.prepare_for_cpu()
+
     def _num_experts(self) -> int:
         return getattr(self.config, self.num_experts_field)
 

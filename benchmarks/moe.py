@@ -1,0 +1,145 @@
+"""Fused MoE benchmark: the native op (``ops.fused_moe``) against the same block in torch ops.
+
+For a mixture-of-experts block of a small real MoE's shape (default: 16 experts, top-2,
+hidden 1024, intermediate 1408) and each token count, one run times on the CPU:
+
+- ``op``: ``FusedMoE`` after ``prepare_for_cpu``, i.e. ``torch.ops.vllm_lite.fused_moe`` on
+  the weights packed per expert where the selected CPU build has packed_linear's kernels for
+  the dtype (AVX-512 float32, AVX512-BF16 / AMX bfloat16), else on the plain weights (each
+  expert's GEMMs through ATen): the reference of the ratio;
+- ``torch``: ``layers.moe.fused_moe_torch``, the block in torch ops (softmax / topk, a
+  stable argsort by expert, index_select, per expert F.linear + silu_and_mul + F.linear,
+  index_add_), which the layer ran before the op.
+
+Each cell is the median of timed calls after a warm-up, with the weights in the caches
+they fit. The error columns compare both with a float64 computation on the same (rounded)
+inputs, relative to the largest output. Writes ``moe.md`` to --out and prints it.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:  # python3 benchmarks/moe.py
+    import _checkout
+    _checkout.run_as_module(__file__)
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from . import RESULTS_DIR
+from .common import time_us
+from .report import cpu_name
+from vllm_lite.config import THREADS_HELP, set_threads
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TOKENS = (1, 16, 256)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experts", type=int, default=16, help="experts (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default: %(default)s)")
+    p.add_argument("--intermediate", type=int, default=1408,
+                   help="each expert's intermediate size (default: %(default)s)")
+    p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS),
+                   help="tokens per call (default: %(default)s)")
+    p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "float16"),
+                   default=["float32", "bfloat16"], help="(default: %(default)s)")
+    p.add_argument("--target-s", type=float, default=1.0,
+                   help="seconds of timed calls per cell (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR,
+                   help="results folder (default: %(default)s)")
+
+
+def _float64_moe(x, logits, w13, w2, top_k: int, renormalize: bool):
+    import torch
+
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    weights, ids = torch.topk(torch.softmax(logits.double(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        proj = x[tok] @ w13[e].t()
+        act = torch.nn.functional.silu(proj[:, :inter]) * proj[:, inter:]
+        out.index_add_(0, tok, weights[tok, slot].unsqueeze(1) * (act @ w2[e].t()))
+    return out
+
+
+def run(args: argparse.Namespace) -> str:
+    """The report (markdown) of one run."""
+    import torch
+
+    from vllm_lite import ops
+    from vllm_lite.layers.moe import FusedMoE, fused_moe_torch
+
+    set_threads(args.threads)
+    if min(args.tokens) < 1:
+        raise ValueError("--tokens must be >= 1")
+    e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
+    gen = torch.Generator().manual_seed(args.seed)
+    lines = [
+        f"# Fused MoE block on the CPU ({cpu_name()}, {torch.get_num_threads()} threads, CPU "
+        f"ISA {ops.cpu_isa()}, torch {torch.__version__})",
+        "",
+        f"{e} experts, top-{k} (renormalised), hidden {h}, intermediate {i}; weights in cache "
+        f"as far as they fit ({e * 3 * h * i * 4 / 2**20:.0f} MiB in float32).",
+        "",
+        "| dtype | op GEMMs | tokens | op (us) | torch (us) | torch / op | op max rel err | "
+        "torch max rel err |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    w13 = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
+    w2 = torch.randn(e, h, i, generator=gen) / i**0.5
+    with torch.inference_mode():
+        for name in args.dtypes:
+            dtype = getattr(torch, name)
+            layer = FusedMoE(h, e, k, i, renormalize=True).to(dtype)
+            layer.w13_weight.copy_(w13)
+            layer.w2_weight.copy_(w2)
+            layer.prepare_for_cpu()
+            gemms = "packed_linear" if layer._packed is not None else "ATen"
+            p13, p2 = layer.w13_weight, layer.w2_weight
+            for t in args.tokens:
+                x = torch.randn(t, h, generator=gen).to(dtype)
+                # Distinct logits (multiples of 1/4, exact in every dtype): no tie for the
+                # op and the float64 reference to break differently.
+                logits = (torch.argsort(torch.rand(t, e, generator=gen), dim=-1) * 0.25).to(dtype)
+                ours = time_us(lambda: layer(x, logits), args.target_s)
+                theirs = time_us(lambda: fused_moe_torch(x, logits, p13, p2, k, True),
+                                 args.target_s)
+                ref = _float64_moe(x, logits, p13, p2, k, True)
+                scale = ref.abs().max().clamp_min(1e-30)
+                err = float((layer(x, logits).double() - ref).abs().max() / scale)
+                err_t = float((fused_moe_torch(x, logits, p13, p2, k, True).double() - ref)
+                              .abs().max() / scale)
+                lines.append(f"| {name} | {gemms} | {t} | {ours:.0f} | {theirs:.0f} | "
+                             f"{theirs / ours:.2f} | {err:.1e} | {err_t:.1e} |")
+                log.info("%s tokens %d: op %.0f us, torch %.0f us", name, t, ours, theirs)
+    lines += ["", "torch / op: how many times longer the torch block takes (above 1: the op "
+              "is faster). Errors: relative to the largest output, against float64 on the "
+              "same rounded inputs; bf16 outputs carry their own rounding (2^-9)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 benchmarks/moe.py",
+                                description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run_args(p.parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
+    from .common import run_markdown_report
+
+    return run_markdown_report("benchmarks/moe.py", run, args, "moe.md")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

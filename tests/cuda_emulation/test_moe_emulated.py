@@ -1,0 +1,89 @@
+"""fused_moe's CUDA kernels (csrc/cuda/moe/), run on the CPU by the SIMT emulator, against
+the float64 reference of tests/ops/test_fused_moe.py with its tolerances: float32,
+float16 and bfloat16, router logits float32 or in the dtype, renormalised or not, expert
+counts 4-64, top-k 1-8, experts no token chose (their weights NaN: never read), H and I
+past one block of threads. The output starts NaN (every element must be written); the
+inputs must come back unchanged. Each case runs under every schedule seed of
+harness.seeds() (the first by default, the others with --full-grid)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from ops.reference import assert_bitwise_equal  # tests/ is on sys.path
+from ops.test_fused_moe import Case, check_close, make_case, reference
+
+from . import harness
+from .conftest import case_dir
+
+pytestmark = pytest.mark.cuda_emulated
+
+CODE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class EmuCase:
+    moe: Case
+    dtype: torch.dtype
+    renormalize: bool
+    f32_logits: bool
+
+    @property
+    def id(self) -> str:
+        return (f"{self.moe.id}-{CODE[self.dtype]}-{'renorm' if self.renormalize else 'plain'}"
+                f"-logits_{'f32' if self.f32_logits else 'same'}")
+
+
+CASES = [
+    EmuCase(Case(4, 1, 1, 32, 24), torch.float32, True, True),
+    EmuCase(Case(8, 2, 7, 50, 40), torch.float16, False, False),
+    EmuCase(Case(64, 8, 3, 32, 16), torch.bfloat16, True, False),  # most experts idle
+    EmuCase(Case(16, 4, 33, 130, 136), torch.float32, False, False),  # H, I > one block
+    EmuCase(Case(32, 2, 20, 64, 48), torch.bfloat16, False, True),
+]
+
+
+def _prepare(c: EmuCase, root):
+    x, logits, w13, w2, idle = make_case(c.moe, c.dtype, seed=c.moe.tokens * 13 + c.moe.experts)
+    if c.f32_logits:
+        logits = logits.float()
+    ref = reference(x, logits, w13, w2, c.moe.top_k, c.renormalize)
+    out = torch.full((c.moe.tokens, c.moe.hidden), float("nan"), dtype=c.dtype)
+    cd = case_dir(root, c.id)
+    m = c.moe
+    cd.set(op="fused_moe", dtype=CODE[c.dtype], tokens=m.tokens, hidden=m.hidden,
+           experts=m.experts, inter=m.inter, top_k=m.top_k, renormalize=int(c.renormalize),
+           logits="f32" if c.f32_logits else "same")
+    inputs = {"hidden": x, "router_logits": logits, "w13": w13, "w2": w2}
+    for name, t in inputs.items():
+        cd.buf(name, t, out=True)
+    cd.buf("out", out, out=True)
+    cd.write()
+    return cd, (inputs, out, ref, idle)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    want = harness.selected(request, "case")
+    root = tmp_path_factory.mktemp("emu_moe")
+    prepared = {c.id: _prepare(c, root) for c in CASES if c.id in want}
+    results = harness.run_cases([cd.path for cd, _ in prepared.values()],
+                                sorted(harness.selected(request, "seed")))
+    return prepared, results
+
+
+@pytest.mark.parametrize("seed", harness.seed_params())
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_fused_moe_emulated(runs, case: EmuCase, seed: int) -> None:
+    prepared, results = runs
+    cd, (inputs, out, ref, idle) = prepared[case.id]
+    res = results[cd.path]
+    assert res.ok, res.message
+    check_close(cd.read("out", seed, out), ref, case.dtype)
+    for name, t in inputs.items():
+        assert_bitwise_equal(cd.read(name, seed, t), t, f"{name} must not be modified")
+    if case.moe.experts > case.moe.top_k * case.moe.tokens:
+        assert idle.any()
