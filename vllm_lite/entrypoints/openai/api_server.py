@@ -52,6 +52,7 @@ from vllm_lite.entrypoints.openai.http_limits import (
     RateLimitFilter,
     guarded_h11_protocol,
     install_rate_limit,
+    remove_rate_limit,
 )
 from vllm_lite.entrypoints.openai.serving_engine import (
     RequestError, ServingLimits, error_body, sse_stream)
@@ -362,8 +363,6 @@ def uvicorn_config(app: FastAPI, config: ServerConfig, **kw: Any) -> Any:
         timeout_keep_alive=config.keep_alive_timeout_s,
         http=guarded_h11_protocol(max_connections, config.read_timeout_s),
         **kw)
-    # Config() configured logging: now every handler drops repeats beyond a few a second.
-    install_rate_limit(RateLimitFilter())
     return uv
 
 
@@ -392,4 +391,12 @@ def serve(llm_engine: Any, config: ServerConfig, model_name: str | None = None) 
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s: reachable from other machines%s", config.host,
                        "" if config.api_key else ", and without an API key")
-    draining_server(app, uvicorn_config(app, config)).run()
+    uv_config = uvicorn_config(app, config)
+    # Config() configured logging: while the server runs, every handler drops repeats
+    # beyond a few a second (a client flooding bad requests cannot flood the log).
+    rate_limit = RateLimitFilter()
+    install_rate_limit(rate_limit)
+    try:
+        draining_server(app, uv_config).run()
+    finally:
+        remove_rate_limit(rate_limit)

@@ -268,3 +268,13 @@ def install_rate_limit(filter_: RateLimitFilter,
         for handler in logging.getLogger(name).handlers:
             if filter_ not in handler.filters:
                 handler.addFilter(filter_)
+
+
+def remove_rate_limit(filter_: RateLimitFilter,
+                      logger_names: Iterable[str] = ("", "uvicorn", "uvicorn.error",
+                                                     "uvicorn.access", "asyncio")) -> None:
+    """Takes the filter off every handler install_rate_limit put it on: the handlers are the
+    process's, and outlive the server (an embedding process, a test run)."""
+    for name in logger_names:
+        for handler in logging.getLogger(name).handlers:
+            handler.removeFilter(filter_)
