@@ -10,8 +10,8 @@ import logging
 import time
 from typing import Any
 
-from vllm_lite.entrypoints.openai.http_limits import (RateLimitFilter, install_rate_limit,
-                                                      remove_rate_limit)
+from vllm_lite.entrypoints.openai.http_limits import (RATE_LIMITED_LOGGERS, RateLimitFilter,
+                                                      install_rate_limit, remove_rate_limit)
 
 
 class _Collect(logging.Handler):
@@ -71,6 +71,6 @@ def test_uvicorn_config_leaves_the_handlers_alone(model_dir: Any) -> None:
     llm = LLM(str(model_dir), dtype="float32", device="cpu", kv_cache_space=0.01)
     app = build_app(llm.llm_engine, ServerConfig(served_model_name="m"))
     uvicorn_config(app, ServerConfig(served_model_name="m"), log_level="warning")
-    for name in ("", "uvicorn", "uvicorn.error", "uvicorn.access", "asyncio"):
+    for name in RATE_LIMITED_LOGGERS:
         for h in logging.getLogger(name).handlers:
             assert not any(isinstance(f, RateLimitFilter) for f in h.filters), (name, h)

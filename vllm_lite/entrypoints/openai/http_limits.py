@@ -259,9 +259,13 @@ class RateLimitFilter(logging.Filter):
             return False
 
 
+# The loggers whose handlers the server's rate limit filters: the root (the app's and the
+# engine's records propagate there) and uvicorn's and asyncio's, which may have their own.
+RATE_LIMITED_LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "asyncio")
+
+
 def install_rate_limit(filter_: RateLimitFilter,
-                       logger_names: Iterable[str] = ("", "uvicorn", "uvicorn.error",
-                                                      "uvicorn.access", "asyncio")) -> None:
+                       logger_names: Iterable[str] = RATE_LIMITED_LOGGERS) -> None:
     """Puts the filter on every handler of these loggers (a handler filter sees records
     propagated from child loggers too, a logger filter would not)."""
     for name in logger_names:
@@ -271,8 +275,7 @@ def install_rate_limit(filter_: RateLimitFilter,
 
 
 def remove_rate_limit(filter_: RateLimitFilter,
-                      logger_names: Iterable[str] = ("", "uvicorn", "uvicorn.error",
-                                                     "uvicorn.access", "asyncio")) -> None:
+                      logger_names: Iterable[str] = RATE_LIMITED_LOGGERS) -> None:
     """Takes the filter off every handler install_rate_limit put it on: the handlers are the
     process's, and outlive the server (an embedding process, a test run)."""
     for name in logger_names:
