@@ -20,18 +20,12 @@ inline bool cuda_block_size_supported(int64_t block_size) {
   return block_size == 8 || block_size == 16 || block_size == 32;
 }
 
-// One launch of the attention kernel. v1: exp_sums == max_logits == nullptr, out = the
-// output, one partition per sequence. v2: out = tmp_out, num_partitions = P of the
-// scratch, grid_partitions <= P partitions of kChunkTokens tokens are launched. Sequence
-// lengths are clamped to max_tokens.
-struct DecodeLaunchArgs {
+// What every paged-attention launch reads: the query, the paged caches and their metadata,
+// as validate.h's PagedAttentionDims describes them (decode and varlen prefill alike).
+struct PagedKvArgs {
   FloatType dtype;  // query / out (and the cache, when cache_dtype is kAuto)
   KvCacheDType cache_dtype;
-  int cc;       // the device's compute capability, major * 10 + minor (picks the kernel)
-  int64_t sms;  // its multiprocessors (the CTA split)
-  void* out;
-  float* exp_sums;
-  float* max_logits;
+  int cc;  // the device's compute capability, major * 10 + minor (picks the kernel)
   const void* query;
   const void* key_cache;
   const void* value_cache;
@@ -51,6 +45,18 @@ struct DecodeLaunchArgs {
   double scale;
   double k_scale;
   double v_scale;
+};
+
+// One launch of the attention kernel. v1: exp_sums == max_logits == nullptr, out = the
+// output, one partition per sequence. v2: out = tmp_out, num_partitions = P of the
+// scratch, grid_partitions <= P partitions of kChunkTokens tokens are launched. Sequence
+// lengths are clamped to max_tokens.
+struct DecodeLaunchArgs {
+  PagedKvArgs kv;
+  int64_t sms;  // the device's multiprocessors (the CTA split)
+  void* out;
+  float* exp_sums;
+  float* max_logits;
   int64_t num_partitions;
   int64_t grid_partitions;
   int64_t max_tokens;

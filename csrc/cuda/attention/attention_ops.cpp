@@ -22,6 +22,41 @@ namespace cuda {
 
 namespace {
 
+// The launch arguments every paged-attention call shares, from its checked dims and
+// tensors, for the current device.
+attn::PagedKvArgs paged_kv_args(const char* op, const PagedAttentionDims& d,
+                                const at::Tensor& query, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens,
+                                const std::optional<at::Tensor>& alibi_slopes, double scale,
+                                double k_scale, double v_scale) {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  attn::PagedKvArgs kv{};
+  kv.dtype = to_float_type(query.scalar_type(), op);
+  kv.cache_dtype = d.cache_dtype;
+  kv.cc = props->major * 10 + props->minor;
+  kv.query = query.data_ptr();
+  kv.key_cache = key_cache.data_ptr();
+  kv.value_cache = value_cache.data_ptr();
+  kv.block_tables = block_tables.data_ptr<int32_t>();
+  kv.seq_lens = seq_lens.data_ptr<int32_t>();
+  kv.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+  kv.num_seqs = d.num_seqs;
+  kv.num_heads = d.num_heads;
+  kv.num_kv_heads = d.num_kv_heads;
+  kv.head_size = d.head_size;
+  kv.block_size = d.block_size;
+  kv.num_blocks = d.num_blocks;
+  kv.max_blocks_per_seq = d.max_blocks_per_seq;
+  kv.q_stride_seq = d.q_stride_seq;
+  kv.q_stride_head = d.q_stride_head;
+  kv.flash_layout = d.flash_layout;
+  kv.scale = scale;
+  kv.k_scale = k_scale;
+  kv.v_scale = v_scale;
+  return kv;
+}
+
 // One call of paged_attention_v1 or v2 on CUDA: the prologue both run (every argument
 // check, v2's scratch shapes, the CUDA-only checks, the device guard, the stream, the
 // content checks) and the attention kernel's launch they share. It keeps references to
@@ -83,34 +118,13 @@ class PagedAttentionCall {
     TORCH_CHECK(is_aligned16(key_cache_.data_ptr()) && is_aligned16(value_cache_.data_ptr()),
                 "paged_attention: key_cache and value_cache must start at 16-byte aligned "
                 "addresses on CUDA");
-    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
     attn::DecodeLaunchArgs a{};
-    a.dtype = to_float_type(query_.scalar_type(), "paged_attention");
-    a.cache_dtype = d.cache_dtype;
-    a.cc = props->major * 10 + props->minor;
-    a.sms = props->multiProcessorCount;
+    a.kv = paged_kv_args("paged_attention", d, query_, key_cache_, value_cache_, block_tables_,
+                         seq_lens_, alibi_slopes_, scale_, k_scale_, v_scale_);
+    a.sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     a.out = out;
     a.exp_sums = exp_sums;
     a.max_logits = max_logits;
-    a.query = query_.data_ptr();
-    a.key_cache = key_cache_.data_ptr();
-    a.value_cache = value_cache_.data_ptr();
-    a.block_tables = block_tables_.data_ptr<int32_t>();
-    a.seq_lens = seq_lens_.data_ptr<int32_t>();
-    a.alibi_slopes = alibi_slopes_.has_value() ? alibi_slopes_->data_ptr<float>() : nullptr;
-    a.num_seqs = d.num_seqs;
-    a.num_heads = d.num_heads;
-    a.num_kv_heads = d.num_kv_heads;
-    a.head_size = d.head_size;
-    a.block_size = d.block_size;
-    a.num_blocks = d.num_blocks;
-    a.max_blocks_per_seq = d.max_blocks_per_seq;
-    a.q_stride_seq = d.q_stride_seq;
-    a.q_stride_head = d.q_stride_head;
-    a.flash_layout = d.flash_layout;
-    a.scale = scale_;
-    a.k_scale = k_scale_;
-    a.v_scale = v_scale_;
     a.num_partitions = num_partitions;
     a.grid_partitions = grid_partitions;
     a.max_tokens = max_tokens;
@@ -206,34 +220,13 @@ void varlen_paged_attention(at::Tensor& out, const at::Tensor& query,
   TORCH_CHECK(is_aligned16(key_cache.data_ptr()) && is_aligned16(value_cache.data_ptr()), op,
               ": key_cache and value_cache must start at 16-byte aligned addresses on CUDA");
 
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   varlen::VarlenLaunchArgs a{};
-  a.dtype = to_float_type(query.scalar_type(), op);
-  a.cache_dtype = d.cache_dtype;
-  a.cc = props->major * 10 + props->minor;
+  a.kv = paged_kv_args(op, d, query, key_cache, value_cache, block_tables, seq_lens,
+                       alibi_slopes, scale, k_scale, v_scale);
   a.out = out.data_ptr();
-  a.query = query.data_ptr();
-  a.key_cache = key_cache.data_ptr();
-  a.value_cache = value_cache.data_ptr();
-  a.block_tables = block_tables.data_ptr<int32_t>();
-  a.seq_lens = seq_lens.data_ptr<int32_t>();
   a.query_start_loc = query_start_loc.data_ptr<int32_t>();
-  a.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
-  a.num_seqs = d.num_seqs;
   a.num_tokens = d.num_tokens;
-  a.num_heads = d.num_heads;
-  a.num_kv_heads = d.num_kv_heads;
-  a.head_size = d.head_size;
-  a.block_size = d.block_size;
-  a.num_blocks = d.num_blocks;
-  a.max_blocks_per_seq = d.max_blocks_per_seq;
-  a.q_stride_seq = d.q_stride_seq;
-  a.q_stride_head = d.q_stride_head;
   a.max_query_len = max_query_len;
-  a.scale = scale;
-  a.k_scale = k_scale;
-  a.v_scale = v_scale;
-  a.flash_layout = d.flash_layout;
   C10_CUDA_CHECK(varlen::launch_varlen_paged_attention(a, stream));
 }
 

@@ -21,23 +21,24 @@ namespace cuda {
 namespace attn {
 
 cudaError_t launch_paged_attention(const DecodeLaunchArgs& a, cudaStream_t stream) {
-  const int64_t group = a.num_heads / a.num_kv_heads;
+  const PagedKvArgs& kv = a.kv;
+  const int64_t group = kv.num_heads / kv.num_kv_heads;
   // The kernel (SIMT or tensor cores: attention_path.h), its CTA split and block.
   DecodeLaunch plan{};
-  dispatch_float_type(a.dtype, [&](auto tag) {
+  dispatch_float_type(kv.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
-    dispatch_cache_elem<scalar_t>(a.cache_dtype, [&](auto cache_tag) {
+    dispatch_cache_elem<scalar_t>(kv.cache_dtype, [&](auto cache_tag) {
       plan = plan_decode_launch<scalar_t, decltype(cache_tag)>(
-          a.cc, a.num_seqs, a.num_kv_heads, group, a.head_size, static_cast<int>(a.block_size),
-          a.grid_partitions, a.sms);
+          kv.cc, kv.num_seqs, kv.num_kv_heads, group, kv.head_size,
+          static_cast<int>(kv.block_size), a.grid_partitions, a.sms);
     });
   });
   const int64_t ctas = plan.split.ctas_per_kv_head;
   const int64_t hpc = plan.split.heads_per_cta;
 
-  const int64_t grid_x = a.num_seqs * a.num_kv_heads * ctas;
+  const int64_t grid_x = kv.num_seqs * kv.num_kv_heads * ctas;
   TORCH_CHECK(grid_x <= INT_MAX, "paged_attention: too many sequences for one launch (",
-              a.num_seqs, " sequences x ", a.num_kv_heads * ctas, " CTAs each)");
+              kv.num_seqs, " sequences x ", kv.num_kv_heads * ctas, " CTAs each)");
   TORCH_CHECK(a.grid_partitions <= 65535, "paged_attention: ", a.grid_partitions,
               " partitions of ", kChunkTokens, " tokens exceed the CUDA grid limit of 65535");
 
@@ -45,30 +46,30 @@ cudaError_t launch_paged_attention(const DecodeLaunchArgs& a, cudaStream_t strea
   p.out = a.out;
   p.exp_sums = a.exp_sums;
   p.max_logits = a.max_logits;
-  p.query = a.query;
-  p.key_cache = a.key_cache;
-  p.value_cache = a.value_cache;
-  p.block_tables = a.block_tables;
-  p.seq_lens = a.seq_lens;
-  p.alibi_slopes = a.alibi_slopes;
-  p.q_stride_seq = a.q_stride_seq;
-  p.q_stride_head = a.q_stride_head;
-  p.kv_block_stride = a.num_kv_heads * a.head_size * a.block_size;
-  p.flash_layout = a.flash_layout;
-  p.kv_token_stride = a.num_kv_heads * a.head_size;
-  p.num_blocks = a.num_blocks;
+  p.query = kv.query;
+  p.key_cache = kv.key_cache;
+  p.value_cache = kv.value_cache;
+  p.block_tables = kv.block_tables;
+  p.seq_lens = kv.seq_lens;
+  p.alibi_slopes = kv.alibi_slopes;
+  p.q_stride_seq = kv.q_stride_seq;
+  p.q_stride_head = kv.q_stride_head;
+  p.kv_block_stride = kv.num_kv_heads * kv.head_size * kv.block_size;
+  p.flash_layout = kv.flash_layout;
+  p.kv_token_stride = kv.num_kv_heads * kv.head_size;
+  p.num_blocks = kv.num_blocks;
   p.max_tokens = std::max<int64_t>(0, std::min<int64_t>(a.max_tokens, INT_MAX - kChunkTokens));
-  p.num_heads = static_cast<int>(a.num_heads);
-  p.num_kv_heads = static_cast<int>(a.num_kv_heads);
-  p.head_size = static_cast<int>(a.head_size);
+  p.num_heads = static_cast<int>(kv.num_heads);
+  p.num_kv_heads = static_cast<int>(kv.num_kv_heads);
+  p.head_size = static_cast<int>(kv.head_size);
   p.group_size = static_cast<int>(group);
   p.heads_per_cta = static_cast<int>(hpc);
   p.ctas_per_kv_head = static_cast<int>(ctas);
-  p.max_blocks_per_seq = static_cast<int>(a.max_blocks_per_seq);
+  p.max_blocks_per_seq = static_cast<int>(kv.max_blocks_per_seq);
   p.num_partitions = static_cast<int>(a.num_partitions);
   p.partition_tokens = a.exp_sums != nullptr ? kChunkTokens : INT_MAX;
-  p.qk_scale = static_cast<float>(a.scale * a.k_scale);
-  p.v_scale = static_cast<float>(a.v_scale);
+  p.qk_scale = static_cast<float>(kv.scale * kv.k_scale);
+  p.v_scale = static_cast<float>(kv.v_scale);
 
   const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(a.grid_partitions));
   plan.kernel<<<grid, plan.threads, plan.smem, stream>>>(p);

@@ -20,25 +20,26 @@ namespace varlen {
 
 cudaError_t launch_varlen_paged_attention(const VarlenLaunchArgs& a, cudaStream_t stream) {
   constexpr const char* op = "varlen_paged_attention";
+  const attn::PagedKvArgs& kv = a.kv;
   // The kernel (SIMT or tensor cores: attention_path.h) and its grid.
   VarlenLaunch launch{};
-  dispatch_float_type(a.dtype, [&](auto tag) {
+  dispatch_float_type(kv.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
-    dispatch_cache_elem<scalar_t>(a.cache_dtype, [&](auto cache_tag) {
+    dispatch_cache_elem<scalar_t>(kv.cache_dtype, [&](auto cache_tag) {
       launch = plan_varlen_launch<scalar_t, decltype(cache_tag)>(
-          a.cc, a.num_seqs, a.num_kv_heads, a.num_heads / a.num_kv_heads, a.head_size,
+          kv.cc, kv.num_seqs, kv.num_kv_heads, kv.num_heads / kv.num_kv_heads, kv.head_size,
           a.max_query_len);
     });
   });
   const VarlenPlan& plan = launch.plan;
   TORCH_CHECK(plan.grid_x <= INT_MAX, op, ": too many CTAs for one launch (",
-              plan.query_tiles, " query tiles of ", plan.query_tile, " tokens x ", a.num_seqs,
-              " sequences x ", a.num_kv_heads * plan.head_chunks, " head groups)");
+              plan.query_tiles, " query tiles of ", plan.query_tile, " tokens x ", kv.num_seqs,
+              " sequences x ", kv.num_kv_heads * plan.head_chunks, " head groups)");
   const VarlenParams p = make_varlen_params(
-      plan, a.num_seqs, a.num_tokens, a.num_heads, a.num_kv_heads, a.head_size, a.block_size,
-      a.num_blocks, a.max_blocks_per_seq, a.q_stride_seq, a.q_stride_head, a.scale, a.k_scale,
-      a.v_scale, a.out, a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens,
-      a.query_start_loc, a.alibi_slopes, a.flash_layout);
+      plan, kv.num_seqs, a.num_tokens, kv.num_heads, kv.num_kv_heads, kv.head_size,
+      kv.block_size, kv.num_blocks, kv.max_blocks_per_seq, kv.q_stride_seq, kv.q_stride_head,
+      kv.scale, kv.k_scale, kv.v_scale, a.out, kv.query, kv.key_cache, kv.value_cache,
+      kv.block_tables, kv.seq_lens, a.query_start_loc, kv.alibi_slopes, kv.flash_layout);
   launch.kernel<<<static_cast<unsigned>(plan.grid_x), launch.threads, plan.smem_bytes, stream>>>(
       p);
   return cudaGetLastError();

@@ -9,39 +9,21 @@
 
 #include <cuda_runtime_api.h>
 
+#include "cuda/attention/attention_launch.h"
 #include "cuda/launch_types.h"
 
 namespace vllm_lite {
 namespace cuda {
 namespace varlen {
 
+// The paged caches as for decode (kv: num_seqs sequences, each with its query rows
+// query_start_loc[i] .. query_start_loc[i + 1] of num_tokens).
 struct VarlenLaunchArgs {
-  FloatType dtype;  // query / out (and the cache, when cache_dtype is kAuto)
-  KvCacheDType cache_dtype;
-  int cc;  // the device's compute capability, major * 10 + minor (picks the kernel)
+  attn::PagedKvArgs kv;
   void* out;
-  const void* query;
-  const void* key_cache;
-  const void* value_cache;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
   const int32_t* query_start_loc;
-  const float* alibi_slopes;  // or nullptr
-  int64_t num_seqs;
   int64_t num_tokens;
-  int64_t num_heads;
-  int64_t num_kv_heads;
-  int64_t head_size;
-  int64_t block_size;
-  int64_t num_blocks;
-  int64_t max_blocks_per_seq;
-  int64_t q_stride_seq;
-  int64_t q_stride_head;
   int64_t max_query_len;
-  double scale;
-  double k_scale;
-  double v_scale;
-  bool flash_layout;
 };
 
 // Plans and launches the kernel on `stream`; returns the launch's error. Throws (c10::Error)
