@@ -132,7 +132,6 @@ inline CacheArgs make_cache_args(int64_t key_stride, int64_t value_stride, int64
                                  int64_t esize, double k_scale, double v_scale, const void* key,
                                  const void* value, const void* key_cache,
                                  const void* value_cache) {
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   CacheArgs a{};
   a.key_stride = key_stride;
   a.value_stride = value_stride;
@@ -146,8 +145,9 @@ inline CacheArgs make_cache_args(int64_t key_stride, int64_t value_stride, int64
   a.inv_v = 1.0f / static_cast<float>(v_scale);
   a.raw_k = a.inv_k == 1.0f;
   a.raw_v = a.inv_v == 1.0f;
-  a.vec_k = aligned(key) && (key_stride * esize) % 16 == 0 && aligned(key_cache);
-  a.vec_v = aligned(value) && (value_stride * esize) % 16 == 0 && aligned(value_cache);
+  a.vec_k = is_aligned16(key) && (key_stride * esize) % 16 == 0 && is_aligned16(key_cache);
+  a.vec_v =
+      is_aligned16(value) && (value_stride * esize) % 16 == 0 && is_aligned16(value_cache);
   return a;
 }
 

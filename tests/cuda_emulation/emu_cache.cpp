@@ -51,7 +51,6 @@ void copy_blocks(void* const* key_caches, void* const* value_caches,
                  const int64_t* block_bytes, int64_t num_layers, const int64_t* mapping,
                  int64_t pairs, int64_t num_blocks) {
   if (num_layers == 0 || pairs == 0 || num_blocks == 0) return;
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   for (int64_t l0 = 0; l0 < num_layers; l0 += cache::kMaxCopyLayers) {
     const int64_t count = std::min<int64_t>(cache::kMaxCopyLayers, num_layers - l0);
     cache::CopyBlocksLayers layers{};
@@ -61,7 +60,8 @@ void copy_blocks(void* const* key_caches, void* const* value_caches,
       layers.key[i] = reinterpret_cast<int64_t>(key_caches[l0 + i]);
       layers.value[i] = reinterpret_cast<int64_t>(value_caches[l0 + i]);
       layers.block_bytes[i] = block_bytes[l0 + i];
-      vec = vec && aligned(key_caches[l0 + i]) && aligned(value_caches[l0 + i]) &&
+      vec = vec && vllm_lite::cuda::is_aligned16(key_caches[l0 + i]) &&
+            vllm_lite::cuda::is_aligned16(value_caches[l0 + i]) &&
             layers.block_bytes[i] % 16 == 0;
       max_bytes = std::max(max_bytes, layers.block_bytes[i]);
     }

@@ -343,8 +343,6 @@ __global__ void rotary_embedding_kernel(const int64_t* __restrict__ positions,
 
 // ---- host-side launch plans (shared with tests/cuda_emulation/emu_elementwise.cpp)
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Threads of a CTA for `work` items: rounded up to a warp, within [32, max_threads].
 inline int threads_for(int64_t work, int max_threads) {
   const int64_t t = (work + 31) / 32 * 32;
@@ -363,8 +361,8 @@ inline NormPlan plan_norm(int64_t hidden, int64_t row_stride, int64_t esize,
                           const void* p0, const void* p1, const void* p2) {
   const int64_t n = 16 / esize;
   NormPlan plan{};
-  plan.vec = hidden % n == 0 && row_stride % n == 0 && aligned16(p0) && aligned16(p1) &&
-             aligned16(p2);
+  plan.vec = hidden % n == 0 && row_stride % n == 0 && is_aligned16(p0) && is_aligned16(p1) &&
+             is_aligned16(p2);
   plan.threads = threads_for(plan.vec ? hidden / n : hidden, kMaxNormThreads);
   return plan;
 }
@@ -379,7 +377,7 @@ inline SiluPlan plan_silu_and_mul(int64_t d, int64_t row_stride, int64_t esize,
                                   const void* out, const void* input) {
   const int64_t n = 16 / esize;
   SiluPlan plan{};
-  plan.vec = d % n == 0 && row_stride % n == 0 && aligned16(out) && aligned16(input);
+  plan.vec = d % n == 0 && row_stride % n == 0 && is_aligned16(out) && is_aligned16(input);
   const int64_t units = plan.vec ? d / n : d;
   plan.threads = threads_for(units, kSiluThreads);
   const int64_t ctas = (units + plan.threads - 1) / plan.threads;
