@@ -26,9 +26,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/cpu_isa.h"
+#include "cpu/moe_rows_gemm.h"
 #include "cpu/packed_linear_params.h"
 #include "moe_limits.h"
 #include "ops.h"
@@ -174,6 +176,78 @@ void aten_experts(const MoeDims& d, const std::vector<ExpertRows>& active, const
   }
 }
 
+// The few-rows GEMM for plain weights of dtype where this build has no packed kernel
+// (nullptr elsewhere: no such kernel for the dtype or the build).
+MoeRowsGemmFn rows_kernel(at::ScalarType dtype) {
+  if (!cpu_isa_includes("avx2")) return nullptr;
+  if (dtype == at::kFloat) return moe_rows_gemm_f32_avx2();
+  return dtype == at::kBFloat16 ? moe_rows_gemm_bf16_avx2() : nullptr;
+}
+
+// Step 3 for experts of at most kMoeRowsGemmMaxRows rows on plain weights (a decode
+// step's): items of (expert, range of weight rows) that the threads share, so every
+// expert's weights stream once with both cores on them; first the gate_up GEMMs (into a
+// [P, 2I] buffer, rounded to T), silu_and_mul per expert, then the down GEMMs. The kernel
+// takes float32 rows of x: bfloat16 rows are widened first (exact).
+template <typename T>
+void rows_experts(MoeRowsGemmFn fn, const MoeDims& d, const std::vector<ExpertRows>& small,
+                  const at::Tensor& xs, const at::Tensor& w13, const at::Tensor& w2,
+                  at::Tensor& act, at::Tensor& ys) {
+  const int64_t H = d.hidden, I = d.intermediate, P = xs.size(0);
+  const auto widen = [&](const at::Tensor& src, int64_t K) {
+    if constexpr (std::is_same_v<T, float>) {
+      return src;
+    } else {
+      at::Tensor dst = at::empty({P, K}, src.options().dtype(at::kFloat));
+      const T* s = src.data_ptr<T>();
+      float* o = dst.data_ptr<float>();
+      for (const ExpertRows& r : small) {
+        for (int64_t i = r.start * K; i < (r.start + r.rows) * K; ++i) o[i] = static_cast<float>(s[i]);
+      }
+      return dst;
+    }
+  };
+  struct Item {
+    int64_t expert, n0, n1;
+  };
+  // About 64 KiB of weights per item: enough items for the threads to even out, few
+  // enough that taking one costs nothing.
+  const auto items_of = [&](int64_t N, int64_t K) {
+    const int64_t chunk =
+        std::max<int64_t>(4, (int64_t{64} * 1024 / (K * xs.element_size())) / 4 * 4);
+    std::vector<Item> items;
+    for (int64_t i = 0; i < static_cast<int64_t>(small.size()); ++i) {
+      for (int64_t n0 = 0; n0 < N; n0 += chunk) items.push_back({i, n0, std::min(N, n0 + chunk)});
+    }
+    return items;
+  };
+  const at::Tensor xf = widen(xs, H);
+  at::Tensor gate_up = at::empty({P, 2 * I}, xs.options());
+  const float* x = xf.data_ptr<float>();
+  T* gu = gate_up.data_ptr<T>();
+  const T* w13p = w13.data_ptr<T>();
+  const T* w2p = w2.data_ptr<T>();
+  const std::vector<Item> up = items_of(2 * I, H);
+  run_items(static_cast<int64_t>(up.size()), [&](int64_t i) {
+    const ExpertRows& r = small[up[i].expert];
+    fn(x + r.start * H, r.rows, H, w13p + r.expert * 2 * I * H, gu + r.start * 2 * I + up[i].n0,
+       2 * I, up[i].n0, up[i].n1);
+  });
+  for (const ExpertRows& r : small) {
+    at::Tensor a = act.narrow(0, r.start, r.rows);
+    silu_and_mul(a, gate_up.narrow(0, r.start, r.rows));
+  }
+  const at::Tensor af = widen(act, I);
+  const float* a = af.data_ptr<float>();
+  T* y = ys.data_ptr<T>();
+  const std::vector<Item> down = items_of(H, I);
+  run_items(static_cast<int64_t>(down.size()), [&](int64_t i) {
+    const ExpertRows& r = small[down[i].expert];
+    fn(a + r.start * I, r.rows, I, w2p + r.expert * H * I, y + r.start * H + down[i].n0, H,
+       down[i].n0, down[i].n1);
+  });
+}
+
 template <typename T, typename L>
 void fused_moe_impl(const MoeDims& d, const at::Tensor& hidden, const at::Tensor& router_logits,
                     const at::Tensor& w13, const at::Tensor& w2, bool renormalize,
@@ -219,8 +293,21 @@ void fused_moe_impl(const MoeDims& d, const at::Tensor& hidden, const at::Tensor
   at::Tensor act = at::empty({P, d.intermediate}, hidden.options());
   at::Tensor ys = at::empty({P, H}, hidden.options());
   const PackedLinearFn fn = d.packed ? moe_kernel(hidden.scalar_type()) : nullptr;
+  const MoeRowsGemmFn rows_fn = d.packed ? nullptr : rows_kernel(hidden.scalar_type());
   if (fn != nullptr) {
     packed_experts(fn, d, active, xs, w13, w2, act, ys);
+  } else if (rows_fn != nullptr) {
+    // active is sorted by rows, most first: the experts past `split` take the few-rows GEMM.
+    const auto split = std::find_if(active.begin(), active.end(), [](const ExpertRows& r) {
+      return r.rows <= kMoeRowsGemmMaxRows;
+    });
+    const std::vector<ExpertRows> large(active.begin(), split), small(split, active.end());
+    aten_experts(d, large, xs, w13, w2, act, ys);
+    if (!small.empty()) {
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+        rows_experts<T>(rows_fn, d, small, xs, w13, w2, act, ys);
+      }
+    }
   } else {
     aten_experts(d, active, xs, w13, w2, act, ys);
   }

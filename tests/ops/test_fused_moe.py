@@ -36,9 +36,10 @@ class Case:
 
 
 # Experts 4-64, top-k 1-8, tokens 1-4096; H and I ending mid-panel (48 columns, gated 24)
-# and spanning several panels; (32, 2, 1), (64, 8, 3): most experts idle.
+# and spanning several panels; (32, 2, 1), (64, 8, 3): most experts idle; (8, 2, 60): experts
+# on both sides of the AVX2 few-rows GEMM's 16 rows, with H and I not multiples of its 8 lanes.
 CASES = [Case(4, 1, 1), Case(8, 2, 7, 96, 24), Case(32, 2, 1), Case(64, 8, 3),
-         Case(16, 4, 130, 50, 70), Case(64, 8, 33, 32, 16)]
+         Case(16, 4, 130, 50, 70), Case(64, 8, 33, 32, 16), Case(8, 2, 60, 50, 70)]
 FULL_CASES = [Case(4, 4, 4096, 32, 24), Case(64, 1, 4096, 32, 24), Case(64, 8, 1000, 32, 24),
               Case(16, 2, 2048, 1024, 176), Case(8, 8, 257, 130, 200), Case(64, 8, 1)]
 GRID = ([pytest.param(c, id=c.id) for c in CASES]
