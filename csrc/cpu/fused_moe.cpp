@@ -17,7 +17,11 @@
 // or the weights are not packed, each expert's GEMMs go through at::mm on its
 // [E, 2I, H] / [E, H, I] slices, and silu_and_mul (packed_gated_linear / packed_linear and
 // their own fallbacks for packed weights): the experts then run one per thread where
-// there are at least as many as threads, else one after another on all threads.
+// there are at least as many as threads, else one after another on all threads. On plain
+// float32 / bfloat16 weights with AVX2, experts of at most kMoeRowsGemmMaxRows rows (a
+// decode step's) take moe_rows_gemm.h's kernel instead, in (expert, weight rows) items
+// that the threads share: at::mm's per-call cost and one-expert-per-thread split were
+// most of a decode step's MoE time there.
 // An expert no token chose is never read.
 #include <ATen/Parallel.h>
 
