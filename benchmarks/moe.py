@@ -5,8 +5,9 @@ hidden 1024, intermediate 1408) and each token count, one run times on the CPU:
 
 - ``op``: ``FusedMoE`` after ``prepare_for_cpu``, i.e. ``torch.ops.vllm_lite.fused_moe`` on
   the weights packed per expert where the selected CPU build has packed_linear's kernels for
-  the dtype (AVX-512 float32, AVX512-BF16 / AMX bfloat16), else on the plain weights (each
-  expert's GEMMs through ATen): the reference of the ratio;
+  the dtype (AVX-512 float32, AVX512-BF16 / AMX bfloat16), else on the plain weights (the
+  AVX2 few-rows GEMM for experts of a few rows in float32 / bfloat16, ATen for the rest):
+  the reference of the ratio;
 - ``torch``: ``layers.moe.fused_moe_torch``, the block in torch ops (softmax / topk, a
   stable argsort by expert, index_select, per expert F.linear + silu_and_mul + F.linear,
   index_add_), which the layer ran before the op.
@@ -83,6 +84,14 @@ def run(args: argparse.Namespace) -> str:
     if min(args.tokens) < 1:
         raise ValueError("--tokens must be >= 1")
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
+    if not 1 <= e <= ops.MOE_MAX_NUM_EXPERTS:
+        raise ValueError(f"--experts must be in [1, {ops.MOE_MAX_NUM_EXPERTS}], got {e}")
+    if not 1 <= k <= min(e, ops.MOE_MAX_TOP_K):
+        raise ValueError(f"--top-k must be in [1, min(--experts, {ops.MOE_MAX_TOP_K})], got {k}")
+    if h < 1 or i < 1:
+        raise ValueError(f"--hidden and --intermediate must be >= 1, got {h} and {i}")
+    if args.target_s <= 0:
+        raise ValueError(f"--target-s must be > 0, got {args.target_s}")
     gen = torch.Generator().manual_seed(args.seed)
     lines = [
         f"# Fused MoE block on the CPU ({cpu_name()}, {torch.get_num_threads()} threads, CPU "
@@ -104,7 +113,9 @@ def run(args: argparse.Namespace) -> str:
             layer.w13_weight.copy_(w13)
             layer.w2_weight.copy_(w2)
             layer.prepare_for_cpu()
-            gemms = "packed_linear" if layer._packed is not None else "ATen"
+            gemms = ("packed_linear" if layer._packed is not None
+                     else "AVX2 few-rows / ATen" if ops.cpu_isa() != "generic"
+                     and dtype != torch.float16 else "ATen")
             p13, p2 = layer.w13_weight, layer.w2_weight
             for t in args.tokens:
                 x = torch.randn(t, h, generator=gen).to(dtype)

@@ -3,7 +3,7 @@
     vllm-lite generate --model smollm2-135m "Hello, my name is" "The capital of France is"
     vllm-lite generate --model smollm2-135m --chat "What is the capital of France?"
     vllm-lite serve --model smollm2-135m --host 127.0.0.1 --port 8000 [--api-key KEY]
-    vllm-lite bench throughput|latency|kernels|linear|elementwise|sampler|profile [--quick] [--threads 1]
+    vllm-lite bench throughput|latency|kernels|linear|moe|elementwise|sampler|profile [--quick] [--threads 1]
     vllm-lite --version
 
 `generate` prints each prompt's completion, then the throughput of the run; `serve` runs
@@ -199,7 +199,8 @@ def plain_text(text: str) -> str:
 # The benchmarks live in the source checkout's benchmarks/ folder, never in the installed
 # package; this variable names that folder when the working directory is not the checkout.
 BENCHMARKS_ENV = "VLLM_LITE_BENCHMARKS"
-BENCH_KINDS = ("throughput", "latency", "kernels", "linear", "elementwise", "sampler", "profile")
+BENCH_KINDS = ("throughput", "latency", "kernels", "linear", "moe", "elementwise", "sampler",
+               "profile")
 
 
 def benchmarks_dir() -> Path | None:
@@ -268,7 +269,7 @@ def _bench_parser(sub: argparse._SubParsersAction, load: bool = True) -> None:
     p = sub.add_parser("bench", help=help_)
     kinds = p.add_subparsers(dest="bench", required=True)
     load_benchmarks(folder)
-    from benchmarks import (elementwise, kernels, latency, linear, sampler, step_profile,
+    from benchmarks import (elementwise, kernels, latency, linear, moe, sampler, step_profile,
                             throughput)
 
     for name, module in (("throughput", throughput), ("latency", latency)):
@@ -281,6 +282,9 @@ def _bench_parser(sub: argparse._SubParsersAction, load: bool = True) -> None:
     linear.add_arguments(kinds.add_parser(
         "linear", help="int8 vs float32 linear-layer benchmark (benchmarks/linear.py)",
         description=linear.__doc__.split("\n\n")[0], formatter_class=_FMT))
+    moe.add_arguments(kinds.add_parser(
+        "moe", help="the fused MoE op vs the same block in torch ops (benchmarks/moe.py)",
+        description=plain_text(moe.__doc__.split("\n\n")[0]), formatter_class=_FMT))
     elementwise.add_arguments(kinds.add_parser(
         "elementwise", help="native element-wise ops vs the torch code they replaced "
                             "(benchmarks/elementwise.py)",
@@ -299,7 +303,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     if getattr(args, "benchmarks_missing", False):  # the parser found no checkout
         print(f"vllm-lite bench: {_benchmarks_missing()}", file=sys.stderr)
         return 2
-    from benchmarks import (elementwise, kernels, latency, linear, sampler, step_profile,
+    from benchmarks import (elementwise, kernels, latency, linear, moe, sampler, step_profile,
                             throughput)
     from benchmarks.common import run_cli
 
@@ -307,6 +311,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         return kernels.run_args(kernels.finish_args(args))
     if args.bench == "linear":
         return linear.run_args(args)
+    if args.bench == "moe":
+        return moe.run_args(args)
     if args.bench == "elementwise":
         return elementwise.run_args(args)
     if args.bench == "sampler":
