@@ -18,10 +18,11 @@
 // [E, 2I, H] / [E, H, I] slices, and silu_and_mul (packed_gated_linear / packed_linear and
 // their own fallbacks for packed weights): the experts then run one per thread where
 // there are at least as many as threads, else one after another on all threads. On plain
-// float32 / bfloat16 weights with AVX2, experts of at most kMoeRowsGemmMaxRows rows (a
-// decode step's) take moe_rows_gemm.h's kernel instead, in (expert, weight rows) items
-// that the threads share: at::mm's per-call cost and one-expert-per-thread split were
-// most of a decode step's MoE time there.
+// float32 / bfloat16 weights with AVX2, moe_rows_gemm.h's kernel takes float32 experts of
+// at most kMoeRowsGemmMaxRowsF32 rows (a decode step's) and bfloat16 experts of any size,
+// in (expert, weight rows) items that the threads share: at::mm's per-call cost and
+// one-expert-per-thread split were most of a decode step's MoE time there, and its
+// bfloat16 GEMM is slow at every size without AVX512-BF16.
 // An expert no token chose is never read.
 #include <ATen/Parallel.h>
 
@@ -188,8 +189,8 @@ MoeRowsGemmFn rows_kernel(at::ScalarType dtype) {
   return dtype == at::kBFloat16 ? moe_rows_gemm_bf16_avx2() : nullptr;
 }
 
-// Step 3 for experts of at most kMoeRowsGemmMaxRows rows on plain weights (a decode
-// step's): items of (expert, range of weight rows) that the threads share, so every
+// Step 3 on plain weights for the experts moe_rows_gemm.h's kernel takes (a decode
+// step's; every bfloat16 one): items of (expert, range of weight rows) that the threads share, so every
 // expert's weights stream once with both cores on them; first the gate_up GEMMs (into a
 // [P, 2I] buffer, rounded to T), silu_and_mul per expert, then the down GEMMs. The kernel
 // takes float32 rows of x: bfloat16 rows are widened first (exact).
@@ -302,8 +303,9 @@ void fused_moe_impl(const MoeDims& d, const at::Tensor& hidden, const at::Tensor
     packed_experts(fn, d, active, xs, w13, w2, act, ys);
   } else if (rows_fn != nullptr) {
     // active is sorted by rows, most first: the experts past `split` take the few-rows GEMM.
-    const auto split = std::find_if(active.begin(), active.end(), [](const ExpertRows& r) {
-      return r.rows <= kMoeRowsGemmMaxRows;
+    const int64_t max_rows = std::is_same_v<T, float> ? kMoeRowsGemmMaxRowsF32 : P;
+    const auto split = std::find_if(active.begin(), active.end(), [&](const ExpertRows& r) {
+      return r.rows <= max_rows;
     });
     const std::vector<ExpertRows> large(active.begin(), split), small(split, active.end());
     aten_experts(d, large, xs, w13, w2, act, ys);

@@ -10,14 +10,18 @@
 
 namespace vllm_lite::cpu {
 
-// The most rows of x the kernel takes: each group of W rows is read once per pair of x
-// rows (from L1 after the first), and x's rows are read once per group, so past a few
-// dozen rows at::mm's blocked GEMM is the faster.
-constexpr int64_t kMoeRowsGemmMaxRows = 16;
+// Rows of x per block: the kernel walks its range of W once per block of x (a block's
+// float32 rows stay in L2 while the range's W rows pass, each group of W rows from L1 for
+// every pair of the block's rows).
+constexpr int64_t kMoeRowsGemmBlockRows = 16;
+// float32 experts with more rows take at::mm: its blocked GEMM reads W once for all rows.
+// bfloat16 experts take the kernel at any row count: without AVX512-BF16, at::mm's
+// bfloat16 GEMM was slower than it at every size.
+constexpr int64_t kMoeRowsGemmMaxRowsF32 = kMoeRowsGemmBlockRows;
 
 // y[m, n - n0] (row stride ldy, in W's dtype: float32 or bfloat16, rounded to nearest even
 // once) = sum_k x[m, k] * w[n, k] for m < M, n in [n0, n1); x float32 [M, K] contiguous,
-// w [N, K] contiguous, accumulated in float32.
+// w [N, K] contiguous, accumulated in float32. Any M.
 using MoeRowsGemmFn = void (*)(const float* x, int64_t M, int64_t K, const void* w, void* y,
                                int64_t ldy, int64_t n0, int64_t n1);
 

@@ -1,6 +1,6 @@
 // The AVX2 + FMA build of fused_moe's few-rows GEMM (moe_rows_gemm.h), chosen at run time
-// on builds without a packed kernel for the dtype. A tile is NR rows of W against MR rows
-// of x: per 8 k, one load of each x row, one load (bfloat16: widened to float32) of each W
+// on builds without a packed kernel for the dtype. Per block of x's rows, a tile is NR
+// rows of W against MR rows of x: per 8 k, one load of each x row, one load (bfloat16: widened to float32) of each W
 // row, NR x MR FMAs; the sums reduce across lanes once at the end. A group of NR rows of W
 // (16 KiB for K 1024 in float32) stays in L1 while the pairs of x rows pass, so W is read
 // from memory once. Standard headers come first, under the default target.
@@ -97,9 +97,14 @@ void rows_gemm(const float* x, int64_t M, int64_t K, const void* w_, void* y_, i
   constexpr int NR = 4;
   const auto* w = static_cast<const typename W::T*>(w_);
   auto* y = static_cast<typename W::T*>(y_);
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) rows_of<W, NR>(x, M, K, w + n * K, y + (n - n0), ldy);
-  for (; n < n1; ++n) rows_of<W, 1>(x, M, K, w + n * K, y + (n - n0), ldy);
+  for (int64_t m0 = 0; m0 < M; m0 += kMoeRowsGemmBlockRows) {
+    const int64_t rows = std::min(kMoeRowsGemmBlockRows, M - m0);
+    const float* xb = x + m0 * K;
+    auto* yb = y + m0 * ldy;
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) rows_of<W, NR>(xb, rows, K, w + n * K, yb + (n - n0), ldy);
+    for (; n < n1; ++n) rows_of<W, 1>(xb, rows, K, w + n * K, yb + (n - n0), ldy);
+  }
 }
 
 }  // namespace
