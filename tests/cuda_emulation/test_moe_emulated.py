@@ -2,9 +2,10 @@
 the float64 reference of tests/ops/test_fused_moe.py with its tolerances: float32,
 float16 and bfloat16, router logits float32 or in the dtype, renormalised or not, expert
 counts 4-64, top-k 1-8, experts no token chose (their weights NaN: never read), H and I
-past one block of threads. The output starts NaN (every element must be written); the
-inputs must come back unchanged. Each case runs under every schedule seed of
-harness.seeds() (the first by default, the others with --full-grid)."""
+past one block of threads, router logits with exact ties (broken to the lower expert id).
+The output starts NaN (every element must be written); the inputs must come back
+unchanged. Each case runs under every schedule seed of harness.seeds() (the first by
+default, the others with --full-grid)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ CASES = [
     EmuCase(Case(64, 8, 3, 32, 16), torch.bfloat16, True, False),  # most experts idle
     EmuCase(Case(16, 4, 33, 130, 136), torch.float32, False, False),  # H, I > one block
     EmuCase(Case(32, 2, 20, 64, 48), torch.bfloat16, False, True),
+    EmuCase(Case(8, 3, 9, 32, 24, tied=True), torch.float32, True, False),  # ties: lower id
 ]
 
 

@@ -29,17 +29,21 @@ class Case:
     tokens: int
     hidden: int = 64
     inter: int = 40
+    tied: bool = False  # router logits with exact ties (tied_logits)
 
     @property
     def id(self) -> str:
-        return f"E{self.experts}-k{self.top_k}-T{self.tokens}-H{self.hidden}-I{self.inter}"
+        return (f"E{self.experts}-k{self.top_k}-T{self.tokens}-H{self.hidden}-I{self.inter}"
+                + ("-tied" if self.tied else ""))
 
 
 # Experts 4-64, top-k 1-8, tokens 1-4096; H and I ending mid-panel (48 columns, gated 24)
 # and spanning several panels; (32, 2, 1), (64, 8, 3): most experts idle; (8, 2, 60): experts
-# on both sides of the AVX2 few-rows GEMM's 16 rows, with H and I not multiples of its 8 lanes.
+# on both sides of the AVX2 few-rows GEMM's 16 rows, with H and I not multiples of its 8 lanes;
+# tied: every top-k decided by exact ties (to the lower expert id).
 CASES = [Case(4, 1, 1), Case(8, 2, 7, 96, 24), Case(32, 2, 1), Case(64, 8, 3),
-         Case(16, 4, 130, 50, 70), Case(64, 8, 33, 32, 16), Case(8, 2, 60, 50, 70)]
+         Case(16, 4, 130, 50, 70), Case(64, 8, 33, 32, 16), Case(8, 2, 60, 50, 70),
+         Case(8, 3, 9, 32, 24, tied=True)]
 FULL_CASES = [Case(4, 4, 4096, 32, 24), Case(64, 1, 4096, 32, 24), Case(64, 8, 1000, 32, 24),
               Case(16, 2, 2048, 1024, 176), Case(8, 8, 257, 130, 200), Case(64, 8, 1)]
 GRID = ([pytest.param(c, id=c.id) for c in CASES]
@@ -53,25 +57,41 @@ def separated_logits(tokens: int, experts: int, gen: torch.Generator) -> torch.T
     return ranks.float() * 0.05 + 0.02 * torch.rand(tokens, experts, generator=gen)
 
 
+def tied_logits(tokens: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """Router logits in pairs of exact ties (each of experts / 2 levels, 0.5 apart, given to
+    two experts at random), exact in every dtype: an odd top_k splits a tie, which the op
+    breaks to the lower expert id."""
+    levels = torch.arange(experts) // 2 * 0.5
+    return torch.stack([levels[torch.randperm(experts, generator=gen)] for _ in range(tokens)])
+
+
 def make_case(c: Case, dtype: torch.dtype, seed: int):
     """(hidden, logits, w13, w2) in dtype; the experts no token chose have NaN weights."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(c.tokens, c.hidden, generator=gen).to(dtype)
     w13 = (torch.randn(c.experts, 2 * c.inter, c.hidden, generator=gen) / c.hidden**0.5).to(dtype)
     w2 = (torch.randn(c.experts, c.hidden, c.inter, generator=gen) / c.inter**0.5).to(dtype)
-    logits = separated_logits(c.tokens, c.experts, gen).to(dtype)
+    logits = (tied_logits if c.tied else separated_logits)(c.tokens, c.experts, gen).to(dtype)
     idle = torch.ones(c.experts, dtype=torch.bool)
-    idle[torch.topk(logits.float(), c.top_k, dim=-1).indices.unique()] = False
+    idle[top_k_lowest_id(logits.float(), c.top_k).unique()] = False
     w13[idle] = float("nan")
     w2[idle] = float("nan")
     return x, logits, w13, w2, idle
 
 
+def top_k_lowest_id(values: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The ids of each row's top_k largest values, ties to the lower id (the op's rule;
+    torch.topk leaves the order of ties unspecified)."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :top_k]
+
+
 def reference(x, logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
-    """float64 on the inputs' values: softmax, top-k, SwiGLU experts, weighted sum."""
+    """float64 on the inputs' values: softmax, top-k (ties to the lower expert id), SwiGLU
+    experts, weighted sum."""
     x, w13, w2 = x.double(), w13.double(), w2.double()
     probs = torch.softmax(logits.double(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    ids = top_k_lowest_id(probs, top_k)
+    weights = probs.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     inter = w13.shape[1] // 2
