@@ -2,8 +2,8 @@
 written here with the gguf package) converted and run by the engine: greedy outputs and
 logits equal to HF transformers on the weights the file holds (dequantized for the
 quantized types), the tokenizer carried over, bad files refused naming the key or tensor
-before any tensor is read; and the quantization options a MoE model refuses, each with an
-error saying what to do instead."""
+before any tensor is read; and the quantization options of a MoE model (GGUF blocks kept:
+refused, saying what to do instead; int8 requantizes)."""
 
 from __future__ import annotations
 
@@ -285,9 +285,10 @@ def test_missing_or_stray_tensors_are_named(tmp_path: Path, cache: Path) -> None
 
 
 # -- quantization options -------------------------------------------------------------------
-def test_quantization_options_refused_for_a_moe_gguf(tmp_path: Path, cache: Path) -> None:
-    """quantization="gguf" (blocks kept) and int8 name the model and say what to use; "none"
-    loads the blocks dequantized, like the default."""
+def test_quantization_options_of_a_moe_gguf(tmp_path: Path, cache: Path) -> None:
+    """quantization="gguf" (blocks kept) names the model and says what to use; int8
+    requantizes the dequantized blocks (experts included); "none" loads the blocks
+    dequantized, like the default."""
     from vllm_lite.config import EngineArgs
 
     path, _ = _write(tmp_path, "qwen3_moe", "Q8_0")
@@ -295,18 +296,18 @@ def test_quantization_options_refused_for_a_moe_gguf(tmp_path: Path, cache: Path
     with pytest.raises(ValueError, match=r"quantization='gguf' is not implemented for "
                                          r"Qwen3MoeForCausalLM.*quantization='none'"):
         EngineArgs(**args, quantization="gguf").create_engine_config()
-    with pytest.raises(ValueError, match=r"quantization='int8' is not implemented for "
-                                         r"Qwen3MoeForCausalLM"):
-        EngineArgs(**args, quantization="int8").create_engine_config()
+    assert EngineArgs(**args, quantization="int8").create_engine_config() \
+        .model_config.quantization == "int8"
     assert EngineArgs(**args, quantization="none").create_engine_config() \
         .model_config.quantization is None
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_gptq_awq_moe_checkpoints_are_refused(tmp_path: Path, method: str) -> None:
-    """A GPTQ / AWQ checkpoint of a MoE model (they exist for Mixtral and the Qwen MoEs):
-    refused before any weight is read, saying to use the float checkpoint (not "none",
-    which a GPTQ / AWQ folder refuses in turn)."""
+def test_gptq_awq_moe_checkpoint_groups_checked_before_reading(tmp_path: Path,
+                                                                method: str) -> None:
+    """A GPTQ / AWQ checkpoint of a MoE model whose group size does not divide the experts'
+    inputs: refused before any weight is read (the weights file here is garbage), naming
+    the field. (Checkpoints that fit run: tests/models/test_moe_quantization.py.)"""
     from vllm_lite.config import EngineArgs
 
     gguf_moe_config("mixtral").save_pretrained(tmp_path)
@@ -318,7 +319,7 @@ def test_gptq_awq_moe_checkpoints_are_refused(tmp_path: Path, method: str) -> No
                                    "zero_point": True, "version": "gemm"})
     (tmp_path / "config.json").write_text(json.dumps(raw))
     (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match=rf"quantization='{method}' is not implemented for "
-                                         rf"MixtralForCausalLM.*is a {method} checkpoint.*"
-                                         rf"float \(unquantized\) checkpoint"):
+    with pytest.raises(ValueError, match=rf"the {method} checkpoint's quantization_config\."
+                                         rf"group_size \(128\) must divide the model's "
+                                         rf"hidden_size"):
         EngineArgs(model=str(tmp_path), device="cpu").create_engine_config()

@@ -33,7 +33,7 @@ from vllm_lite.models.gguf_quant import Int4Weight  # noqa: E402
 MOE_NAMES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
-def moe_config(name: str, eos: bool = True):
+def moe_config(name: str, eos: bool = True, **overrides: object):
     """The tiny MoE config of models/helpers.py with every GEMM input a multiple of 32 (so
     int4 / GPTQ / AWQ groups of 32 fit): hidden 64, experts' intermediate 32 or more."""
     config = make_glm_moe_config(name)
@@ -48,6 +48,8 @@ def moe_config(name: str, eos: bool = True):
                              "olmoe": "OlmoeForCausalLM"}[name]]
     if not eos:  # HF generate runs the full length, like ignore_eos
         config.eos_token_id = None
+    for key, value in overrides.items():
+        setattr(config, key, value)
     return config
 
 
@@ -209,13 +211,13 @@ def expert_names(name: str, layer: int, e: int) -> tuple[str, str, str]:
 
 
 def make_moe_checkpoint(folder: Path, name: str, method: str, group: int,
-                        act_order: bool = False) -> torch.nn.Module:
+                        act_order: bool = False, **overrides: object) -> torch.nn.Module:
     """A tiny random MoE model saved as a ``method`` checkpoint in HF's layout (every
     attention, dense, shared-expert and per-expert projection quantized; routers, norms,
     embeddings and head float); returns the HF model holding the dequantized weights."""
     from safetensors.torch import save_file
 
-    config = moe_config(name, eos=False)
+    config = moe_config(name, eos=False, **overrides)
     model = make_hf_model(config, seed=group + act_order)
     gen = torch.Generator().manual_seed(7)
     state = {k: t.detach().clone().contiguous() for k, t in model.state_dict().items()}
@@ -388,7 +390,9 @@ def test_awq_experts_split_over_two_ranks(tmp_path: Path) -> None:
     """Each expert's (and the shared expert's) 4-bit weights cut like the dense MLP's:
     rows of gate / up, whole groups of down's inputs; the same tokens as one rank and as
     HF on the dequantized weights (float32)."""
-    hf_model = make_moe_checkpoint(tmp_path, "qwen2_moe", "awq", 32)
+    # Each rank's experts get 32 intermediate features, the shared expert's 64: whole groups.
+    hf_model = make_moe_checkpoint(tmp_path, "qwen2_moe", "awq", 32, moe_intermediate_size=64,
+                                   shared_expert_intermediate_size=128)
     prompts = _prompts()[:2]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     one = make_llm(tmp_path)

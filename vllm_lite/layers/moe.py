@@ -31,6 +31,12 @@ On the CPU, :meth:`FusedMoE.prepare_for_cpu` packs the experts' weights at load
 dtype (AVX-512 float32, AVX512-BF16 / AMX bfloat16); elsewhere the op takes the weights as
 they are and runs each expert's GEMMs through ATen.
 
+Weight quantization (vllm_lite.layers.quantization.quantize_model) replaces a layer's
+:class:`FusedMoE` by :meth:`FusedMoE.split`'s :class:`SplitExperts`: one module per expert
+whose two projections are linear layers it then quantizes like the dense ones; its forward
+is :func:`grouped_experts` (the same routing and grouping, one call of each quantized
+projection per expert some token chose).
+
 Limits (:data:`MAX_NUM_EXPERTS`, :data:`MAX_TOP_K`) are what the kernels promise to cover;
 :func:`check_moe_config` refuses a model past them when it loads, naming the field.
 """
@@ -264,9 +270,10 @@ class SplitExperts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The feed-forward block of an MoE layer: ``gate`` (the router), ``experts``
-    (:class:`FusedMoE`, or :class:`SplitExperts` once quantized) and, for Qwen2-MoE, a ``shared_expert`` (a dense MLP every token
-    runs, built by the model with reduce=False) scaled by ``sigmoid(shared_expert_gate(x))``
-    and added. Under tensor parallelism one all-reduce sums the ranks' partial outputs."""
+    (:class:`FusedMoE`, or :class:`SplitExperts` once quantized) and, for Qwen2-MoE, a
+    ``shared_expert`` (a dense MLP every token runs, built by the model with reduce=False)
+    scaled by ``sigmoid(shared_expert_gate(x))`` and added. Under tensor parallelism one
+    all-reduce sums the ranks' partial outputs."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
                  intermediate_size: int, renormalize: bool,

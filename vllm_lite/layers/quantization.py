@@ -302,7 +302,8 @@ def quantize_model(model: nn.Module, method: str | None, skip: tuple[nn.Module, 
                    kept_weights: dict[str, Int4Weight | Int8GroupWeight] | None = None) -> int:
     """Replaces every nn.Linear of ``model`` but those in ``skip`` (the LM head) by its
     quantized form, in place, a mixture of experts' routed experts included (each
-    :class:`~vllm_lite.layers.moe.FusedMoE` split first); returns how many were replaced. None: nothing changes.
+    :class:`~vllm_lite.layers.moe.FusedMoE` split first); returns how many were replaced.
+    None: nothing changes.
     ``group_size``: int4's (default DEFAULT_INT4_GROUP_SIZE); ``kept_weights``: the
     checkpoint's own quantized projections by module name, for "gguf"
     (vllm_lite.models.gguf_quant.read_llama_projections) and "gptq" / "awq"

@@ -20,8 +20,12 @@ OLMoE          num_experts /                as Qwen2-MoE                q/k RMSN
                                                                         attention_bias on all
 =============  ===========================  ==========================  =======================
 
-Every model checks its MoE settings (:meth:`MoeForCausalLM.check_config`) before anything
-is allocated or read. Checkpoints store each expert's projections separately (HF naming:
+Every model checks its MoE settings (:meth:`MoeForCausalLM.check_config`, and
+:meth:`MoeForCausalLM.check_quantization` for a 4-bit weight quantization's groups) before
+anything is allocated or read. Quantized, each expert's projections are layers of their own
+(``mlp.experts.{e}.gate_up_proj`` / ``down_proj``, layers/moe.py SplitExperts), which GPTQ /
+AWQ checkpoints fill from their per-expert tensors (models/gptq_awq.py). Checkpoints store
+each expert's projections separately (HF naming:
 ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's
 ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``); transformers 5's in-memory layout
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) loads too.
