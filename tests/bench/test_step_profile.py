@@ -57,11 +57,21 @@ def test_host_time_reports_each_context(tmp_path: Path) -> None:
                                     contexts="9,40", decode_steps=2))
     assert "3 sequences decoding together, mean of 2 decode steps" in report, report
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| \*\*(-?[\d.]+)\*\* \| "
-                      r"(-?[\d.]+) \|$", report, re.M)
+                      r"(-?[\d.]+) \| ([\d.]+) \| (-?[\d.]+) \|$", report, re.M)
     assert [r[0] for r in rows] == ["9", "40"], report
-    for _, step, kernel, host, _cpu in rows:
+    for _, step, kernel, host, cpu, gemm, rest in rows:
         step, kernel, host = float(step), float(kernel), float(host)
         assert 0 < kernel < step and abs(step - kernel - host) < 0.02, report
+        # The GEMMs are timed (the model's projections ran) and part of the host CPU time.
+        assert 0 < float(gemm) and abs(float(cpu) - float(gemm) - float(rest)) < 0.02, report
+
+
+def test_host_time_takes_the_output_kind(tmp_path: Path) -> None:
+    report = step_profile.run(_args(tmp_path, tmp_path, host_time="", num_seqs=2,
+                                    contexts="9", decode_steps=1, output_kind="final_only"))
+    assert "output_kind final_only;" in report, report
+    with pytest.raises(SystemExit):
+        _args(tmp_path, tmp_path, host_time="", output_kind="delta")
 
 
 def test_decode_time_on_the_cpu_runs_eagerly(tmp_path: Path) -> None:
