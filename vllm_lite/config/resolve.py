@@ -259,13 +259,7 @@ def _check_moe_quantization(model_cls: Any, hf_config: Any, quantization: str,
                             group_size: int | None, folder: str, tp_size: int) -> None:
     """A mixture-of-experts model's experts are quantized like its dense projections
     (layers/moe.py SplitExperts); what cannot run is refused here, before any weight is
-    read: 4-bit groups that do not divide an expert GEMM's inputs, and GGUF blocks, which
-    a mixture-of-experts file gets dequantized (models/gguf_moe.py)."""
-    if quantization == "gguf":
-        raise ValueError(f"quantization='gguf' is not implemented for {model_cls.__name__} "
-                         f"(mixture-of-experts GGUF files are converted with their blocks "
-                         f"dequantized); leave quantization unset or use quantization='none' "
-                         f"to load them in the dtype, or 'int8' / 'int4' to requantize")
+    read: 4-bit groups that do not divide an expert GEMM's inputs."""
     if quantization == "int4":
         group = group_size or DEFAULT_INT4_GROUP_SIZE
     elif quantization in ("gptq", "awq"):
@@ -295,17 +289,13 @@ def resolve_quantization(requested: str | None, gguf_file: str | None, hf_config
                          device_type: str) -> str | None:
     """The method the engine runs ``requested`` (checked) with. None means the checkpoint's
     own: a GGUF model on a CPU keeps its blocks ("gguf", as vLLM runs a GGUF) when it can
-    keep every projection (else they are dequantized, logged); a mixture-of-experts GGUF's
-    blocks are always dequantized (logged); off the CPU there is no int4 GEMM yet, so None
+    keep every projection, a mixture of experts' experts included (else they are
+    dequantized, logged); off the CPU there is no int4 GEMM yet, so None
     stays None. "none" is the explicit "weights in --dtype" (None)."""
     if requested == "none":
         return None
     if requested is not None or gguf_file is None:
         return requested
-    if _is_moe(hf_config):
-        logger.info("quantization: none (a mixture-of-experts GGUF: its blocks are dequantized "
-                    "to the model's dtype at load; its experts have no quantized kernel)")
-        return None
     if device_type != "cpu":
         return requested
     from vllm_lite.models.gguf_quant import why_not_kept
