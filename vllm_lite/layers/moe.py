@@ -253,12 +253,16 @@ class SplitExperts(nn.Module):
         for e in range(self.num_experts):
             self.add_module(str(e), ExpertMLP(_linear_viewing(moe.w13_weight[e]),
                                               _linear_viewing(moe.w2_weight[e])))
+        # The children by index, looked up once (quantization swaps their projections,
+        # not them).
+        self._by_index: list[ExpertMLP] = [self.get_submodule(str(e))  # type: ignore[misc]
+                                           for e in range(self.num_experts)]
 
     def expert(self, e: int) -> ExpertMLP:
-        return self.get_submodule(str(e))  # type: ignore[return-value]
+        return self._by_index[e]
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        experts = [self.expert(e) for e in range(self.num_experts)]
+        experts = self._by_index
         return grouped_experts(hidden, router_logits, self.top_k, self.renormalize,
                                self.num_experts, self.hidden_size,
                                lambda e, x: experts[e](x))
