@@ -84,9 +84,9 @@ def _added_tokens(tokenizer: Any) -> _AddedTokens:
 def decode(tokenizer: Any, token_ids: Sequence[int], skip_special_tokens: bool = True,
            spaces_between_special_tokens: bool = True) -> str:
     """The text of ``token_ids`` as vLLM gives it (see the module's docstring)."""
-    ids = [int(t) for t in token_ids]
+    ids = list(map(int, token_ids))
     added = _added_tokens(tokenizer)
-    if not any(t in added.text for t in ids):
+    if added.text.keys().isdisjoint(ids):  # C-level: twice per sequence and step
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     pieces: list[str] = []
     run: list[int] = []
