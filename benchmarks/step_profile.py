@@ -31,7 +31,9 @@ it, in process CPU time, the model's projections and LM head (``Linear.forward``
 GEMMs, the micro model's own compute) and the host CPU time without them: what the
 engine's Python costs. ``--output-kind``: the requests' SamplingParams.output_kind
 (cumulative: a RequestOutput per request and step, as a streaming server reads them;
-final_only: only finished ones, as LLM.generate reads them).
+final_only: only finished ones, as LLM.generate reads them). ``--tokenizer bpe``: a
+byte-level BPE covering the micro model's vocabulary is saved beside it, so every decode
+step also detokenizes, as with a real checkpoint (none: no text is made).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ HOST_QUICK = dict(contexts=[64, 512], num_seqs=64, decode_steps=8)
 # Decode steps run before the timed ones (first-call costs).
 HOST_WARMUP_STEPS = 4
 OUTPUT_KINDS = ("cumulative", "final_only")
+HOST_TOKENIZERS = ("none", "bpe")
 DECODE_BATCH_SIZES = [1, 32, 256]
 DECODE_CONTEXT = 128
 
@@ -107,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-kind", default="cumulative", choices=OUTPUT_KINDS,
                    help="--host-time: the requests' output_kind (default: %(default)s: "
                         "an output per request and step; final_only: LLM.generate's)")
+    p.add_argument("--tokenizer", default="none", choices=HOST_TOKENIZERS,
+                   help="--host-time: none (default): the micro model makes no text; bpe: "
+                        "a byte-level BPE over all its ids, so each step detokenizes")
     p.add_argument("--decode-time", action="store_true",
                    help="ms per decode step of --model at each --batch-sizes, with and "
                         "without CUDA graphs on a GPU (eager only on the CPU)")
@@ -247,6 +253,9 @@ def host_time(args: argparse.Namespace) -> str:
             setattr(args, key, value)
     if args.num_seqs < 1 or args.decode_steps < 1 or not args.contexts:
         raise ValueError("--num-seqs, --decode-steps and --contexts must be >= 1")
+    if args.tokenizer not in HOST_TOKENIZERS:
+        raise ValueError(f"--tokenizer must be one of {', '.join(HOST_TOKENIZERS)}, got "
+                         f"{args.tokenizer!r}")
     if args.output_kind not in OUTPUT_KINDS:
         raise ValueError(f"--output-kind must be one of {', '.join(OUTPUT_KINDS)}, got "
                          f"{args.output_kind!r}")
@@ -278,6 +287,8 @@ def host_time(args: argparse.Namespace) -> str:
         max_len = max(args.contexts) + HOST_WARMUP_STEPS + args.decode_steps + 16
         model = tiny_random_llama(Path(tmp) / "micro", max_len=max_len, seed=args.seed,
                                   layers=1, heads=2, kv_heads=1)
+        if args.tokenizer == "bpe":
+            _save_micro_tokenizer(model, vocab=512)
         ops.paged_attention = timed_kernel
         Linear.forward = timed_linear
         try:
@@ -293,12 +304,32 @@ def host_time(args: argparse.Namespace) -> str:
               f"(1 layer, hidden 64, 2/1 heads of 32, vocab 512), {args.num_seqs} sequences "
               f"decoding together, mean of {args.decode_steps} decode steps, "
               f"{torch.get_num_threads()} threads, async output processing "
-              f"{args.async_output_proc}, output_kind {args.output_kind}; host = step - "
+              f"{args.async_output_proc}, tokenizer {args.tokenizer}, output_kind "
+              f"{args.output_kind}; host = step - "
               f"kernel (wall clock); host CPU = the same in process CPU time (less "
               f"sensitive to a busy machine, but counting every thread's time); GEMMs = "
               f"the model's projections and LM head (Linear.forward), the micro model's "
               f"own compute.")
     return "\n".join([header, "", *rows, ""])
+
+
+def _save_micro_tokenizer(folder: Path, vocab: int) -> None:
+    """A byte-level BPE of exactly ``vocab`` ids ("<eos>" = 0, the 256 bytes, merges
+    learnt from this file's own text), saved beside the micro model: every id the model
+    samples has a token, as with a real checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(Path(__file__).read_text().splitlines(), trainer)
+    if tok.get_vocab_size() != vocab:
+        raise RuntimeError(f"the micro tokenizer has {tok.get_vocab_size()} ids, not {vocab}")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
 
 
 def _host_time_at(args: argparse.Namespace, model: Path, context: int,
