@@ -32,7 +32,7 @@ GEMMs, the micro model's own compute) and the host CPU time without them: what t
 engine's Python costs. ``--output-kind``: the requests' SamplingParams.output_kind
 (cumulative: a RequestOutput per request and step, as a streaming server reads them;
 final_only: only finished ones, as LLM.generate reads them). ``--tokenizer bpe``: a
-byte-level BPE covering the micro model's vocabulary is saved beside it, so every decode
+SentencePiece-style BPE covering the micro model's vocabulary is saved beside it, so every decode
 step also detokenizes, as with a real checkpoint (none: no text is made).
 """
 
@@ -112,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "an output per request and step; final_only: LLM.generate's)")
     p.add_argument("--tokenizer", default="none", choices=HOST_TOKENIZERS,
                    help="--host-time: none (default): the micro model makes no text; bpe: "
-                        "a byte-level BPE over all its ids, so each step detokenizes")
+                        "a BPE over all its ids, so each step detokenizes")
     p.add_argument("--decode-time", action="store_true",
                    help="ms per decode step of --model at each --batch-sizes, with and "
                         "without CUDA graphs on a GPU (eager only on the CPU)")
@@ -314,22 +314,23 @@ def host_time(args: argparse.Namespace) -> str:
 
 
 def _save_micro_tokenizer(folder: Path, vocab: int) -> None:
-    """A byte-level BPE of exactly ``vocab`` ids ("<eos>" = 0, the 256 bytes, merges
-    learnt from this file's own text), saved beside the micro model: every id the model
-    samples has a token, as with a real checkpoint."""
+    """A SentencePiece-style BPE ("▁" for spaces, as Llama's) of exactly ``vocab`` ids
+    ("<eos>" = 0, "<unk>" = 1, this file's characters and merges learnt from its text),
+    saved beside the micro model: every id the model samples is a token of valid text,
+    as a real model's output mostly is (so the detokenizer seldom holds text back)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>", "<unk>"],
                                   show_progress=False)
     tok.train_from_iterator(Path(__file__).read_text().splitlines(), trainer)
     if tok.get_vocab_size() != vocab:
         raise RuntimeError(f"the micro tokenizer has {tok.get_vocab_size()} ids, not {vocab}")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
+                            unk_token="<unk>").save_pretrained(folder)
 
 
 def _host_time_at(args: argparse.Namespace, model: Path, context: int,
