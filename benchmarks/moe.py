@@ -10,7 +10,12 @@ hidden 1024, intermediate 1408) and each token count, one run times on the CPU:
   the reference of the ratio;
 - ``torch``: ``layers.moe.fused_moe_torch``, the block in torch ops (softmax / topk, a
   stable argsort by expert, index_select, per expert F.linear + silu_and_mul + F.linear,
-  index_add_), which the layer ran before the op.
+  index_add_), which the layer ran before the op;
+- ``int8`` / ``int4``: the quantized experts (``quantize_model`` on the layer:
+  ``layers.moe.SplitExperts``, the same routing and grouping, each chosen expert's two
+  projections through ``int8_linear`` / ``int4_linear``, group --int4-group), with
+  --quantized (default on). Their error columns are against float64 on their own
+  dequantized weights.
 
 Each cell is the median of timed calls after a warm-up, with the weights in the caches
 they fit. The error columns compare both with a float64 computation on the same (rounded)
@@ -51,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-s", type=float, default=1.0,
                    help="seconds of timed calls per cell (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the int8 / int4 quantized experts (default: %(default)s)")
+    p.add_argument("--int4-group", type=int, default=128,
+                   help="int4 group size (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR,
                    help="results folder (default: %(default)s)")
@@ -73,12 +82,24 @@ def _float64_moe(x, logits, w13, w2, top_k: int, renormalize: bool):
     return out
 
 
+def _dequantized(layer):
+    """A quantized expert projection's weight [N, K] in float32."""
+    from vllm_lite.layers.quantization import Int8Linear, dequantize_int8
+    from vllm_lite.models.gguf_quant import Int4Weight
+
+    if isinstance(layer, Int8Linear):
+        return dequantize_int8(layer.qweight_rows(), layer.scales)
+    return Int4Weight(layer.qweight_rows(), layer.scales, layer.zeros, layer.group_size,
+                      layer.perm).dequantize()
+
+
 def run(args: argparse.Namespace) -> str:
     """The report (markdown) of one run."""
     import torch
 
     from vllm_lite import ops
     from vllm_lite.layers.moe import FusedMoE, fused_moe_torch
+    from vllm_lite.layers.quantization import quantize_model
 
     set_threads(args.threads)
     if min(args.tokens) < 1:
@@ -100,10 +121,15 @@ def run(args: argparse.Namespace) -> str:
         f"{e} experts, top-{k} (renormalised), hidden {h}, intermediate {i}; weights in cache "
         f"as far as they fit ({e * 3 * h * i * 4 / 2**20:.0f} MiB in float32).",
         "",
-        "| dtype | op GEMMs | tokens | op (us) | torch (us) | torch / op | op max rel err | "
-        "torch max rel err |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    methods = ("int8", "int4") if args.quantized else ()
+    head = ("| dtype | op GEMMs | tokens | op (us) | torch (us) | torch / op | op max rel err | "
+            "torch max rel err |")
+    rule = "|---|---|---|---|---|---|---|---|"
+    for m in methods:
+        head += f" {m} (us) | {m} / op | {m} max rel err |"
+        rule += "---|---|---|"
+    lines += [head, rule]
     w13 = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
     w2 = torch.randn(e, h, i, generator=gen) / i**0.5
     with torch.inference_mode():
@@ -117,6 +143,18 @@ def run(args: argparse.Namespace) -> str:
                      else "AVX2 few-rows / ATen" if ops.cpu_isa() != "generic"
                      and dtype != torch.float16 else "ATen")
             p13, p2 = layer.w13_weight, layer.w2_weight
+            quantized = {}
+            for m in methods:
+                holder = torch.nn.Module()
+                holder.experts = FusedMoE(h, e, k, i, renormalize=True).to(dtype)
+                holder.experts.w13_weight.copy_(w13)
+                holder.experts.w2_weight.copy_(w2)
+                quantize_model(holder, m, group_size=args.int4_group)
+                split = holder.experts
+                # Its own weights for the error: each expert's projections dequantized.
+                d13 = torch.stack([_dequantized(split.expert(x).gate_up_proj) for x in range(e)])
+                d2 = torch.stack([_dequantized(split.expert(x).down_proj) for x in range(e)])
+                quantized[m] = (split, d13, d2)
             for t in args.tokens:
                 x = torch.randn(t, h, generator=gen).to(dtype)
                 # Distinct logits (multiples of 1/4, exact in every dtype): no tie for the
@@ -130,12 +168,20 @@ def run(args: argparse.Namespace) -> str:
                 err = float((layer(x, logits).double() - ref).abs().max() / scale)
                 err_t = float((fused_moe_torch(x, logits, p13, p2, k, True).double() - ref)
                               .abs().max() / scale)
-                lines.append(f"| {name} | {gemms} | {t} | {ours:.0f} | {theirs:.0f} | "
-                             f"{theirs / ours:.2f} | {err:.1e} | {err_t:.1e} |")
+                row = (f"| {name} | {gemms} | {t} | {ours:.0f} | {theirs:.0f} | "
+                       f"{theirs / ours:.2f} | {err:.1e} | {err_t:.1e} |")
+                for m, (split, d13, d2) in quantized.items():
+                    q_us = time_us(lambda: split(x, logits), args.target_s)
+                    q_ref = _float64_moe(x, logits, d13, d2, k, True)
+                    q_err = float((split(x, logits).double() - q_ref).abs().max()
+                                  / q_ref.abs().max().clamp_min(1e-30))
+                    row += f" {q_us:.0f} | {q_us / ours:.2f} | {q_err:.1e} |"
+                lines.append(row)
                 log.info("%s tokens %d: op %.0f us, torch %.0f us", name, t, ours, theirs)
-    lines += ["", "torch / op: how many times longer the torch block takes (above 1: the op "
-              "is faster). Errors: relative to the largest output, against float64 on the "
-              "same rounded inputs; bf16 outputs carry their own rounding (2^-9)."]
+    lines += ["", "torch / op (int8 / op, int4 / op): how many times longer that block takes "
+              "than the float op (above 1: the op is faster). Errors: relative to the largest "
+              "output, against float64 on the same rounded inputs; bf16 outputs carry their "
+              "own rounding (2^-9)."]
     return "\n".join(lines) + "\n"
 
 

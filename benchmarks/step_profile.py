@@ -26,7 +26,14 @@ Writes ``step_profile.md`` to --out and prints it.
 A micro random Llama (one layer, hidden 64, compute negligible) decodes --num-seqs
 sequences together at each --contexts length; host time is the mean decode step's wall
 time minus the paged-attention kernel's own time in that step (timed around each kernel
-call: on the CPU it runs synchronously). It should stay flat as the context grows.
+call: on the CPU it runs synchronously). It should stay flat as the context grows. Beside
+it, in process CPU time, the model's projections and LM head (``Linear.forward``: their
+GEMMs, the micro model's own compute) and the host CPU time without them: what the
+engine's Python costs. ``--output-kind``: the requests' SamplingParams.output_kind
+(cumulative: a RequestOutput per request and step, as a streaming server reads them;
+final_only: only finished ones, as LLM.generate reads them). ``--tokenizer bpe``: a
+SentencePiece-style BPE covering the micro model's vocabulary is saved beside it, so every decode
+step also detokenizes, as with a real checkpoint (none: no text is made).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ if __name__ == "__main__" and not __package__:  # python3 benchmarks/step_profil
     _checkout.run_as_module(__file__)
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -58,6 +66,8 @@ HOST_FULL = dict(contexts=[64, 1500], num_seqs=256, decode_steps=24)
 HOST_QUICK = dict(contexts=[64, 512], num_seqs=64, decode_steps=8)
 # Decode steps run before the timed ones (first-call costs).
 HOST_WARMUP_STEPS = 4
+OUTPUT_KINDS = ("cumulative", "final_only")
+HOST_TOKENIZERS = ("none", "bpe")
 DECODE_BATCH_SIZES = [1, 32, 256]
 DECODE_CONTEXT = 128
 
@@ -97,6 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"--host-time: sequences decoding together (default "
                         f"{HOST_FULL['num_seqs']}; --quick {HOST_QUICK['num_seqs']})")
     EngineArgs.add_cli_args(p, include=["async_output_proc"])
+    p.add_argument("--output-kind", default="cumulative", choices=OUTPUT_KINDS,
+                   help="--host-time: the requests' output_kind (default: %(default)s: "
+                        "an output per request and step; final_only: LLM.generate's)")
+    p.add_argument("--tokenizer", default="none", choices=HOST_TOKENIZERS,
+                   help="--host-time: none (default): the micro model makes no text; bpe: "
+                        "a BPE over all its ids, so each step detokenizes")
     p.add_argument("--decode-time", action="store_true",
                    help="ms per decode step of --model at each --batch-sizes, with and "
                         "without CUDA graphs on a GPU (eager only on the CPU)")
@@ -229,6 +245,7 @@ def host_time(args: argparse.Namespace) -> str:
     import torch
 
     from vllm_lite import ops
+    from vllm_lite.models.llama import Linear
     from .cluster_sim import tiny_random_llama
 
     for key, value in (HOST_QUICK if args.quick else HOST_FULL).items():
@@ -236,9 +253,17 @@ def host_time(args: argparse.Namespace) -> str:
             setattr(args, key, value)
     if args.num_seqs < 1 or args.decode_steps < 1 or not args.contexts:
         raise ValueError("--num-seqs, --decode-steps and --contexts must be >= 1")
+    if args.tokenizer not in HOST_TOKENIZERS:
+        raise ValueError(f"--tokenizer must be one of {', '.join(HOST_TOKENIZERS)}, got "
+                         f"{args.tokenizer!r}")
+    if args.output_kind not in OUTPUT_KINDS:
+        raise ValueError(f"--output-kind must be one of {', '.join(OUTPUT_KINDS)}, got "
+                         f"{args.output_kind!r}")
     set_threads(args.threads)
-    kernel_s = [0.0, 0.0]
+    # [kernel wall, kernel CPU, GEMM CPU] seconds of the step being timed.
+    kernel_s = [0.0, 0.0, 0.0]
     paged_attention = ops.paged_attention
+    linear_forward = Linear.forward
 
     def timed_kernel(*a: Any, **kw: Any) -> Any:
         t, c = time.perf_counter(), time.process_time()
@@ -248,35 +273,71 @@ def host_time(args: argparse.Namespace) -> str:
             kernel_s[0] += time.perf_counter() - t
             kernel_s[1] += time.process_time() - c
 
-    rows = ["| context | decode step ms | paged-attention kernel ms | host ms | host CPU ms |",
-            "|---:|---:|---:|---:|---:|"]
+    def timed_linear(*a: Any, **kw: Any) -> Any:
+        c = time.process_time()
+        try:
+            return linear_forward(*a, **kw)
+        finally:
+            kernel_s[2] += time.process_time() - c
+
+    rows = ["| context | decode step ms | paged-attention kernel ms | host ms | host CPU ms "
+            "| of which GEMMs CPU ms | host CPU without GEMMs ms |",
+            "|---:|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as tmp:
         max_len = max(args.contexts) + HOST_WARMUP_STEPS + args.decode_steps + 16
         model = tiny_random_llama(Path(tmp) / "micro", max_len=max_len, seed=args.seed,
                                   layers=1, heads=2, kv_heads=1)
+        if args.tokenizer == "bpe":
+            _save_micro_tokenizer(model, vocab=512)
         ops.paged_attention = timed_kernel
+        Linear.forward = timed_linear
         try:
             for context in args.contexts:
-                step, kernel, cpu = _host_time_at(args, model, context, kernel_s)
+                step, kernel, cpu, gemm = _host_time_at(args, model, context, kernel_s)
                 rows.append(f"| {context} | {step * 1e3:.2f} | {kernel * 1e3:.2f} | "
-                            f"**{(step - kernel) * 1e3:.2f}** | {cpu * 1e3:.2f} |")
+                            f"**{(step - kernel) * 1e3:.2f}** | {cpu * 1e3:.2f} | "
+                            f"{gemm * 1e3:.2f} | {(cpu - gemm) * 1e3:.2f} |")
         finally:
             ops.paged_attention = paged_attention
+            Linear.forward = linear_forward
     header = (f"Decode host time, {time.strftime('%Y-%m-%d %H:%M')}: micro random Llama "
               f"(1 layer, hidden 64, 2/1 heads of 32, vocab 512), {args.num_seqs} sequences "
               f"decoding together, mean of {args.decode_steps} decode steps, "
               f"{torch.get_num_threads()} threads, async output processing "
-              f"{args.async_output_proc}; host = step - kernel (wall clock); host "
-              f"CPU = the same in process CPU time (less sensitive to a busy machine, but "
-              f"counting every thread's time).")
+              f"{args.async_output_proc}, tokenizer {args.tokenizer}, output_kind "
+              f"{args.output_kind}; host = step - "
+              f"kernel (wall clock); host CPU = the same in process CPU time (less "
+              f"sensitive to a busy machine, but counting every thread's time); GEMMs = "
+              f"the model's projections and LM head (Linear.forward), the micro model's "
+              f"own compute.")
     return "\n".join([header, "", *rows, ""])
 
 
+def _save_micro_tokenizer(folder: Path, vocab: int) -> None:
+    """A SentencePiece-style BPE ("▁" for spaces, as Llama's) of exactly ``vocab`` ids
+    ("<eos>" = 0, "<unk>" = 1, this file's characters and merges learnt from its text),
+    saved beside the micro model: every id the model samples is a token of valid text,
+    as a real model's output mostly is (so the detokenizer seldom holds text back)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>", "<unk>"],
+                                  show_progress=False)
+    tok.train_from_iterator(Path(__file__).read_text().splitlines(), trainer)
+    if tok.get_vocab_size() != vocab:
+        raise RuntimeError(f"the micro tokenizer has {tok.get_vocab_size()} ids, not {vocab}")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
+                            unk_token="<unk>").save_pretrained(folder)
+
+
 def _host_time_at(args: argparse.Namespace, model: Path, context: int,
-                  kernel_s: list[float]) -> tuple[float, float, float]:
-    """(mean decode step, mean kernel time in it, mean host CPU time) in seconds, at one
-    prompt length, with the micro model on the CPU."""
-    from vllm_lite import LLM
+                  kernel_s: list[float]) -> tuple[float, float, float, float]:
+    """(mean decode step, mean kernel time in it, mean host CPU time, mean GEMM CPU time)
+    in seconds, at one prompt length, with the micro model on the CPU."""
+    from vllm_lite import LLM, RequestOutputKind
 
     n = args.num_seqs
     total = context + HOST_WARMUP_STEPS + args.decode_steps + 1
@@ -286,17 +347,20 @@ def _host_time_at(args: argparse.Namespace, model: Path, context: int,
               kv_cache_space=max(0.05, 2.5 * n * total * 2 * 32 * 4 / 2**30),
               async_output_proc=args.async_output_proc)
     try:
-        return _time_decode(llm, n, context, args.decode_steps, args.seed, kernel_s)
+        return _time_decode(llm, n, context, args.decode_steps, args.seed, kernel_s,
+                            RequestOutputKind[args.output_kind.upper()])
     finally:
         llm.llm_engine.shutdown()
 
 
 def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
-                 kernel_s: list[float]) -> tuple[float, float, float]:
+                 kernel_s: list[float], output_kind: Any = None
+                 ) -> tuple[float, float, float, float]:
     """Queues n greedy requests of ``context`` random prompt tokens, all prefilled in one
     step, and times ``decode_steps`` engine steps in which all n decode (after
     HOST_WARMUP_STEPS untimed ones): (mean step, mean of kernel_s[0] (reset before each
-    step by the caller's wrapper) and mean process CPU time minus kernel_s[1]), seconds."""
+    step; the caller's wrappers add to it), mean process CPU time minus kernel_s[1], and
+    mean kernel_s[2]), seconds. ``output_kind``: the requests' (None: the default)."""
     import random
 
     from vllm_lite import SamplingParams
@@ -306,6 +370,8 @@ def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, max_tokens=HOST_WARMUP_STEPS + decode_steps + 1,
                             ignore_eos=True)
+    if output_kind is not None:
+        params = dataclasses.replace(params, output_kind=output_kind)
     for i in range(n):
         engine.add_request(f"decode-{i}", None, params, prompt_token_ids=[
             rng.randrange(10, vocab - 10) for _ in range(context)])
@@ -320,9 +386,9 @@ def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
 
     engine.scheduler.schedule = recording
     try:
-        warm, steps, step_s, kernel, cpu = 0, 0, 0.0, 0.0, 0.0
+        warm, steps, step_s, kernel, cpu, gemm = 0, 0, 0.0, 0.0, 0.0, 0.0
         while engine.has_unfinished_requests() and steps < decode_steps:
-            kernel_s[:] = [0.0, 0.0]
+            kernel_s[:] = [0.0, 0.0, 0.0]
             t, c = time.perf_counter(), time.process_time()
             engine.step()  # ends with the sampled tokens on the host: the step is done
             dt, dc = time.perf_counter() - t, time.process_time() - c
@@ -335,12 +401,13 @@ def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
             step_s += dt
             kernel += kernel_s[0]
             cpu += dc - kernel_s[1]
+            gemm += kernel_s[2]
     finally:
         del engine.scheduler.schedule  # the class's method again
         engine.abort_request(engine.unfinished_request_ids())
     if steps < decode_steps:
         raise RuntimeError(f"only {steps} decode steps ran with all {n} sequences")
-    return step_s / steps, kernel / steps, cpu / steps
+    return step_s / steps, kernel / steps, cpu / steps, gemm / steps
 
 
 def decode_time(args: argparse.Namespace) -> str:

@@ -29,6 +29,7 @@ else:
 _LAZY = {
     "LLM": "vllm_lite.entrypoints.llm",
     "SamplingParams": "vllm_lite.sampling_params",
+    "RequestOutputKind": "vllm_lite.sampling_params",
     "RequestOutput": "vllm_lite.outputs",
     "CompletionOutput": "vllm_lite.outputs",
 }

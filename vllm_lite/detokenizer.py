@@ -17,12 +17,20 @@ Incrementally, per sequence, the text is extended by decoding a short window of 
 minus decode(window). Text ending in U+FFFD (an incomplete UTF-8 sequence so far) is held
 back until the following tokens complete it; ``flush`` emits what is left when the sequence
 ends.
+
+Speed: a transformers fast tokenizer whose ``decode`` is its Rust backend's (no subclass
+override, no clean-up pass) is decoded through the backend directly, without transformers'
+Python wrapper. While the window holds no added token, one new token at a time is stepped
+through the backend's ``DecodeStream``, which runs the same window scheme in Rust (the
+text it emits is the text the scheme emits: only a step that emits is taken from it; a
+step that holds text back or raises is redone by the scheme here, and the stream is made
+again once nothing is held back). A sequence thus costs one Rust call per token instead
+of two Python decodes.
 """
 
 from __future__ import annotations
 
 import copy
-
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +46,14 @@ _REPLACEMENT = "\ufffd"
 
 @dataclass(frozen=True)
 class _AddedTokens:
-    """A tokenizer's added vocabulary: id -> text, and which of them are special."""
+    """A tokenizer's added vocabulary: id -> text, and which of them are special; and its
+    Rust backend when ``tokenizer.decode`` is exactly the backend's decode (else None)."""
 
     text: dict[int, str]
     special: frozenset[int]
+    backend: Any = None
+    # The tokenizer's length when read (-1: it has none); ids from it on are new.
+    size: int = -1
 
 
 # Per tokenizer object, (its length when read, its added tokens): reading the added
@@ -51,7 +63,36 @@ _ADDED_CACHE: weakref.WeakKeyDictionary[Any, tuple[int, _AddedTokens]] = \
     weakref.WeakKeyDictionary()
 
 
-def _read_added_tokens(tokenizer: Any) -> _AddedTokens:
+def _plain_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer whose ``decode(ids, skip_special_tokens)`` returns what
+    ``tokenizer.decode(ids, skip_special_tokens=...)`` does, or None: a transformers fast
+    tokenizer that overrides neither ``decode`` nor ``_decode`` (on its class or the
+    object) and has no clean-up pass (transformers skips the pass for a BPE model)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if (not isinstance(tokenizer, TokenizersBackend)
+            or cls.decode is not PreTrainedTokenizerBase.decode
+            or cls._decode is not TokenizersBackend._decode
+            or "decode" in vars(tokenizer) or "_decode" in vars(tokenizer)):
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        model = getattr(backend, "model", None)
+        if type(model).__name__ != "BPE" or getattr(
+                tokenizer,
+                "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                False):
+            return None
+    return backend
+
+
+def _read_added_tokens(tokenizer: Any, size: int = -1) -> _AddedTokens:
     text: dict[int, str] = {}
     decoder = getattr(tokenizer, "added_tokens_decoder", None)
     if decoder:
@@ -62,7 +103,8 @@ def _read_added_tokens(tokenizer: Any) -> _AddedTokens:
         for content, tid in (get_added() if get_added is not None else {}).items():
             text[int(tid)] = content
     special = frozenset(int(t) for t in (getattr(tokenizer, "all_special_ids", None) or ()))
-    return _AddedTokens(text=text, special=special)
+    return _AddedTokens(text=text, special=special, backend=_plain_backend(tokenizer),
+                        size=size)
 
 
 def _added_tokens(tokenizer: Any) -> _AddedTokens:
@@ -76,7 +118,7 @@ def _added_tokens(tokenizer: Any) -> _AddedTokens:
         return _read_added_tokens(tokenizer)
     if cached is not None and cached[0] == size:
         return cached[1]
-    added = _read_added_tokens(tokenizer)
+    added = _read_added_tokens(tokenizer, size)
     _ADDED_CACHE[tokenizer] = (size, added)
     return added
 
@@ -84,16 +126,25 @@ def _added_tokens(tokenizer: Any) -> _AddedTokens:
 def decode(tokenizer: Any, token_ids: Sequence[int], skip_special_tokens: bool = True,
            spaces_between_special_tokens: bool = True) -> str:
     """The text of ``token_ids`` as vLLM gives it (see the module's docstring)."""
-    ids = [int(t) for t in token_ids]
-    added = _added_tokens(tokenizer)
-    if not any(t in added.text for t in ids):
+    return _decode(tokenizer, _added_tokens(tokenizer), list(map(int, token_ids)),
+                   skip_special_tokens, spaces_between_special_tokens)
+
+
+def _decode(tokenizer: Any, added: _AddedTokens, ids: list[int], skip_special_tokens: bool,
+            spaces_between_special_tokens: bool) -> str:
+    """decode() of a list of ints, with the tokenizer's added tokens already read."""
+    backend = added.backend
+    if added.text.keys().isdisjoint(ids):  # C-level: twice per sequence and step
+        if backend is not None:
+            return backend.decode(ids, skip_special_tokens)
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     pieces: list[str] = []
     run: list[int] = []
 
     def end_run() -> None:
         if run:
-            text = tokenizer.decode(run, skip_special_tokens=skip_special_tokens)
+            text = (backend.decode(run, skip_special_tokens) if backend is not None else
+                    tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
             # A run that decodes to nothing (special tokens of the base vocabulary that
             # the tokenizer skips) is no piece: it would only add a doubled space.
             if text:
@@ -120,29 +171,55 @@ def token_texts_after(tokenizer: Any, context: Sequence[int], token_ids: Sequenc
     ``decoded_token``.
     When the context's text is not a prefix of the extended text (a tokenizer that
     rewrites across the boundary), the token's own text."""
+    added = _added_tokens(tokenizer)
     window = [int(t) for t in context[-_WINDOW:]]
-    prefix = decode(tokenizer, window, skip_special_tokens, spaces_between_special_tokens)
+    prefix = _decode(tokenizer, added, window, skip_special_tokens,
+                     spaces_between_special_tokens)
     texts = []
     for tid in token_ids:
-        full = decode(tokenizer, window + [int(tid)], skip_special_tokens,
-                      spaces_between_special_tokens)
+        tid = int(tid)
+        full = _decode(tokenizer, added, window + [tid], skip_special_tokens,
+                       spaces_between_special_tokens)
         texts.append(full[len(prefix):] if full.startswith(prefix)
-                     else decode(tokenizer, [tid], skip_special_tokens,
-                                 spaces_between_special_tokens))
+                     else _decode(tokenizer, added, [tid], skip_special_tokens,
+                                  spaces_between_special_tokens))
     return texts
 
 
+def _decode_stream_class() -> Any:
+    """tokenizers' DecodeStream if it takes a starting window (``ids``), else None."""
+    try:
+        from tokenizers.decoders import DecodeStream
+        DecodeStream(ids=[], skip_special_tokens=False)
+    except Exception:  # noqa: BLE001  (absent or too old: the scheme runs here)
+        return None
+    return DecodeStream
+
+
+_DECODE_STREAM = _decode_stream_class()
+
+
 class IncrementalDetokenizer:
+    """One sequence's text, extended token by token (see the module's docstring).
+
+    ``tokens`` is the window: the tokens from vLLM's prefix_offset on (the ones before it
+    are never decoded again, so nothing here grows with the sequence), ``read_offset``
+    the end of the window's already-emitted part within it."""
+
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.tokens: list[int] = list(prompt_token_ids)
+        self.tokens: list[int] = [int(t) for t in prompt_token_ids[-_WINDOW:]]
         self.read_offset = len(self.tokens)
-        self.prefix_offset = max(self.read_offset - _WINDOW, 0)
         self.text = ""
+        # The backend's DecodeStream in step with the window, or None.
+        self._stream: Any = None
+        # The added tokens as last read: a one-token step re-reads them only for an id
+        # the tokenizer did not have then (a token added since gets a new id).
+        self._added = _added_tokens(tokenizer)
 
     @classmethod
     def for_params(cls, tokenizer: Any, prompt_token_ids: Sequence[int],
@@ -152,39 +229,77 @@ class IncrementalDetokenizer:
                    params.spaces_between_special_tokens)
 
     def fork(self) -> IncrementalDetokenizer:
-        """An independent copy that continues from this one's state (a forked sequence)."""
+        """An independent copy that continues from this one's state (a forked sequence).
+        A stream cannot be copied: the copy makes its own when it next can."""
         child = copy.copy(self)
-        # Only the tokens from prefix_offset on are ever decoded again: the copy keeps
-        # those, so forking costs the same however long the sequence is.
-        child.tokens = self.tokens[self.prefix_offset:]
-        child.read_offset = self.read_offset - self.prefix_offset
-        child.prefix_offset = 0
+        child.tokens = list(self.tokens)
+        child._stream = None
         return child
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return decode(self.tokenizer, ids, self.skip_special_tokens,
-                      self.spaces_between_special_tokens)
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """Appends the tokens; returns the text they complete (possibly "")."""
-        self.tokens.extend(new_token_ids)
-        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.tokens[self.prefix_offset:])
-        if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):
+        if len(new_token_ids) == 1:
+            added = self._added
+            token = int(new_token_ids[0])
+            if (added.backend is not None and 0 <= token < added.size
+                    and token not in added.text
+                    and (self._stream is not None or self._start_stream(added))):
+                try:
+                    new_text = self._stream.step(added.backend, token)
+                except Exception:  # noqa: BLE001  (redone below, where it raises or not)
+                    new_text = None
+                if new_text is not None:
+                    # The scheme's emitting step: the window moves to the new tokens.
+                    tokens = self.tokens
+                    del tokens[:self.read_offset]
+                    tokens.append(token)
+                    self.read_offset = len(tokens)
+                    self.text += new_text
+                    return new_text
+        # A step the stream does not take (held-back text, an added token, a rewritten
+        # prefix, several tokens): the scheme here; the stream no longer matches.
+        self._stream = None
+        self.tokens.extend(map(int, new_token_ids))
+        added = self._added = _added_tokens(self.tokenizer)
+        return self._emit(added, flush=False)
+
+    def _start_stream(self, added: _AddedTokens) -> bool:
+        """Makes a DecodeStream equal to the window, where one can be: nothing held back,
+        no added token in the window, and a prefix text that the stream takes as is (it
+        sets aside a prefix ending in an incomplete character)."""
+        tokens = self.tokens
+        if (_DECODE_STREAM is None or self.read_offset != len(tokens)
+                or not added.text.keys().isdisjoint(tokens)):
+            return False
+        if added.backend.decode(tokens, self.skip_special_tokens).endswith(_REPLACEMENT):
+            return False
+        self._stream = _DECODE_STREAM(ids=list(tokens),
+                                      skip_special_tokens=self.skip_special_tokens)
+        return True
+
+    def _emit(self, added: _AddedTokens, flush: bool) -> str:
+        tokens = self.tokens
+        prefix_text = _decode(self.tokenizer, added, tokens[:self.read_offset],
+                              self.skip_special_tokens, self.spaces_between_special_tokens)
+        full_text = _decode(self.tokenizer, added, tokens, self.skip_special_tokens,
+                            self.spaces_between_special_tokens)
+        if flush:
+            new_text = full_text[len(prefix_text):] if full_text.startswith(prefix_text) \
+                else ""
+            tokens.clear()
+        elif len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):
             new_text = full_text[len(prefix_text):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.tokens)
-            self.text += new_text
-            return new_text
-        return ""
+            del tokens[:self.read_offset]
+        else:
+            return ""
+        self.read_offset = len(tokens)
+        self.text += new_text
+        return new_text
 
     def flush(self) -> str:
         """The held-back text (an incomplete character shows as U+FFFD), at the end."""
         if self.read_offset == len(self.tokens):
             return ""
-        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.tokens[self.prefix_offset:])
-        new_text = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
-        self.prefix_offset = self.read_offset = len(self.tokens)
-        self.text += new_text
-        return new_text
+        self._stream = None
+        added = self._added = _added_tokens(self.tokenizer)
+        return self._emit(added, flush=True)

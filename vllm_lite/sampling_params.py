@@ -33,6 +33,18 @@ _BOOL_FIELDS = ("use_beam_search", "include_stop_str_in_output", "ignore_eos", "
                 "skip_special_tokens", "spaces_between_special_tokens")
 
 
+class RequestOutputKind(enum.IntEnum):
+    """When the engine's step returns a request's RequestOutput (vLLM's names and values).
+    CUMULATIVE: after every step the request ran in, everything so far (streaming);
+    FINAL_ONLY: once, when it finishes (LLM.generate: building the intermediate ones
+    would be per-step work for outputs nobody reads). vLLM's DELTA (only the new part)
+    is refused."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -57,6 +69,9 @@ class SamplingParams:
     only the last k prompt tokens, applied where the prompt is admitted (LLM.generate /
     chat, the server) before the max_model_len check, as vLLM does; RequestOutput's
     prompt_token_ids are then the kept ones.
+    output_kind (RequestOutputKind): whether the engine's step returns the request's
+    RequestOutput after every step it ran in (CUMULATIVE) or only when it finishes
+    (FINAL_ONLY; LLM.generate's requests).
 
     Types are checked first: int fields take ints (not bool or float; numpy integers are
     stored as int), float fields take ints or floats (not bool, str or None; stored as
@@ -95,6 +110,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._verify_types()
@@ -138,6 +154,12 @@ class SamplingParams:
             raise ValueError(
                 f"early_stopping must be True, False, or 'never', got {self.early_stopping!r}"
             )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got "
+                             f"{type(self.output_kind).__name__} {self.output_kind!r}")
+        if self.output_kind is RequestOutputKind.DELTA:
+            raise ValueError("output_kind DELTA is not supported: use CUMULATIVE (every "
+                             "step's output holds everything so far) or FINAL_ONLY")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):

@@ -57,11 +57,47 @@ def test_host_time_reports_each_context(tmp_path: Path) -> None:
                                     contexts="9,40", decode_steps=2))
     assert "3 sequences decoding together, mean of 2 decode steps" in report, report
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| \*\*(-?[\d.]+)\*\* \| "
-                      r"(-?[\d.]+) \|$", report, re.M)
+                      r"(-?[\d.]+) \| ([\d.]+) \| (-?[\d.]+) \|$", report, re.M)
     assert [r[0] for r in rows] == ["9", "40"], report
-    for _, step, kernel, host, _cpu in rows:
+    for _, step, kernel, host, cpu, gemm, rest in rows:
         step, kernel, host = float(step), float(kernel), float(host)
         assert 0 < kernel < step and abs(step - kernel - host) < 0.02, report
+        # The GEMMs are timed (the model's projections ran) and part of the host CPU time.
+        assert 0 < float(gemm) and abs(float(cpu) - float(gemm) - float(rest)) < 0.02, report
+
+
+def test_host_time_takes_the_output_kind(tmp_path: Path) -> None:
+    report = step_profile.run(_args(tmp_path, tmp_path, host_time="", num_seqs=2,
+                                    contexts="9", decode_steps=1, output_kind="final_only"))
+    assert "output_kind final_only;" in report, report
+    with pytest.raises(SystemExit):
+        _args(tmp_path, tmp_path, host_time="", output_kind="delta")
+
+
+def test_host_time_with_a_tokenizer_makes_text(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lite.detokenizer import IncrementalDetokenizer
+
+    texts: list[str] = []
+    add_tokens = IncrementalDetokenizer.add_tokens
+    monkeypatch.setattr(IncrementalDetokenizer, "add_tokens",
+                        lambda self, ids: texts.append(add_tokens(self, ids)) or texts[-1])
+    report = step_profile.run(_args(tmp_path, tmp_path, host_time="", num_seqs=2,
+                                    contexts="9", decode_steps=1, tokenizer="bpe"))
+    assert "tokenizer bpe," in report, report
+    # Every decode step of both sequences made text.
+    assert len(texts) >= 2 * (step_profile.HOST_WARMUP_STEPS + 1) and "".join(texts), texts
+    with pytest.raises(SystemExit):
+        _args(tmp_path, tmp_path, host_time="", tokenizer="gpt2")
+
+
+def test_micro_tokenizer_covers_the_vocabulary(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    step_profile._save_micro_tokenizer(tmp_path, vocab=512)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == 512 and tok.eos_token_id == 0
+    assert all(tok.convert_ids_to_tokens(i) is not None for i in range(512))
 
 
 def test_decode_time_on_the_cpu_runs_eagerly(tmp_path: Path) -> None:

@@ -87,6 +87,37 @@ def test_fork_then_append_copies_only_the_shared_last_block() -> None:
     assert bm.device_allocator.ref_count(shared_last) == 1
 
 
+def test_a_table_list_only_grows_in_place_and_is_replaced_otherwise() -> None:
+    """The invariant the runner's persistent rows rely on: growth extends the sequence's
+    own list; a copy-on-write gives it a new one, the old list left as it was."""
+    bm = make_bm()
+    group = make_group([1, 2, 3])
+    parent = allocate_and_compute(bm, group)
+    live = bm.device_block_tables[parent.seq_id]
+    before = list(live)
+    parent.append_token_id(4)
+    parent.num_computed_tokens = 3
+    assert bm.append_slots(group) == []
+    assert bm.device_block_tables[parent.seq_id] is live and live == before
+    parent.append_token_id(5)
+    parent.num_computed_tokens = 4
+    assert bm.append_slots(group) == []
+    assert bm.device_block_tables[parent.seq_id] is live and live[:2] == before
+    assert len(live) == 3
+    child = fork(bm, group, parent)
+    grown = list(live)
+    for i, seq in enumerate((parent, child)):
+        seq.num_computed_tokens = 5
+        seq.append_token_id(10 + i)
+    copies = bm.append_slots(group)
+    assert len(copies) == 1
+    tables = [bm.device_block_tables[s.seq_id] for s in (parent, child)]
+    assert live == grown, "the list handed out before the copy-on-write is unchanged"
+    for table in tables:
+        if table[2] != grown[2]:
+            assert table is not live
+
+
 def test_append_allocates_a_block_when_the_last_is_full() -> None:
     bm = make_bm()
     group = make_group([1, 2])

@@ -270,3 +270,15 @@ def test_beam_score_zero_penalty_is_the_cumulative_logprob() -> None:
 
     for n in (0, 1, 5, 10**400):
         assert beam_score(-3.25, n, 0.0) == -3.25
+
+
+def test_output_kind_takes_the_enum_and_refuses_delta() -> None:
+    from vllm_lite import RequestOutputKind
+
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind \
+        is RequestOutputKind.FINAL_ONLY
+    for bad in (2, "FINAL_ONLY", None):
+        _raises_naming("output_kind", output_kind=bad)
+    with pytest.raises(ValueError, match="output_kind DELTA is not supported"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)

@@ -7,6 +7,7 @@ prefix caching keep it so, and no block is left held."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,26 @@ def test_generate_is_unchanged(folder: Path) -> None:
     llm = _llm(folder, "on")
     got = [_view(o) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_final_only_requests_get_only_their_last_output(folder: Path, mode: str) -> None:
+    """output_kind FINAL_ONLY (LLM.generate's requests): one output per request, from the
+    step that finished it, equal to the last of its CUMULATIVE stream; mixed with
+    CUMULATIVE requests, whose streams stay whole."""
+    from vllm_lite import RequestOutputKind
+
+    requests = _mixed_requests()
+    want, _ = _streams(_llm(folder, mode), requests)
+    final = [(p, dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY))
+             if i % 3 else (p, sp) for i, (p, sp) in enumerate(requests)]
+    llm = _llm(folder, mode)
+    got, _ = _streams(llm, final)
+    for i in range(len(requests)):
+        rid = f"r{i}"
+        assert got[rid] == (want[rid][-1:] if i % 3 else want[rid]), rid
+    assert sum(len(want[f"r{i}"]) > 1 for i in range(len(requests)) if i % 3) >= 5
     assert_all_free(llm)
 
 

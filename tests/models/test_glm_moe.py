@@ -253,18 +253,6 @@ def test_uncovered_settings_fail_at_load_naming_the_field(tmp_path: Path, case: 
         EngineArgs(model=str(tmp_path), device="cpu").create_engine_config()
 
 
-def test_weight_quantization_is_refused_for_moe(tmp_path: Path) -> None:
-    from vllm_lite.config import EngineArgs
-    from vllm_lite.layers.quantization import quantize_model
-
-    save_hf_model(make_glm_moe_config("mixtral"), tmp_path)
-    with pytest.raises(ValueError, match="quantization='int8' is not implemented for Mixtral"):
-        EngineArgs(model=str(tmp_path), device="cpu", quantization="int8").create_engine_config()
-    model, _ = load_model(tmp_path)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        quantize_model(model, "int4")
-
-
 def test_glm_rotary_is_partial_and_interleaved() -> None:
     """The table and the layout GLM's config asks for (a Llama rotary would differ)."""
     from vllm_lite.models import GlmForCausalLM

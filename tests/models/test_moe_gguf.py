@@ -2,13 +2,12 @@
 written here with the gguf package) converted and run by the engine: greedy outputs and
 logits equal to HF transformers on the weights the file holds (dequantized for the
 quantized types), the tokenizer carried over, bad files refused naming the key or tensor
-before any tensor is read; and the quantization options a MoE model refuses, each with an
-error saying what to do instead."""
+before any tensor is read; its Q8_0 / Q4_1 / Q4_0 blocks kept by default (every expert's
+too), and the other quantization options of a MoE GGUF."""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -24,6 +23,8 @@ pytest.importorskip("gguf")
 from .gguf_writer import write_moe_gguf  # noqa: E402
 from .helpers import BASE, assert_all_free, hf_greedy, hf_logits, make_hf_model  # noqa: E402
 from vllm_lite.layers.attention import AttentionMetadata, attention_metadata  # noqa: E402
+from vllm_lite.layers.moe import SplitExperts  # noqa: E402
+from vllm_lite.layers.quantization import Int4Linear, Int8GroupLinear  # noqa: E402
 from vllm_lite.models import load_model, resolve_model  # noqa: E402
 
 #: The test tokenizer's vocabulary (tests/models/helpers.make_tokenizer): the models' too.
@@ -96,20 +97,28 @@ def _prefill_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name,qtype", CASES + FULL)
-def test_moe_gguf_generates_like_hf(tmp_path: Path, cache: Path, name: str, qtype: str,
-                                    caplog: pytest.LogCaptureFixture) -> None:
-    """The engine on the GGUF file (its default quantization: a MoE GGUF's blocks
-    dequantized, logged) against HF on the same weights: every logit of a prefill, then
-    LLM.generate's greedy tokens under preemption (a small KV cache)."""
+def test_moe_gguf_generates_like_hf(tmp_path: Path, cache: Path, name: str,
+                                    qtype: str) -> None:
+    """The engine on the GGUF file (its default quantization: Q8_0 / Q4_1 / Q4_0 blocks
+    kept, every expert's included; F32 / F16 in the dtype) against HF on the same weights:
+    every logit of a prefill of the converted (dequantized) folder, then LLM.generate's
+    greedy tokens under preemption (a small KV cache)."""
     from vllm_lite import LLM, SamplingParams
 
     path, hf_model = _write(tmp_path, name, qtype)
-    with caplog.at_level(logging.INFO):
-        llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, kv_cache_space=0.01,
-                  swap_space=0.01, num_gpu_blocks_override=14)
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, kv_cache_space=0.01,
+              swap_space=0.01, num_gpu_blocks_override=14)
     mc = llm.llm_engine.config.model_config
-    assert mc.quantization is None and mc.gguf_file == str(path.resolve())
-    assert "mixture-of-experts GGUF: its blocks are dequantized" in caplog.text
+    kept = qtype.startswith("Q")
+    assert mc.quantization == ("gguf" if kept else None)
+    assert mc.gguf_file == str(path.resolve())
+    experts = [m for m in llm.llm_engine.model.modules() if isinstance(m, SplitExperts)]
+    assert bool(experts) == kept
+    for split in experts:  # each expert's projections are the file's blocks
+        for e in range(split.num_experts):
+            expert = split.expert(e)
+            assert isinstance(expert.gate_up_proj, (Int4Linear, Int8GroupLinear))
+            assert isinstance(expert.down_proj, (Int4Linear, Int8GroupLinear))
     config = mc.hf_config
     assert config.architectures == [ARCHITECTURES[name]]
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads",
@@ -285,28 +294,33 @@ def test_missing_or_stray_tensors_are_named(tmp_path: Path, cache: Path) -> None
 
 
 # -- quantization options -------------------------------------------------------------------
-def test_quantization_options_refused_for_a_moe_gguf(tmp_path: Path, cache: Path) -> None:
-    """quantization="gguf" (blocks kept) and int8 name the model and say what to use; "none"
-    loads the blocks dequantized, like the default."""
+def test_quantization_options_of_a_moe_gguf(tmp_path: Path, cache: Path) -> None:
+    """quantization="gguf" (blocks kept) on a file with float projections is refused at
+    load naming the tensor; int8 requantizes the dequantized weights, experts included;
+    "none" loads the blocks dequantized."""
+    from vllm_lite import LLM
     from vllm_lite.config import EngineArgs
 
+    path, _ = _write(tmp_path, "qwen3_moe", "F16")
+    with pytest.raises(ValueError, match=r"quantization='gguf' keeps Q4_0, Q4_1 and Q8_0 "
+                                         r"projections; blk\.0\.attn_q\.weight is F16"):
+        LLM(str(path), dtype="float32", device="cpu", quantization="gguf",
+            kv_cache_space=0.01, swap_space=0.01)
     path, _ = _write(tmp_path, "qwen3_moe", "Q8_0")
     args = dict(model=str(path), device="cpu")
-    with pytest.raises(ValueError, match=r"quantization='gguf' is not implemented for "
-                                         r"Qwen3MoeForCausalLM.*quantization='none'"):
-        EngineArgs(**args, quantization="gguf").create_engine_config()
-    with pytest.raises(ValueError, match=r"quantization='int8' is not implemented for "
-                                         r"Qwen3MoeForCausalLM"):
-        EngineArgs(**args, quantization="int8").create_engine_config()
+    assert EngineArgs(**args).create_engine_config().model_config.quantization == "gguf"
+    assert EngineArgs(**args, quantization="int8").create_engine_config() \
+        .model_config.quantization == "int8"
     assert EngineArgs(**args, quantization="none").create_engine_config() \
         .model_config.quantization is None
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_gptq_awq_moe_checkpoints_are_refused(tmp_path: Path, method: str) -> None:
-    """A GPTQ / AWQ checkpoint of a MoE model (they exist for Mixtral and the Qwen MoEs):
-    refused before any weight is read, saying to use the float checkpoint (not "none",
-    which a GPTQ / AWQ folder refuses in turn)."""
+def test_gptq_awq_moe_checkpoint_groups_checked_before_reading(tmp_path: Path,
+                                                                method: str) -> None:
+    """A GPTQ / AWQ checkpoint of a MoE model whose group size does not divide the experts'
+    inputs: refused before any weight is read (the weights file here is garbage), naming
+    the field. (Checkpoints that fit run: tests/models/test_moe_quantization.py.)"""
     from vllm_lite.config import EngineArgs
 
     gguf_moe_config("mixtral").save_pretrained(tmp_path)
@@ -318,7 +332,28 @@ def test_gptq_awq_moe_checkpoints_are_refused(tmp_path: Path, method: str) -> No
                                    "zero_point": True, "version": "gemm"})
     (tmp_path / "config.json").write_text(json.dumps(raw))
     (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match=rf"quantization='{method}' is not implemented for "
-                                         rf"MixtralForCausalLM.*is a {method} checkpoint.*"
-                                         rf"float \(unquantized\) checkpoint"):
+    with pytest.raises(ValueError, match=rf"the {method} checkpoint's quantization_config\."
+                                         rf"group_size \(128\) must divide the model's "
+                                         rf"hidden_size"):
         EngineArgs(model=str(tmp_path), device="cpu").create_engine_config()
+
+
+def test_kept_expert_blocks_split_over_two_ranks(tmp_path: Path, cache: Path) -> None:
+    """A MoE GGUF's kept blocks over two tensor-parallel ranks: each expert's (and the
+    shared expert's) rows of gate / up and whole blocks of down's inputs per rank; the same
+    greedy tokens as HF on the file's weights."""
+    from vllm_lite import LLM, SamplingParams
+
+    # Each rank's experts get 32 intermediate features: whole 32-weight blocks.
+    path, hf_model = _write(tmp_path, "qwen2_moe", "Q4_1", moe_intermediate_size=64)
+    llm = LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=2, block_size=4,
+              kv_cache_space=0.01, swap_space=0.01, distributed_timeout=60)
+    try:
+        assert llm.llm_engine.config.model_config.quantization == "gguf"
+        prompts = _prompts()[:2]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 8)
+                                                          for p in prompts]
+    finally:
+        llm.shutdown()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_lite.config import host
 from vllm_lite.config.schema import (
     ASYNC_OUTPUT_PROC,
+    DEFAULT_INT4_GROUP_SIZE,
     DEFAULT_MAX_MODEL_LEN,
     DTYPE_NAMES,
     INT4_GROUP_SIZES,
@@ -88,9 +89,10 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         from vllm_lite.models.registry import get_model_class
 
         model_cls = get_model_class(getattr(hf_config, "architectures", None))
-        if not getattr(model_cls, "quantizable", True):
-            raise ValueError(_moe_quantization_refusal(quantization, model_cls.__name__,
-                                                       model_config["model"]))
+        if _is_moe(hf_config):
+            _check_moe_quantization(model_cls, hf_config, quantization,
+                                    args.quantization_group_size, model_config["model"],
+                                    parallel_config.tensor_parallel_size)
     cpus = None
     if args.cpu_threads_bind is not None:
         if device.type != "cpu":
@@ -253,20 +255,21 @@ def resolve_dtype_name(dtype: Any, device_type: str, hf_config: Any,
 
 
 # -- quantization ---------------------------------------------------------------------------------
-def _moe_quantization_refusal(quantization: str, model: str, folder: str) -> str:
-    """Why a mixture-of-experts model is not run with ``quantization``: its experts (most of
-    its weights) run in the fused MoE op, which takes weights in the model's dtype only, and
-    quantizing the attention alone would be the option half applied."""
-    why = (f"quantization={quantization!r} is not implemented for {model} (mixture-of-experts "
-           f"weights: the experts run in the model's dtype, the fused MoE op has no quantized "
-           f"form)")
-    if quantization in ("gptq", "awq"):
-        return (f"{why}; {folder} is a {quantization} checkpoint, which the engine cannot run "
-                f"for this model: use the model's float (unquantized) checkpoint")
-    if quantization == "gguf":
-        return (f"{why}; leave quantization unset or use quantization='none' to load the GGUF "
-                f"file's blocks dequantized to the dtype")
-    return f"{why}; leave quantization unset (or 'none')"
+def _check_moe_quantization(model_cls: Any, hf_config: Any, quantization: str,
+                            group_size: int | None, folder: str, tp_size: int) -> None:
+    """A mixture-of-experts model's experts are quantized like its dense projections
+    (layers/moe.py SplitExperts); what cannot run is refused here, before any weight is
+    read: 4-bit groups that do not divide an expert GEMM's inputs."""
+    if quantization == "int4":
+        group = group_size or DEFAULT_INT4_GROUP_SIZE
+    elif quantization in ("gptq", "awq"):
+        from vllm_lite.models.gptq_awq import read_spec
+
+        spec = read_spec(folder)
+        group = None if spec is None else spec.group_size
+    else:
+        group = None
+    model_cls.check_quantization(hf_config, quantization, group, tp_size)
 
 
 def _is_moe(hf_config: Any) -> bool:
@@ -274,26 +277,25 @@ def _is_moe(hf_config: Any) -> bool:
 
     architectures = getattr(hf_config, "architectures", None)
     try:
-        return not getattr(get_model_class(architectures), "quantizable", True)
+        model_cls = get_model_class(architectures)
     except ValueError:
         return False  # an unsupported architecture is refused where the model is built
+    from vllm_lite.models.moe import MoeForCausalLM
+
+    return issubclass(model_cls, MoeForCausalLM)
 
 
 def resolve_quantization(requested: str | None, gguf_file: str | None, hf_config: Any,
                          device_type: str) -> str | None:
     """The method the engine runs ``requested`` (checked) with. None means the checkpoint's
     own: a GGUF model on a CPU keeps its blocks ("gguf", as vLLM runs a GGUF) when it can
-    keep every projection (else they are dequantized, logged); a mixture-of-experts GGUF's
-    blocks are always dequantized (logged); off the CPU there is no int4 GEMM yet, so None
+    keep every projection, a mixture of experts' experts included (else they are
+    dequantized, logged); off the CPU there is no int4 GEMM yet, so None
     stays None. "none" is the explicit "weights in --dtype" (None)."""
     if requested == "none":
         return None
     if requested is not None or gguf_file is None:
         return requested
-    if _is_moe(hf_config):
-        logger.info("quantization: none (a mixture-of-experts GGUF: its blocks are dequantized "
-                    "to the model's dtype at load; its experts have no quantized kernel)")
-        return None
     if device_type != "cpu":
         return requested
     from vllm_lite.models.gguf_quant import why_not_kept

@@ -47,6 +47,11 @@ class BlockSpaceManager:
         )
         # Swap-in lands in fresh device blocks, so the CPU pool needs no prefix index.
         self.cpu_allocator = BlockAllocator(cache_config.num_cpu_blocks or 0, name="cpu")
+        # A device table's list only ever grows in place (allocation, growth); any other
+        # change (copy-on-write, swap-in, a new allocation) gives the sequence a new list.
+        # So a holder of the list (the scheduler's plain decode hands it out uncopied, the
+        # model runner keeps a persistent row of it) sees every change by its identity and
+        # length alone, at no cost growing with the context.
         self.device_block_tables: dict[int, BlockTable] = {}
         self.cpu_block_tables: dict[int, BlockTable] = {}
         # Per sequence, how many leading full blocks are already published in the cache.
@@ -243,6 +248,8 @@ class BlockSpaceManager:
         copies: BlockMapping = []
         for seq, (num_new, to_copy) in zip(seqs, plans):
             table = self.device_block_tables[seq.seq_id]
+            if to_copy:  # not in place: see device_block_tables
+                table = self.device_block_tables[seq.seq_id] = list(table)
             for i in to_copy:
                 src = table[i]
                 dst = self.device_allocator.allocate()

@@ -3,6 +3,7 @@ one is preempted first. Keys sort ascending; smaller runs sooner."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 from vllm_lite.sequence import SequenceGroup
@@ -49,7 +50,8 @@ def waiting_key(policy: str, group: SequenceGroup, max_model_len: int, max_wait_
     return (1, *_WAITING_KEYS[policy](group, max_model_len))
 
 
-def running_key(group: SequenceGroup) -> SortKey:
-    """Service order of admitted groups; the last one is the first preemption victim:
-    the lowest priority (largest value), and among equals the newest."""
-    return _priority(group, 0)
+# Service order of admitted groups; the last one is the first preemption victim: the
+# lowest priority (largest value), and among equals the newest. _priority's key, read
+# by one C-level getter: it is computed for every running group on every step.
+running_key: Callable[[SequenceGroup], SortKey] = operator.attrgetter(
+    "priority", "arrival_time", "arrival_index")

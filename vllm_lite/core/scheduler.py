@@ -40,7 +40,9 @@ class ScheduledSequence:
     seq_id: int
     num_computed_tokens: int
     num_new_tokens: int
-    # Physical device block of each logical block, as it stands for this step.
+    # Physical device block of each logical block, as it stands for this step. A plain
+    # decode gets the block manager's own list, uncopied: read it during the step (it
+    # may grow in place afterwards; any other change replaces it, never this list).
     block_table: list[int]
     is_prompt: bool
     # This step computes the sequence's last token, so its logits are sampled.
@@ -420,8 +422,8 @@ class Scheduler:
                     if state.num_batched_tokens < state.token_budget:
                         state.num_batched_tokens += 1
                         scheduled[group.request_id] = ScheduledSequenceGroup(group, [
-                            ScheduledSequence(seq.seq_id, computed, 1,
-                                              list(tables[seq.seq_id]), not output, True)])
+                            ScheduledSequence(seq.seq_id, computed, 1, tables[seq.seq_id],
+                                              not output, True)])
                     else:
                         state.blocked = True
                     continue

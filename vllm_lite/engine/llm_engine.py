@@ -8,7 +8,8 @@
                        -> output processor: per request, the stop checks, new text and
                           logprobs, forks and beams -> a list of updates
                        -> scheduler.apply(updates): every sequence and block change
-                       -> request_output(group) for each request that ran
+                       -> request_output(group) for each request that ran and wants
+                          one now (every step, or only its last: output_kind)
 Each request's state is its SequenceGroup in the scheduler: aborting it there forgets
 everything the request held (its sequences, text, logprobs and random generator).
 A request that breaks a step fails alone (see step()).
@@ -31,13 +32,23 @@ from vllm_lite.engine.admission import Admission
 from vllm_lite.engine.output_processor import DeferredText, OutputProcessor
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.outputs import RequestOutput, request_output
-from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
 from vllm_lite.sequence import SequenceGroup
 from vllm_lite.errors import DistributedError
 from vllm_lite.worker.executor import Executor, make_executor
 from vllm_lite.worker.model_runner import RunnerOutput
 
 logger = logging.getLogger(__name__)
+
+
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+
+def _output_due(group: SequenceGroup) -> bool:
+    """Whether a request that ran gets its RequestOutput from this step: every step, or
+    for FINAL_ONLY (LLM.generate) only once finished; nobody reads the others, so they
+    are not built."""
+    return group.sampling_params.output_kind is not _FINAL_ONLY or group.is_finished()
 
 
 class EngineStepError(RuntimeError):
@@ -184,6 +195,9 @@ class LLMEngine:
         other request gets exactly the tokens it would have got. The step then raises
         EngineStepError naming the failed requests, carrying everyone's outputs.
 
+        A request's RequestOutput comes after each step it ran in, or, with output_kind
+        FINAL_ONLY, only after the step that finished it (or failed it).
+
         With async output processing (``async_output_proc``) a step returns the previous
         step's outputs: their text and RequestOutputs are made while this step's forward
         runs (on the forward thread). Every token, stop and block decision is still made
@@ -244,10 +258,11 @@ class LLMEngine:
                     self.output_processor.finish_text(deferred), ran)
                 failed.update(text_failed)
             outputs.extend(request_output(g) for g in ran
-                           if g.request_id not in failed or g.request_id in text_failed)
+                           if (g.request_id not in failed or g.request_id in text_failed)
+                           and _output_due(g))
             raise self._step_error(failed, outputs)
         if deferred is None:
-            outputs.extend(request_output(g) for g in ran)
+            outputs.extend(request_output(g) for g in ran if _output_due(g))
         elif ran:
             self._pending = _Pending(ran, deferred)
         return outputs
@@ -266,7 +281,8 @@ class LLMEngine:
         failed.update(text_failed)
         aborted = pending.aborted
         return [request_output(g) for g in pending.groups
-                if g.request_id not in aborted or g.request_id in text_failed]
+                if (g.request_id not in aborted or g.request_id in text_failed)
+                and _output_due(g)]
 
     def _text_failures(self, text_failed: dict[str, Exception],
                        groups: list[SequenceGroup] | None = None) -> dict[str, Exception]:

@@ -69,25 +69,45 @@ class OutputProcessor:
         are applied (the engine's async output processing runs that during the next
         step's forward). Every token, finish and block decision is made here either way."""
         self._deferred = deferred
-        samples, beams = self._check_results(out, result)
+        so = result.sampler_output
+        samples = {s.seq_id: s for s in (so.outputs if so is not None else []) if s is not None}
+        beams = dict(so.beams) if so is not None else {}
+        self._check_results(out, samples, beams)
         updates: list[GroupUpdate] = []
         prompt_logprobs = result.prompt_logprobs
+        check_token = self.stop_checker.check_token
         for sched in out.scheduled_seq_groups:
             group = sched.seq_group
             rid = group.request_id
-            if rid in failed or group.is_finished():
-                continue  # aborted meanwhile, or failed this step
+            if rid in failed:
+                continue  # failed this step
             try:
-                if len(sched.seqs) == 1 and rid not in beams and rid not in prompt_logprobs:
-                    # The usual step of a request: one sequence, at most one sample.
-                    s = sched.seqs[0]
+                seqs = sched.seqs
+                if len(seqs) == 1 and rid not in beams and rid not in prompt_logprobs:
+                    # The usual step of a request: one sequence, at most one sample
+                    # (_check_results checked it).
+                    s = seqs[0]
                     sample = samples.get(s.seq_id) if s.do_sample else None
                     seq = group.seqs_dict.get(s.seq_id) if sample is not None else None
                     if seq is None or seq.is_finished():
-                        updates.append(GroupUpdate(rid, []))
-                    else:
-                        updates.append(GroupUpdate(rid, self._samples(group, seq, sample)))
+                        if not group.is_finished():  # else aborted meanwhile
+                            updates.append(GroupUpdate(rid, []))
+                        continue
+                    params = group.sampling_params
+                    if (len(sample.token_ids) == 1 and not sample.top_logprobs
+                            and (self.tokenizer is None or not params.detokenize)):
+                        # One token, no text, no logprob entries: the token rules only.
+                        token = sample.token_ids[0]
+                        output_len = len(seq.output_token_ids) + 1
+                        updates.append(GroupUpdate(rid, [AppendToken(
+                            s.seq_id, token, sample.logprobs[0], None,
+                            check_token(params, group.eos_token_id, token, output_len,
+                                        len(seq.prompt_token_ids) + output_len))]))
+                        continue
+                    updates.append(GroupUpdate(rid, self._samples(group, seq, sample)))
                     continue
+                if group.is_finished():
+                    continue  # aborted meanwhile
                 updates.append(self._decide(group, sched, samples, beams.get(rid),
                                             prompt_logprobs.get(rid)))
             except Exception as e:  # noqa: BLE001  (this request fails, the others go on)
@@ -95,13 +115,11 @@ class OutputProcessor:
                 failed[rid] = e
         return updates
 
-    def _check_results(self, out: SchedulerOutput, result: RunnerOutput
-                       ) -> tuple[dict[int, SampleOutput], dict[str, list[BeamCandidate]]]:
-        """The step's samples by seq_id and beam candidates by request, checked against
-        what was scheduled: a mismatch is a bug in the runner or sampler."""
-        so = result.sampler_output
-        samples = {s.seq_id: s for s in (so.outputs if so is not None else []) if s is not None}
-        beams = dict(so.beams) if so is not None else {}
+    def _check_results(self, out: SchedulerOutput, samples: dict[int, SampleOutput],
+                       beams: dict[str, list[BeamCandidate]]) -> None:
+        """Checks the step's samples (by seq_id) and beam candidates (by request) against
+        what was scheduled, before anything is decided: a mismatch is a bug in the runner
+        or sampler."""
         if beams:
             beam_requests = {s.seq_group.request_id for s in out.scheduled_seq_groups
                              if s.seq_group.sampling_params.use_beam_search}
@@ -118,9 +136,12 @@ class OutputProcessor:
                 seq = group.seqs_dict.get(sched_seq.seq_id) if sched_seq.do_sample else None
                 if seq is None or seq.is_finished():
                     continue
+                s = samples.get(seq.seq_id)
+                if s is not None and len(s.token_ids) == 1 and len(s.logprobs) == 1 \
+                        and (params.best_of == 1 or not group.awaiting_first_sample()):
+                    continue
                 expected = (params.best_of if params.best_of > 1
                             and group.awaiting_first_sample() else 1)
-                s = samples.get(seq.seq_id)
                 if s is None or len(s.token_ids) != expected or len(s.logprobs) != expected:
                     raise InternalError(f"seq {seq.seq_id} must get {expected} sample(s), "
                                         f"got {s!r}")
@@ -153,7 +174,6 @@ class OutputProcessor:
             if not cands or any(c.parent_seq_id not in live for c in cands):
                 raise InternalError(f"beam request {group.request_id!r} got candidates "
                                     f"{cands!r} for beams {sorted(live)}")
-        return samples, beams
 
     def _decide(self, group: SequenceGroup, sched: ScheduledSequenceGroup,
                 samples: dict[int, SampleOutput], cands: list[BeamCandidate] | None,

@@ -21,7 +21,7 @@ from vllm_lite.entrypoints.chat_template import ChatTemplateLimits, render_chat_
 from vllm_lite.inputs import truncate_prompt
 from vllm_lite.models.loader import check_folder_links
 from vllm_lite.outputs import RequestOutput
-from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,13 @@ class LLM:
         engine = self.llm_engine
         ids = []
         results: dict[str, RequestOutput] = {}
+        # Only finished outputs are kept: the engine builds no others (one copy per
+        # distinct params object, the caller's left as they are).
+        final: dict[int, SamplingParams] = {}
+        for p in params:
+            if id(p) not in final:
+                final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = [final[id(p)] for p in params]
         try:
             for (text, tokens), p in zip(parsed, params):
                 rid = str(next(self._counter))

@@ -31,12 +31,19 @@ On the CPU, :meth:`FusedMoE.prepare_for_cpu` packs the experts' weights at load
 dtype (AVX-512 float32, AVX512-BF16 / AMX bfloat16); elsewhere the op takes the weights as
 they are and runs each expert's GEMMs through ATen.
 
+Weight quantization (vllm_lite.layers.quantization.quantize_model) replaces a layer's
+:class:`FusedMoE` by :meth:`FusedMoE.split`'s :class:`SplitExperts`: one module per expert
+whose two projections are linear layers it then quantizes like the dense ones; its forward
+is :func:`grouped_experts` (the same routing and grouping, one call of each quantized
+projection per expert some token chose).
+
 Limits (:data:`MAX_NUM_EXPERTS`, :data:`MAX_TOP_K`) are what the kernels promise to cover;
 :func:`check_moe_config` refuses a model past them when it loads, naming the field.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,9 +108,22 @@ def fused_moe_torch(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torc
                     w2: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
     """:func:`fused_moe` in torch ops (unpacked weights): routing, grouped expert GEMMs,
     weighted sum in token order."""
+    def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(ops.silu_and_mul(F.linear(x, w13[e])), w2[e])
+
+    return grouped_experts(hidden, router_logits, top_k, renormalize, w13.shape[0],
+                           w2.shape[1], expert)
+
+
+def grouped_experts(hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                    renormalize: bool, num_experts: int, hidden_out: int,
+                    expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The MoE block's arithmetic around per-expert calls: :func:`select_experts`' routing,
+    the (token, slot) pairs grouped by expert (a stable sort), ``expert(e, rows)`` [n, H] ->
+    [n, ``hidden_out``] once per expert some token chose, each row times its routing weight
+    and summed into its token's row in float32, rounded once to ``hidden``'s dtype."""
     tokens = hidden.shape[0]
-    num_experts = w13.shape[0]
-    out = torch.zeros(tokens, w2.shape[1], dtype=torch.float32, device=hidden.device)
+    out = torch.zeros(tokens, hidden_out, dtype=torch.float32, device=hidden.device)
     if tokens == 0:
         return out.to(hidden.dtype)
     weights, ids = select_experts(router_logits, top_k, renormalize)
@@ -111,14 +131,13 @@ def fused_moe_torch(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torc
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     rows = hidden.index_select(0, order // top_k)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
-    expert_out = torch.empty(rows.shape[0], w2.shape[1], dtype=hidden.dtype,
+    expert_out = torch.empty(rows.shape[0], hidden_out, dtype=hidden.dtype,
                              device=hidden.device)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        x = rows[start:start + n]
-        expert_out[start:start + n] = F.linear(ops.silu_and_mul(F.linear(x, w13[e])), w2[e])
+        expert_out[start:start + n] = expert(e, rows[start:start + n])
         start += n
     weighted = expert_out.float() * weights.reshape(-1)[order].unsqueeze(1)
     out.index_add_(0, order // top_k, weighted)
@@ -179,6 +198,75 @@ class FusedMoE(nn.Module):
         return fused_moe(hidden.contiguous(), router_logits.contiguous(), w13, w2, self.top_k,
                          self.renormalize)
 
+    def split(self) -> SplitExperts:
+        """The same experts one module per expert (:class:`SplitExperts`), their
+        projections plain nn.Linear layers viewing this layer's weights (no copy): the form
+        weight quantization replaces projection by projection."""
+        return SplitExperts(self)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}")
+
+
+def _linear_viewing(weight: torch.Tensor) -> nn.Linear:
+    """An nn.Linear without bias whose weight is ``weight`` itself (a view, not a copy)."""
+    out_features, in_features = weight.shape
+    linear = nn.Linear(in_features, out_features, bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return linear
+
+
+class ExpertMLP(nn.Module):
+    """One routed expert: ``gate_up_proj`` [2I, H] (gate rows, then up), SiLU-and-mul,
+    ``down_proj`` [H, I]; nn.Linear, or the quantized layers that replace them
+    (vllm_lite.layers.quantization)."""
+
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class SplitExperts(nn.Module):
+    """A layer's routed experts as children ``"0"`` ... ``"E-1"``, each an
+    :class:`ExpertMLP`, so that each expert's projections are ordinary (quantizable) linear
+    layers named ``experts.{e}.gate_up_proj`` / ``down_proj``, as the dense MLP's.
+
+    The arithmetic is :func:`fused_moe`'s contract run by :func:`grouped_experts`: the same
+    routing and grouping, then per expert some token chose its two projections' GEMMs on
+    its rows only (one call each; an expert no token chose costs nothing), whatever GEMM
+    those layers run (int8_linear, int4_linear, ATen)."""
+
+    def __init__(self, moe: FusedMoE) -> None:
+        super().__init__()
+        self.num_experts = moe.num_experts
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.hidden_size = moe.w2_weight.shape[1]
+        self.full_intermediate_size = moe.full_intermediate_size
+        self.intermediate_start = moe.intermediate_start
+        self.intermediate_size = moe.intermediate_size
+        for e in range(self.num_experts):
+            self.add_module(str(e), ExpertMLP(_linear_viewing(moe.w13_weight[e]),
+                                              _linear_viewing(moe.w2_weight[e])))
+        # The children by index, looked up once (quantization swaps their projections,
+        # not them).
+        self._by_index: list[ExpertMLP] = [self.get_submodule(str(e))  # type: ignore[misc]
+                                           for e in range(self.num_experts)]
+
+    def expert(self, e: int) -> ExpertMLP:
+        return self._by_index[e]
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        experts = self._by_index
+        return grouped_experts(hidden, router_logits, self.top_k, self.renormalize,
+                               self.num_experts, self.hidden_size,
+                               lambda e, x: experts[e](x))
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}")
@@ -186,9 +274,10 @@ class FusedMoE(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The feed-forward block of an MoE layer: ``gate`` (the router), ``experts``
-    (:class:`FusedMoE`) and, for Qwen2-MoE, a ``shared_expert`` (a dense MLP every token
-    runs, built by the model with reduce=False) scaled by ``sigmoid(shared_expert_gate(x))``
-    and added. Under tensor parallelism one all-reduce sums the ranks' partial outputs."""
+    (:class:`FusedMoE`, or :class:`SplitExperts` once quantized) and, for Qwen2-MoE, a
+    ``shared_expert`` (a dense MLP every token runs, built by the model with reduce=False)
+    scaled by ``sigmoid(shared_expert_gate(x))`` and added. Under tensor parallelism one
+    all-reduce sums the ranks' partial outputs."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
                  intermediate_size: int, renormalize: bool,

@@ -301,7 +301,9 @@ def quantize_model(model: nn.Module, method: str | None, skip: tuple[nn.Module, 
                    group_size: int | None = None,
                    kept_weights: dict[str, Int4Weight | Int8GroupWeight] | None = None) -> int:
     """Replaces every nn.Linear of ``model`` but those in ``skip`` (the LM head) by its
-    quantized form, in place; returns how many were replaced. None: nothing changes.
+    quantized form, in place, a mixture of experts' routed experts included (each
+    :class:`~vllm_lite.layers.moe.FusedMoE` split first); returns how many were replaced.
+    None: nothing changes.
     ``group_size``: int4's (default DEFAULT_INT4_GROUP_SIZE); ``kept_weights``: the
     checkpoint's own quantized projections by module name, for "gguf"
     (vllm_lite.models.gguf_quant.read_llama_projections) and "gptq" / "awq"
@@ -311,11 +313,13 @@ def quantize_model(model: nn.Module, method: str | None, skip: tuple[nn.Module, 
         return 0
     from vllm_lite.layers.moe import FusedMoE
 
-    if any(isinstance(m, FusedMoE) for m in model.modules()):
-        # Its experts (most of its weights) are not nn.Linear layers: quantizing the rest
-        # alone would be the option half applied.
-        raise ValueError(f"quantization={method!r} is not implemented for mixture-of-experts "
-                         f"models ({type(model).__name__}); run it unquantized")
+    # A mixture of experts' routed experts (most of its weights) become one module per
+    # expert whose projections are nn.Linear views of the fused weights; the loop below
+    # quantizes them like the dense projections (``...mlp.experts.{e}.gate_up_proj``).
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FusedMoE):
+                setattr(parent, name, child.split())
     targets = [(parent, f"{pname}.{name}" if pname else name, name, child)
                for pname, parent in model.named_modules()
                for name, child in parent.named_children()

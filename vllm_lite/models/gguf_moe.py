@@ -25,8 +25,10 @@ permuted back (the Qwen MoEs and OLMoE are written unpermuted). The routing sett
 file leaves out are llama.cpp's for the architecture (softmax gating, top-k weights
 renormalised for Mixtral and Qwen3-MoE, not for Qwen2-MoE and OLMoE unless
 ``expert_weights_norm`` says). Quantized tensors (any type the ``gguf`` package
-dequantizes) are dequantized to float32 here: the engine's experts run in the model's dtype
-(quantization="gguf" keeps blocks of dense projections only, and refuses a MoE model).
+dequantizes) are dequantized to float32 here, the float model's weights; with
+quantization="gguf" (the default on a CPU where every projection is Q4_0 / Q4_1 / Q8_0)
+the projections, each expert's included, are then swapped for the file's own blocks
+(vllm_lite.models.gguf_quant.read_llama_projections).
 A tensor the mapping has no place for is refused, never dropped.
 """
 

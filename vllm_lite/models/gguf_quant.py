@@ -1,4 +1,5 @@
-"""The quantized projections of a GGUF Llama file, kept quantized (``quantization="gguf"``).
+"""The quantized projections of a GGUF Llama or mixture-of-experts file, kept quantized
+(``quantization="gguf"``; a MoE file's experts too, cut from its stacked expert tensors).
 
 The converted cache folder (:mod:`vllm_lite.models.gguf`) holds dequantized float32
 weights; this module reads the GGUF file's own blocks instead and turns each projection's
@@ -15,8 +16,9 @@ with no rounding at all:
 
 llama.cpp's converter permutes the rows of attn_q / attn_k (its rotary layout); they are
 permuted back as transformers does for the dequantized weights, which moves whole rows, so
-blocks stay intact. Our fused projections (qkv_proj = q | k | v rows, gate_up_proj = gate |
-up) are the row concatenations. Other types (Q4_K, Q6_K, ...) are refused with an error
+blocks stay intact (the Qwen MoEs and OLMoE are written unpermuted). Our fused projections
+(qkv_proj = q | k | v rows, gate_up_proj = gate | up, per expert too) are the row
+concatenations. Other types (Q4_K, Q6_K, ...) are refused with an error
 naming the tensor and type.
 """
 
@@ -166,20 +168,43 @@ def _cat(parts: list[Int4Weight | Int8GroupWeight], name: str) -> Int4Weight | I
                            GGUF_GROUP)
 
 
-#: The decoder projections' GGUF tensors, grouped as our fused layers take them.
+#: The decoder projections' GGUF tensors, grouped as our fused layers take them (a dense
+#: layer's; :func:`_layer_parts` gives a mixture-of-experts layer's).
 _FUSED_PARTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"),
                 ("ffn_down",))
+#: Our module (under model.layers.N.) of each group of :func:`_layer_parts`.
+_OURS = {"attn_q": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+         "ffn_gate": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj",
+         "ffn_gate_exps": "mlp.experts.{e}.gate_up_proj",
+         "ffn_down_exps": "mlp.experts.{e}.down_proj",
+         "ffn_gate_shexp": "mlp.shared_expert.gate_up_proj",
+         "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+#: HF architectures whose GGUF attn_q / attn_k rows llama.cpp writes unpermuted.
+_UNPERMUTED = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+
+
+def _layer_parts(names: Any, i: int) -> tuple[tuple[str, ...], ...]:
+    """The fused groups of layer ``i``'s projections, given the file's tensor names: a
+    mixture-of-experts layer (stacked ``ffn_*_exps``, [experts, N, K] blocks, cut per
+    expert; Qwen2-MoE's ``ffn_*_shexp`` shared expert) or a dense one."""
+    if f"blk.{i}.ffn_gate_exps.weight" not in names:
+        return _FUSED_PARTS
+    parts = _FUSED_PARTS[:2] + (("ffn_gate_exps", "ffn_up_exps"), ("ffn_down_exps",))
+    if f"blk.{i}.ffn_gate_shexp.weight" in names:
+        parts += (("ffn_gate_shexp", "ffn_up_shexp"), ("ffn_down_shexp",))
+    return parts
 
 
 def why_not_kept(gguf_file: str | Path, num_layers: int) -> str | None:
     """None when quantization="gguf" can keep every decoder projection of the file (each
-    Q4_0 / Q4_1 / Q8_0, no fused layer mixing Q8_0 with Q4_1); else why not, in words. Reads
-    the tensor table only (what the engine's default for a GGUF model is decided on)."""
+    Q4_0 / Q4_1 / Q8_0, no fused layer mixing Q8_0 with Q4_1), a mixture of experts'
+    experts included; else why not, in words. Reads the tensor table only (what the
+    engine's default for a GGUF model is decided on)."""
     from gguf import GGUFReader
 
     types = {t.name: t.tensor_type.name for t in GGUFReader(str(gguf_file)).tensors}
     for i in range(num_layers):
-        for parts in _FUSED_PARTS:
+        for parts in _layer_parts(types, i):
             kinds = [types.get(f"blk.{i}.{p}.weight") for p in parts]
             for part, kind in zip(parts, kinds):
                 if kind not in _BLOCK_BYTES:
@@ -192,15 +217,20 @@ def why_not_kept(gguf_file: str | Path, num_layers: int) -> str | None:
 def read_llama_projections(gguf_file: str | Path, hf_config: Any
                            ) -> dict[str, Int4Weight | Int8GroupWeight]:
     """Our module name (e.g. ``model.layers.0.self_attn.qkv_proj``) -> its kept weight, for
-    every decoder projection. ValueError naming the tensor for a type this cannot keep."""
+    every decoder projection; in a mixture-of-experts file (Mixtral, Qwen2-MoE, Qwen3-MoE,
+    OLMoE: vllm_lite.models.gguf_moe) each expert's too (``mlp.experts.{e}.gate_up_proj``
+    / ``down_proj``, cut from the stacked tensors: whole rows of blocks, exact). Routers
+    are not projections: they load dequantized with the float weights. ValueError naming
+    the tensor for a type this cannot keep."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_file))
     tensors = {t.name: t for t in reader.tensors}
     n_head = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
+    permuted = not any(a in _UNPERMUTED for a in getattr(hf_config, "architectures", None) or ())
 
-    def load(name: str) -> Int4Weight | Int8GroupWeight:
+    def load(name: str, expert: int | None = None) -> Int4Weight | Int8GroupWeight:
         if name not in tensors:
             raise ValueError(f"{gguf_file}: no tensor {name!r} (not a Llama GGUF?)")
         t = tensors[name]
@@ -209,18 +239,25 @@ def read_llama_projections(gguf_file: str | Path, hf_config: Any
             raise ValueError(
                 f"quantization='gguf' keeps Q4_0, Q4_1 and Q8_0 projections; {name} is {kind} "
                 f"(load it with quantization=None to dequantize)")
-        cols, rows = (int(x) for x in t.shape[:2])  # ggml order: [K, N]
-        return _decode(kind, t.data, rows, cols)
+        cols, rows = (int(x) for x in t.shape[:2])  # ggml order: [K, N(, experts)]
+        return _decode(kind, t.data if expert is None else t.data[expert], rows, cols)
 
     out: dict[str, Int4Weight | Int8GroupWeight] = {}
     for i in range(hf_config.num_hidden_layers):
         blk, pre = f"blk.{i}.", f"model.layers.{i}."
-        q = _unpermute_rows(load(blk + "attn_q.weight"), n_head)
-        k = _unpermute_rows(load(blk + "attn_k.weight"), n_kv)
-        out[pre + "self_attn.qkv_proj"] = _cat([q, k, load(blk + "attn_v.weight")],
-                                               pre + "self_attn.qkv_proj")
-        out[pre + "self_attn.o_proj"] = load(blk + "attn_output.weight")
-        out[pre + "mlp.gate_up_proj"] = _cat([load(blk + "ffn_gate.weight"),
-                                             load(blk + "ffn_up.weight")], pre + "mlp.gate_up_proj")
-        out[pre + "mlp.down_proj"] = load(blk + "ffn_down.weight")
+        for parts in _layer_parts(tensors, i):
+            ours = pre + _OURS[parts[0]]
+            if parts[0] == "attn_q":
+                q, k = load(blk + "attn_q.weight"), load(blk + "attn_k.weight")
+                if permuted:
+                    q, k = _unpermute_rows(q, n_head), _unpermute_rows(k, n_kv)
+                out[ours] = _cat([q, k, load(blk + "attn_v.weight")], ours)
+            elif parts[0].endswith("_exps"):
+                experts = int(tensors[f"{blk}{parts[0]}.weight"].shape[2]) \
+                    if f"{blk}{parts[0]}.weight" in tensors else 0
+                for e in range(experts):
+                    name = ours.format(e=e)
+                    out[name] = _cat([load(f"{blk}{p}.weight", e) for p in parts], name)
+            else:
+                out[ours] = _cat([load(f"{blk}{p}.weight") for p in parts], ours)
     return out

@@ -182,7 +182,8 @@ def dequantized_weights(weights: Iterator[tuple[str, torch.Tensor]], spec: Quant
 
 def read_checkpoint_projections(folder: str | Path, hf_config: Any) -> dict[str, Int4Weight]:
     """Our module name (``model.layers.0.self_attn.qkv_proj``) -> its Int4Weight, for every
-    decoder projection of the GPTQ / AWQ checkpoint ``folder``. Mixtures the model cannot
+    decoder projection of the GPTQ / AWQ checkpoint ``folder`` (a mixture of experts': each
+    expert's, ``model.layers.0.mlp.experts.3.gate_up_proj``). Mixtures the model cannot
     run exactly (a quantized LM head, a float projection) are a ValueError."""
     from vllm_lite.models.loader import iterate_weights
 
@@ -192,21 +193,49 @@ def read_checkpoint_projections(folder: str | Path, hf_config: Any) -> dict[str,
                          f"quantization_config with quant_method gptq / awq)")
     kept = {name[:-len(".weight")]: t for name, t in _grouped(iterate_weights(folder), spec)
             if isinstance(t, Int4Weight)}
-    fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             "self_attn.o_proj": ("self_attn.o_proj",),
-             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-             "mlp.down_proj": ("mlp.down_proj",)}
+    return _fuse_projections(kept, hf_config, f"{folder}", spec.method)
+
+
+def _fuse_projections(kept: dict[str, Int4Weight], hf_config: Any, where: str,
+                      method: str) -> dict[str, Int4Weight]:
+    """The checkpoint's per-projection weights (HF module names) -> our fused layers'
+    (q | k | v, gate | up; a mixture of experts' per expert ``mlp.experts.{e}.gate_up_proj``
+    / ``down_proj``, its shared expert's like a dense MLP's). A projection missing or left
+    over is a ValueError."""
+    from vllm_lite.models.moe import MoeForCausalLM
+    from vllm_lite.models.registry import get_model_class
+
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
+    moe = model_cls if issubclass(model_cls, MoeForCausalLM) else None
+    if moe is not None:
+        kept = {moe.checkpoint_name(name): t for name, t in kept.items()}
+
+    def mlp(prefix: str, names: tuple[str, str, str]) -> dict[str, tuple[str, ...]]:
+        return {f"{prefix}.gate_up_proj": (f"{prefix}.{names[0]}", f"{prefix}.{names[1]}"),
+                f"{prefix}.down_proj": (f"{prefix}.{names[2]}",)}
+
+    dense = ("gate_proj", "up_proj", "down_proj")
     out: dict[str, Int4Weight] = {}
     for i in range(hf_config.num_hidden_layers):
+        fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj",
+                                        "self_attn.v_proj"),
+                 "self_attn.o_proj": ("self_attn.o_proj",)}
+        if moe is None or not moe.is_sparse(hf_config, i):
+            fused.update(mlp("mlp", dense))
+        else:
+            for e in range(getattr(hf_config, moe.num_experts_field)):
+                fused.update(mlp(f"mlp.experts.{e}", moe.expert_projections))
+            if moe.has_shared_expert:
+                fused.update(mlp("mlp.shared_expert", dense))
         pre = f"model.layers.{i}."
         for ours, parts in fused.items():
             missing = [pre + p for p in parts if pre + p not in kept]
             if missing:
-                raise ValueError(f"{folder}: {missing[0]} is not {spec.method}-quantized "
+                raise ValueError(f"{where}: {missing[0]} is not {method}-quantized "
                                  f"(no qweight)")
             out[pre + ours] = cat_rows([kept.pop(pre + p) for p in parts], pre + ours)
     if kept:
-        raise ValueError(f"{folder}: quantized layers this model has no place for: "
+        raise ValueError(f"{where}: quantized layers this model has no place for: "
                          f"{sorted(kept)[:3]}")
     return out
 

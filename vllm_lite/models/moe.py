@@ -20,8 +20,12 @@ OLMoE          num_experts /                as Qwen2-MoE                q/k RMSN
                                                                         attention_bias on all
 =============  ===========================  ==========================  =======================
 
-Every model checks its MoE settings (:meth:`MoeForCausalLM.check_config`) before anything
-is allocated or read. Checkpoints store each expert's projections separately (HF naming:
+Every model checks its MoE settings (:meth:`MoeForCausalLM.check_config`, and
+:meth:`MoeForCausalLM.check_quantization` for a 4-bit weight quantization's groups) before
+anything is allocated or read. Quantized, each expert's projections are layers of their own
+(``mlp.experts.{e}.gate_up_proj`` / ``down_proj``, layers/moe.py SplitExperts), which GPTQ /
+AWQ checkpoints fill from their per-expert tensors (models/gptq_awq.py). Checkpoints store
+each expert's projections separately (HF naming:
 ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's
 ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``); transformers 5's in-memory layout
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) loads too.
@@ -47,6 +51,9 @@ from vllm_lite.models.llama import (
 )
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+# An expert's projection once the experts are split for quantization (layers/moe.py).
+_EXPERT_PROJECTION = re.compile(
+    r"^(?P<prefix>.*\.mlp\.experts)\.\d+\.(?P<proj>gate_up_proj|down_proj)$")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -75,8 +82,6 @@ class MoeForCausalLM(LlamaForCausalLM):
     has_shared_expert: ClassVar[bool] = False
     # Whether decoder_sparse_step / mlp_only_layers choose dense layers (the Qwen MoEs).
     has_dense_layers: ClassVar[bool] = False
-    # Weight quantization covers nn.Linear projections, not the experts: refused.
-    quantizable: ClassVar[bool] = False
     # The CUDA fused_moe needs no host round trip, but no GPU has yet run it under graph
     # capture: eager until one does.
     supports_cuda_graphs: ClassVar[bool] = False
@@ -121,6 +126,34 @@ class MoeForCausalLM(LlamaForCausalLM):
                                  f"[0, {layers}), got {dense!r}")
 
     @classmethod
+    def check_quantization(cls, config: Any, method: str | None, group_size: int | None,
+                           tp_size: int = 1) -> None:
+        """Before any weight is read: a 4-bit ``method`` (int4, gptq, awq: groups of
+        ``group_size`` consecutive inputs share a scale) needs every expert GEMM's inputs to
+        hold whole groups: ``hidden_size`` (gate / up) and each rank's share of the experts'
+        intermediate size (down), likewise the shared expert's and the dense layers'
+        MLPs. ValueError naming the fields otherwise. (GGUF's blocks are whole by
+        construction; int8 has none.)"""
+        if method not in ("int4", "gptq", "awq") or group_size is None:
+            return
+        what = ("quantization_group_size" if method == "int4"
+                else f"the {method} checkpoint's quantization_config.group_size")
+        fields = [("hidden_size", 1), (cls.intermediate_field, tp_size)]
+        if cls.has_shared_expert:
+            fields.append(("shared_expert_intermediate_size", tp_size))
+        if cls.has_dense_layers and any(not cls.is_sparse(config, i)
+                                        for i in range(config.num_hidden_layers)):
+            fields.append(("intermediate_size", tp_size))
+        for field, ranks in fields:
+            size = getattr(config, field)
+            if (size // ranks) % group_size:
+                per_rank = (f" / tensor_parallel_size {ranks} = {size // ranks} per rank"
+                            if ranks > 1 else "")
+                raise ValueError(f"{what} ({group_size}) must divide the model's {field} "
+                                 f"({size}{per_rank}): the {method} weights' groups run along "
+                                 f"those inputs")
+
+    @classmethod
     def renormalize(cls, config: Any) -> bool:
         return True if cls.renormalize_field is None else bool(
             getattr(config, cls.renormalize_field, False))
@@ -154,6 +187,14 @@ class MoeForCausalLM(LlamaForCausalLM):
             if isinstance(module, FusedMoE):
                 module.prepare_for_cpu()
 
+    def tp_segments(self, module: str) -> tuple[int, list[tuple[int, int]]] | None:
+        """As the dense MLP's, for an expert's projection too (``...experts.{e}.gate_up_proj``
+        / ``down_proj``): every expert is cut like the layer's experts module says."""
+        m = _EXPERT_PROJECTION.match(module)
+        if m:
+            module = f"{m['prefix']}.{m['proj']}"  # its parent: the layer's experts module
+        return super().tp_segments(module)
+
     def _num_experts(self) -> int:
         return getattr(self.config, self.num_experts_field)
 
@@ -164,13 +205,14 @@ class MoeForCausalLM(LlamaForCausalLM):
             return tuple((e, None) for e in range(self._num_experts()))
         return super()._shards_of(name)
 
-    def _checkpoint_name(self, hf_name: str) -> str:
+    @classmethod
+    def checkpoint_name(cls, hf_name: str) -> str:
         """A checkpoint name in our modules' naming (Mixtral renames its block)."""
         return hf_name
 
     def _checkpoint_targets(self, hf_name: str, tensor: torch.Tensor
                             ) -> list[tuple[str, Any, torch.Tensor]]:
-        name = self._checkpoint_name(hf_name)
+        name = self.checkpoint_name(hf_name)
         num_experts = self._num_experts()
         m = _EXPERT.match(name)
         if m and m["proj"] in self.expert_projections and int(m["e"]) < num_experts:
@@ -228,7 +270,8 @@ class MixtralForCausalLM(MoeForCausalLM):
     def layer_options(cls, config: Any) -> LayerOptions:
         return LayerOptions()
 
-    def _checkpoint_name(self, hf_name: str) -> str:
+    @classmethod
+    def checkpoint_name(cls, hf_name: str) -> str:
         return hf_name.replace(".block_sparse_moe.", ".mlp.")
 
 

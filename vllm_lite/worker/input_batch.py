@@ -2,7 +2,8 @@
 
 - :class:`BlockTableRows`: one persistent row of block ids per running sequence, written
   only where the scheduler's table changed (a block appended, a copy-on-write, a swap-in),
-  gathered into the step's batch table by one indexed copy;
+  told apart by the table list's identity and length (the block manager's lists only
+  grow in place), gathered into the step's batch table by one indexed copy;
 - :class:`StepStaging`: one host buffer (pinned on a GPU) holding every integer input of
   a step, copied to the device in one transfer; on the CPU the step's tensors are views of
   it. Two buffers alternate, so a step's inputs stay intact while the next is filled.
@@ -21,35 +22,46 @@ class BlockTableRows:
 
     def __init__(self, capacity: int = 64, max_blocks: int = 64) -> None:
         self.rows = np.zeros((capacity, max_blocks), dtype=np.int32)
-        # seq_id -> [row, the table as last written]
+        # seq_id -> [row, the table list last written (held: its identity stays unique),
+        # how many of its ids the row holds]
         self._seqs: dict[int, list] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._seen: set[int] = set()
 
     def row_of(self, seq_id: int, table: list[int]) -> int:
-        """The row holding ``table`` for ``seq_id`` (updated in place where it changed)."""
+        """The row holding ``table`` for ``seq_id`` (updated in place where it changed).
+
+        The same list object as last time is taken to have changed only by growing in
+        place (only its new tail is written); another list is written whole. Callers
+        hand over a list changed otherwise as a new list (the block manager's tables
+        are kept so; the scheduler copies the others)."""
         self._seen.add(seq_id)
         entry = self._seqs.get(seq_id)
+        n = len(table)
         if entry is not None:
-            row, old = entry
-            if old == table:  # the common decode step: nothing moved
+            row, old, n_old = entry
+            if old is table:
+                if n > n_old:  # grown in place: the new tail only
+                    if n > self.rows.shape[1]:
+                        self._widen(n)
+                    self.rows[row, n_old:n] = table[n_old:]
+                    entry[2] = n
+                elif n < n_old:
+                    self._write(row, table)
+                    entry[2] = n
                 return row
-            n_old = len(old)
-            if len(table) > self.rows.shape[1]:
-                self._widen(len(table))
-            if len(table) >= n_old and table[:n_old] == old:
-                self.rows[row, n_old:len(table)] = table[n_old:]
-            else:
-                self._write(row, table)
-            entry[1] = list(table)  # the caller's list may change after the step
+            if n > self.rows.shape[1]:
+                self._widen(n)
+            self._write(row, table)
+            entry[1], entry[2] = table, n
             return row
-        if len(table) > self.rows.shape[1]:
-            self._widen(len(table))
+        if n > self.rows.shape[1]:
+            self._widen(n)
         if not self._free:
             self._grow()
         row = self._free.pop()
         self._write(row, table)
-        self._seqs[seq_id] = [row, list(table)]
+        self._seqs[seq_id] = [row, table, n]
         return row
 
     def end_step(self) -> None:
