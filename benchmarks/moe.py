@@ -6,8 +6,8 @@ hidden 1024, intermediate 1408) and each token count, one run times on the CPU:
 - ``op``: ``FusedMoE`` after ``prepare_for_cpu``, i.e. ``torch.ops.vllm_lite.fused_moe`` on
   the weights packed per expert where the selected CPU build has packed_linear's kernels for
   the dtype (AVX-512 float32, AVX512-BF16 / AMX bfloat16), else on the plain weights (the
-  AVX2 few-rows GEMM for experts of a few rows in float32 / bfloat16, ATen for the rest):
-  the reference of the ratio;
+  AVX2 expert GEMM for float32 experts of a few rows and every bfloat16 one, ATen for the
+  rest): the reference of the ratio;
 - ``torch``: ``layers.moe.fused_moe_torch``, the block in torch ops (softmax / topk, a
   stable argsort by expert, index_select, per expert F.linear + silu_and_mul + F.linear,
   index_add_), which the layer ran before the op;

@@ -1,7 +1,7 @@
-"""`vllm-lite bench moe` (benchmarks/moe.py) on a tiny block: one row per (dtype, tokens),
-both sides timed, the op's and the torch block's errors against float64 within
-accumulation (and bf16 rounding) error; bad sizes a one-line error naming the flag and exit
-status 2. No timing is asserted (the machine may be shared)."""
+"""`vllm-lite bench moe` (benchmarks/moe.py) on a tiny block, float experts only: one row
+per (dtype, tokens), both sides timed, the op's and the torch block's errors against
+float64 within accumulation (and bf16 rounding) error; bad sizes a one-line error naming
+the flag and exit status 2. No timing is asserted (the machine may be shared)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from vllm_lite.entrypoints import cli
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--experts", "4", "--top-k", "2", "--hidden", "40", "--intermediate", "24",
-        "--target-s", "0.001", "--threads", "1"]
+        "--target-s", "0.001", "--threads", "1", "--no-quantized"]
+# A row's float columns (the quantized experts' columns, off here, would follow).
 ROW = re.compile(r"^\| (\w+) \| ([^|]+) \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.e+-]+) "
                  r"\| ([\d.e+-]+) \|$", re.M)
 
