@@ -492,6 +492,41 @@ def test_one_row_that_is_not_plain_greedy_takes_the_general_path(odd):
         assert a.logprobs[0] == pytest.approx(b.logprobs[0], abs=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["greedy", "random", "logprobs", "best_of"])
+def test_one_token_per_row_comes_as_columns(kind):
+    """A step of one token per row and no logprob entries (plain greedy, or sampling)
+    carries its samples as PlainSamples columns, and ``outputs`` made from them equals
+    the per-row samples; a step with entries or several samples in a row has none."""
+    gen = torch.Generator().manual_seed(14)
+    logits = torch.randn(5, 300, generator=gen) * 3
+    extra = {"greedy": dict(temperature=0.0), "random": dict(temperature=0.9, seed=3),
+             "logprobs": dict(temperature=0.0, logprobs=2),
+             "best_of": dict(temperature=0.9, n=1, best_of=2, seed=3)}[kind]
+    rows = [make_row(SamplingParams(**extra), prompt=[1, 2], seq_id=10 + i,
+                     num_samples=2 if kind == "best_of" and i == 0 else 1)
+            for i in range(5)]
+    out = Sampler(seed=0)(logits, SamplingMetadata(rows))
+    if kind in ("logprobs", "best_of"):
+        assert out.plain is None
+        return
+    p = out.plain
+    assert p is not None and p.seq_ids == [10 + i for i in range(5)]
+    assert all(type(t) is int for t in p.token_ids)
+    lsm = torch.log_softmax(logits.double() / (0.9 if kind == "random" else 1.0), dim=-1)
+    for i, (t, lp) in enumerate(zip(p.token_ids, p.logprobs)):
+        assert lp == pytest.approx(float(lsm[i, t]), abs=1e-5)
+    if kind == "greedy":
+        assert p.token_ids == logits.argmax(dim=-1).tolist()
+    assert [(o.seq_id, o.token_ids, o.logprobs, o.top_logprobs) for o in out.outputs] == \
+        [(s, [t], [lp], None) for s, t, lp in zip(p.seq_ids, p.token_ids, p.logprobs)]
+    # The same seeded draw through the per-row path: the same tokens.
+    if kind == "random":
+        again = Sampler(seed=0)(logits, SamplingMetadata(
+            [make_row(SamplingParams(**extra), prompt=[1, 2], seq_id=10 + i)
+             for i in range(5)]))
+        assert again.plain.token_ids == p.token_ids
+
+
 def test_plain_greedy_row_without_a_finite_maximum_follows_torch():
     """A NaN or +inf row: the fast path hands the batch back, and torch's argmax /
     log_softmax decide (NaN counts as the maximum; an inf row's logprob is NaN)."""

@@ -28,7 +28,7 @@ from vllm_lite.core.scheduler import (AppendToken, DropSeq, Finish, ForkSeq, Gro
 from vllm_lite.detokenizer import TEXT_CONTEXT, IncrementalDetokenizer, token_texts_after
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.errors import InternalError
-from vllm_lite.layers.sampler import Logprob, SampleOutput
+from vllm_lite.layers.sampler import Logprob, SampleOutput, SamplerOutput
 from vllm_lite.sequence import SeqOutputState, Sequence, SequenceGroup, SequenceStatus, next_seq_id
 from vllm_lite.worker.model_runner import RunnerOutput
 
@@ -47,6 +47,11 @@ class DeferredText:
     entry: dict[int, Any] | None
     finish: Finish | None
     seq_len: int
+
+
+def _sample_dict(so: SamplerOutput | None) -> dict[int, SampleOutput]:
+    """The step's samples by sequence id."""
+    return {s.seq_id: s for s in (so.outputs if so is not None else []) if s is not None}
 
 
 class OutputProcessor:
@@ -70,9 +75,14 @@ class OutputProcessor:
         step's forward). Every token, finish and block decision is made here either way."""
         self._deferred = deferred
         so = result.sampler_output
-        samples = {s.seq_id: s for s in (so.outputs if so is not None else []) if s is not None}
+        # A step of one token per row without entries comes as columns (PlainSamples):
+        # its rows are found by sequence id, without a SampleOutput per row.
+        plain = so.plain if so is not None else None
+        row_of = (dict(zip(plain.seq_ids, range(len(plain.seq_ids))))
+                  if plain is not None else None)
+        samples = _sample_dict(so) if plain is None else None
         beams = dict(so.beams) if so is not None else {}
-        self._check_results(out, samples, beams)
+        self._check_results(out, so, samples, row_of, beams)
         updates: list[GroupUpdate] = []
         prompt_logprobs = result.prompt_logprobs
         check_token = self.stop_checker.check_token
@@ -83,6 +93,30 @@ class OutputProcessor:
                 continue  # failed this step
             try:
                 seqs = sched.seqs
+                if (row_of is not None and len(seqs) == 1 and rid not in beams
+                        and rid not in prompt_logprobs):
+                    # The usual step from the columns: one token, no entries.
+                    s = seqs[0]
+                    i = row_of.get(s.seq_id) if s.do_sample else None
+                    seq = group.seqs_dict.get(s.seq_id) if i is not None else None
+                    if seq is None or seq.is_finished():
+                        if not group.is_finished():  # else aborted meanwhile
+                            updates.append(GroupUpdate(rid, []))
+                        continue
+                    params = group.sampling_params
+                    token = plain.token_ids[i]
+                    if self.tokenizer is None or not params.detokenize:
+                        output_len = len(seq.output_token_ids) + 1
+                        updates.append(GroupUpdate(rid, [AppendToken(
+                            s.seq_id, token, plain.logprobs[i], None,
+                            check_token(params, group.eos_token_id, token, output_len,
+                                        len(seq.prompt_token_ids) + output_len))]))
+                        continue
+                    updates.append(GroupUpdate(rid, [self._one_token(
+                        group, seq, token, plain.logprobs[i], None)]))
+                    continue
+                if samples is None:
+                    samples = _sample_dict(so)
                 if len(seqs) == 1 and rid not in beams and rid not in prompt_logprobs:
                     # The usual step of a request: one sequence, at most one sample
                     # (_check_results checked it).
@@ -115,11 +149,13 @@ class OutputProcessor:
                 failed[rid] = e
         return updates
 
-    def _check_results(self, out: SchedulerOutput, samples: dict[int, SampleOutput],
+    def _check_results(self, out: SchedulerOutput, so: SamplerOutput | None,
+                       samples: dict[int, SampleOutput] | None, row_of: dict[int, int] | None,
                        beams: dict[str, list[BeamCandidate]]) -> None:
-        """Checks the step's samples (by seq_id) and beam candidates (by request) against
-        what was scheduled, before anything is decided: a mismatch is a bug in the runner
-        or sampler."""
+        """Checks the step's samples (by seq_id: ``samples``, or the rows of the step's
+        PlainSamples in ``row_of``, one token each) and beam candidates (by request)
+        against what was scheduled, before anything is decided: a mismatch is a bug in
+        the runner or sampler."""
         if beams:
             beam_requests = {s.seq_group.request_id for s in out.scheduled_seq_groups
                              if s.seq_group.sampling_params.use_beam_search}
@@ -136,6 +172,11 @@ class OutputProcessor:
                 seq = group.seqs_dict.get(sched_seq.seq_id) if sched_seq.do_sample else None
                 if seq is None or seq.is_finished():
                     continue
+                if row_of is not None and seq.seq_id in row_of and (
+                        params.best_of == 1 or not group.awaiting_first_sample()):
+                    continue
+                if samples is None:
+                    samples = _sample_dict(so)
                 s = samples.get(seq.seq_id)
                 if s is not None and len(s.token_ids) == 1 and len(s.logprobs) == 1 \
                         and (params.best_of == 1 or not group.awaiting_first_sample()):
@@ -148,6 +189,8 @@ class OutputProcessor:
                 continue
             if group.is_finished():
                 continue
+            if samples is None:
+                samples = _sample_dict(so)
             if not params.use_beam_search:
                 expected = (params.best_of if params.best_of > 1
                             and group.awaiting_first_sample() else 1)
@@ -200,23 +243,8 @@ class OutputProcessor:
         sharing the sequence's blocks, each continuing from the sequence as it stood."""
         tops = sample.top_logprobs
         if len(sample.token_ids) == 1:  # the usual step: one token, no fork
-            token = sample.token_ids[0]
-            params = group.sampling_params
-            finish = self.stop_checker.check_token(
-                params, group.eos_token_id, token, len(seq.output_token_ids) + 1,
-                seq.get_len() + 1)
-            if not tops and (self.tokenizer is None or not params.detokenize):
-                # No text, no logprob entries: the output state does not change.
-                return [AppendToken(seq.seq_id, token, sample.logprobs[0], None, finish)]
-            deferred = self._deferred
-            if deferred is not None and not params.stop and len(group.seqs_dict) == 1:
-                # Text cannot finish this request: made later, from the state as it is.
-                deferred.append(DeferredText(group, seq, token, tops[0] if tops else None,
-                                             finish, seq.get_len()))
-                return [AppendToken(seq.seq_id, token, sample.logprobs[0], None, finish)]
-            output, finish = self._advance(group, seq, token, tops[0] if tops else None,
-                                           finish, fork=False)
-            return [AppendToken(seq.seq_id, token, sample.logprobs[0], output, finish)]
+            return [self._one_token(group, seq, sample.token_ids[0], sample.logprobs[0],
+                                    tops[0] if tops else None)]
         ids = {k: next_seq_id() for k in range(1, len(sample.token_ids))}
         ups: list[SeqUpdate] = []
         own: SeqUpdate | None = None
@@ -232,6 +260,25 @@ class OutputProcessor:
             else:
                 ups.append(ForkSeq(seq.seq_id, ids[k], token, lp, output, finish))
         return [own, *ups] if own is not None else ups
+
+    def _one_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
+                   entry: dict[int, Any] | None) -> AppendToken:
+        """The update of a sequence that sampled one token (``entry``: its logprob entry,
+        when the request asks for them)."""
+        params = group.sampling_params
+        finish = self.stop_checker.check_token(
+            params, group.eos_token_id, token, len(seq.output_token_ids) + 1,
+            seq.get_len() + 1)
+        if entry is None and (self.tokenizer is None or not params.detokenize):
+            # No text, no logprob entries: the output state does not change.
+            return AppendToken(seq.seq_id, token, logprob, None, finish)
+        deferred = self._deferred
+        if deferred is not None and not params.stop and len(group.seqs_dict) == 1:
+            # Text cannot finish this request: made later, from the state as it is.
+            deferred.append(DeferredText(group, seq, token, entry, finish, seq.get_len()))
+            return AppendToken(seq.seq_id, token, logprob, None, finish)
+        output, finish = self._advance(group, seq, token, entry, finish, fork=False)
+        return AppendToken(seq.seq_id, token, logprob, output, finish)
 
     def _beam_step(self, group: SequenceGroup, cands: list[BeamCandidate]) -> list[SeqUpdate]:
         """core/beam_search.py's decision as updates: kept candidates fork their parents,

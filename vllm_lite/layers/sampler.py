@@ -29,7 +29,7 @@ computed: the engine sums them into cumulative_logprob) come from the same tenso
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from collections.abc import Iterable, Sequence as Seq
 
@@ -91,17 +91,51 @@ class SampleOutput:
     top_logprobs: list[dict[int, Logprob]] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
+class PlainSamples:
+    """A step in which every row drew one token and asked for no logprob entries, as
+    columns (row i: sequence seq_ids[i] sampled token_ids[i], of logprob logprobs[i]),
+    copied to the host in one transfer: what the engine's usual decode step reads
+    without an object per row."""
+
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 class SamplerOutput:
     """outputs[i] is row i's SampleOutput, None for a beam-search row; beams: per
     beam-search request, the step's 2 * beam_width best extensions over all its rows
     (beam_search_candidates), best first, with their logprob entries when asked for.
     logprobs: [num_rows, vocab] float32 log_softmax of the processed logits; None after the
-    plain greedy path (Sampler._plain_greedy), which computes only the chosen tokens'."""
+    plain greedy path (Sampler._plain_greedy), which computes only the chosen tokens'.
+    plain: the same samples as columns where the step has them (PlainSamples); then
+    ``outputs`` is made from them only when read."""
 
-    outputs: list[SampleOutput | None]
-    logprobs: torch.Tensor | None
-    beams: dict[str, list[BeamCandidate]] = field(default_factory=dict)
+    __slots__ = ("_outputs", "logprobs", "beams", "plain")
+
+    def __init__(self, outputs: list[SampleOutput | None] | None,
+                 logprobs: torch.Tensor | None,
+                 beams: dict[str, list[BeamCandidate]] | None = None,
+                 plain: PlainSamples | None = None) -> None:
+        if outputs is None and plain is None:
+            raise InternalError("a SamplerOutput needs its outputs or its plain samples")
+        self._outputs = outputs
+        self.logprobs = logprobs
+        self.beams = beams if beams is not None else {}
+        self.plain = plain
+
+    @property
+    def outputs(self) -> list[SampleOutput | None]:
+        if self._outputs is None:
+            p = self.plain
+            self._outputs = [SampleOutput(sid, [t], [lp], None)
+                             for sid, t, lp in zip(p.seq_ids, p.token_ids, p.logprobs)]
+        return self._outputs
+
+    def __repr__(self) -> str:
+        return (f"SamplerOutput(outputs={self.outputs!r}, beams={self.beams!r}, "
+                f"logprobs={None if self.logprobs is None else tuple(self.logprobs.shape)})")
 
 
 # ----------------------------------------------------------------------------------------
@@ -614,6 +648,10 @@ class Sampler:
         toks_f, lps_l = torch.stack((flat_tokens.to(torch.float64),
                                      flat_lp.to(torch.float64))).tolist()
         toks_l = [int(t) for t in toks_f]
+        if not beams and not want_top and len(order) == len(toks_l) == len(rows):
+            # One token per row, no entries: the columns (order is every row, in order).
+            return SamplerOutput(None, logprobs, beams, plain=PlainSamples(
+                [r.seq_id for r in rows], toks_l, lps_l))
         j = 0
         for i in order:
             n = tokens[i].numel()
@@ -684,11 +722,13 @@ def _plain_greedy(logits: torch.Tensor, rows: Seq[SamplingRow]) -> SamplerOutput
             or not rows or not all(_is_plain_greedy(r) for r in rows)):
         return None
     tokens, logprobs = ops.greedy_sample(logits)
-    toks = tokens.tolist()
-    if min(toks) < 0:
+    # One copy to the host for the tokens and their logprobs (float64 holds every token
+    # id exactly, and every float32 logprob).
+    toks_f, lps = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).tolist()
+    if min(toks_f) < 0:
         return None
-    return SamplerOutput([SampleOutput(r.seq_id, [t], [lp], None)
-                          for r, t, lp in zip(rows, toks, logprobs.tolist())], None)
+    return SamplerOutput(None, None, plain=PlainSamples(
+        [r.seq_id for r in rows], list(map(int, toks_f)), lps))
 
 
 def _beam_candidates(rows: Seq[SamplingRow], logprobs: torch.Tensor
