@@ -208,3 +208,18 @@ def test_fast_tokenizer_steps_in_rust_and_an_override_is_honoured(
     det2 = IncrementalDetokenizer(tok2, ids[:2])
     pieces2 = [det2.add_tokens([t]) for t in ids[2:]]
     assert pieces2 == pieces and det2._stream is None and len(calls) >= len(ids) - 2
+
+
+def test_clean_up_pass_keeps_transformers_decode(tmp_path: Path) -> None:
+    """A tokenizer whose decode cleans up spaces (a non-BPE model with
+    clean_up_tokenization_spaces) is decoded by transformers, clean-up included; a BPE
+    one, where transformers skips the pass, by its backend."""
+    from vllm_lite.detokenizer import _plain_backend
+
+    word = make_word_tokenizer(tmp_path / "word")
+    assert _plain_backend(word) is not None
+    word.clean_up_tokenization_spaces = True
+    assert _plain_backend(word) is None
+    bpe = make_byte_tokenizer(tmp_path / "bpe")
+    bpe.clean_up_tokenization_spaces = True
+    assert _plain_backend(bpe) is bpe.backend_tokenizer
