@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 #: The GGUF versions read (v1 used 32-bit counts and is long gone).
 GGUF_VERSIONS = (2, 3)
 #: Longest key or tensor name accepted (llama.cpp's are under 100 bytes).
@@ -148,6 +150,22 @@ def read_header(path: str | Path) -> GGUFHeader:
                 return _parse(buf, path)
     except OSError as e:
         raise ValueError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def tensor_data(header: GGUFHeader) -> dict[str, np.ndarray]:
+    """Every tensor's bytes, mapped read-only from the file (a page is read when touched),
+    as uint8 rows of ggml blocks: [outer extents, outermost first..., bytes per innermost row]
+    (the form gguf.GGUFReader and gguf.quants.dequantize use). The header's checks bound
+    each tensor inside the file. Reading only what this needs: the gguf package's reader
+    decodes every metadata array element by element first (seconds for a tokenizer's
+    vocabulary), on every load."""
+    mapped = np.memmap(header.path, dtype=np.uint8, mode="r")
+    out: dict[str, np.ndarray] = {}
+    for name, t in header.tensors.items():
+        outer = t.shape[1:][::-1]
+        rows = math.prod(outer)
+        out[name] = mapped[t.offset:t.offset + t.nbytes].reshape(*outer, t.nbytes // rows)
+    return out
 
 
 def _parse(buf: Any, path: Path) -> GGUFHeader:

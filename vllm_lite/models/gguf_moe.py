@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_lite.models.gguf_file import GGUFHeader, GGUFModelSizes
+from vllm_lite.models.gguf_file import GGUFHeader, GGUFModelSizes, read_header, tensor_data
 
 logger = logging.getLogger(__name__)
 
@@ -157,18 +157,21 @@ def hf_weights(gguf_file: str | Path, sizes: GGUFModelSizes
     """(HF name, float32 tensor) for every tensor of the MoE file, dequantized; a tensor
     with no HF place (or a type the gguf package cannot dequantize) is a ValueError naming
     it."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     arch = sizes.architecture
     moe_block = "block_sparse_moe" if arch == "llama" else "mlp"
     names = ("w1", "w3", "w2") if arch == "llama" else ("gate_proj", "up_proj", "down_proj")
     kinds: dict[str, int] = {}
-    for t in GGUFReader(str(gguf_file)).tensors:
-        kind = t.tensor_type.name
+    header = read_header(gguf_file)
+    data = tensor_data(header)
+    for t in header.tensors.values():
+        kind = t.type_name
         try:
             # A copy: the file's F32 tensors come as read-only views of its mapping.
-            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+            w = torch.from_numpy(np.array(dequantize(data[t.name], GGMLQuantizationType[kind]),
+                                          dtype=np.float32))
         except NotImplementedError:
             raise ValueError(f"GGUF file {gguf_file}: tensor {t.name} is {kind}, which the gguf "
                              "package cannot dequantize") from None

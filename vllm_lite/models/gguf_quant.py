@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_lite.models.gguf_file import read_header, tensor_data
+
 #: Weights per block of the kept types; the int4 group size they give.
 GGUF_GROUP = 32
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -200,9 +202,7 @@ def why_not_kept(gguf_file: str | Path, num_layers: int) -> str | None:
     Q4_0 / Q4_1 / Q8_0, no fused layer mixing Q8_0 with Q4_1), a mixture of experts'
     experts included; else why not, in words. Reads the tensor table only (what the
     engine's default for a GGUF model is decided on)."""
-    from gguf import GGUFReader
-
-    types = {t.name: t.tensor_type.name for t in GGUFReader(str(gguf_file)).tensors}
+    types = {name: t.type_name for name, t in read_header(gguf_file).tensors.items()}
     for i in range(num_layers):
         for parts in _layer_parts(types, i):
             kinds = [types.get(f"blk.{i}.{p}.weight") for p in parts]
@@ -222,10 +222,8 @@ def read_llama_projections(gguf_file: str | Path, hf_config: Any
     / ``down_proj``, cut from the stacked tensors: whole rows of blocks, exact). Routers
     are not projections: they load dequantized with the float weights. ValueError naming
     the tensor for a type this cannot keep."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_file))
-    tensors = {t.name: t for t in reader.tensors}
+    header = read_header(gguf_file)
+    tensors, data = header.tensors, tensor_data(header)
     n_head = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_head
     permuted = not any(a in _UNPERMUTED for a in getattr(hf_config, "architectures", None) or ())
@@ -234,13 +232,13 @@ def read_llama_projections(gguf_file: str | Path, hf_config: Any
         if name not in tensors:
             raise ValueError(f"{gguf_file}: no tensor {name!r} (not a Llama GGUF?)")
         t = tensors[name]
-        kind = t.tensor_type.name
+        kind = t.type_name
         if kind not in _BLOCK_BYTES:
             raise ValueError(
                 f"quantization='gguf' keeps Q4_0, Q4_1 and Q8_0 projections; {name} is {kind} "
                 f"(load it with quantization=None to dequantize)")
         cols, rows = (int(x) for x in t.shape[:2])  # ggml order: [K, N(, experts)]
-        return _decode(kind, t.data if expert is None else t.data[expert], rows, cols)
+        return _decode(kind, data[name] if expert is None else data[name][expert], rows, cols)
 
     out: dict[str, Int4Weight | Int8GroupWeight] = {}
     for i in range(hf_config.num_hidden_layers):
