@@ -29,6 +29,13 @@ if "benchmarks" not in sys.modules:
 # The CUDA kernels' content checks (lengths, block ids, slots) are opt-in; tests want them.
 os.environ.setdefault("VLLM_LITE_CHECK_VALUES", "1")
 
+# `pytest -n N` (pytest-xdist): N worker processes share the machine's cores, so each takes
+# its share of torch's intra-op threads; N pools of all the cores each would oversubscribe
+# them, and a thread pool that loses its core mid-barrier waits a whole time slice.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
