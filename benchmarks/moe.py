@@ -36,7 +36,7 @@ from pathlib import Path
 from . import RESULTS_DIR
 from .common import time_us
 from .report import cpu_name
-from vllm_lite.config import THREADS_HELP, set_threads
+from vllm_lite.config import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, THREADS_HELP, set_threads
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the int8 / int4 quantized experts (default: %(default)s)")
-    p.add_argument("--int4-group", type=int, default=128,
-                   help="int4 group size (default: %(default)s)")
+    p.add_argument("--int4-group", type=int, default=DEFAULT_INT4_GROUP_SIZE,
+                   choices=INT4_GROUP_SIZES, help="int4 group size (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR,
                    help="results folder (default: %(default)s)")
@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> str:
         raise ValueError(f"--hidden and --intermediate must be >= 1, got {h} and {i}")
     if args.target_s <= 0:
         raise ValueError(f"--target-s must be > 0, got {args.target_s}")
+    if args.quantized and (h % args.int4_group or i % args.int4_group):
+        raise ValueError(f"--int4-group {args.int4_group} must divide --hidden ({h}) and "
+                         f"--intermediate ({i}) for the int4 column (or --no-quantized)")
     gen = torch.Generator().manual_seed(args.seed)
     lines = [
         f"# Fused MoE block on the CPU ({cpu_name()}, {torch.get_num_threads()} threads, CPU "

@@ -52,6 +52,7 @@ def test_every_cell_timed_and_close(tmp_path: Path) -> None:
     (["--top-k", "5"], "--top-k"),
     (["--hidden", "0"], "--hidden"),
     (["--target-s", "0"], "--target-s"),
+    (["--quantized", "--int4-group", "32"], "--int4-group"),  # 32 does not divide 40
 ])
 def test_bad_sizes_exit_2_naming_the_flag(tmp_path: Path, extra: list[str], flag: str,
                                           capsys: pytest.CaptureFixture) -> None:
