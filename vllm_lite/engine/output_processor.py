@@ -93,53 +93,44 @@ class OutputProcessor:
                 continue  # failed this step
             try:
                 seqs = sched.seqs
-                if (row_of is not None and len(seqs) == 1 and rid not in beams
-                        and rid not in prompt_logprobs):
-                    # The usual step from the columns: one token, no entries.
+                if len(seqs) == 1 and rid not in beams and rid not in prompt_logprobs:
+                    # The usual step of a request: one sequence, at most one sample
+                    # (_check_results checked it), a row of the step's columns (one token,
+                    # no entries) or a SampleOutput.
                     s = seqs[0]
-                    i = row_of.get(s.seq_id) if s.do_sample else None
-                    seq = group.seqs_dict.get(s.seq_id) if i is not None else None
+                    i = sample = None
+                    if s.do_sample:
+                        if row_of is not None:
+                            i = row_of.get(s.seq_id)
+                        else:
+                            sample = samples.get(s.seq_id)
+                    seq = (group.seqs_dict.get(s.seq_id)
+                           if i is not None or sample is not None else None)
                     if seq is None or seq.is_finished():
                         if not group.is_finished():  # else aborted meanwhile
                             updates.append(GroupUpdate(rid, []))
                         continue
+                    if i is not None:
+                        token, logprob = plain.token_ids[i], plain.logprobs[i]
+                    elif len(sample.token_ids) == 1 and not sample.top_logprobs:
+                        token, logprob = sample.token_ids[0], sample.logprobs[0]
+                    else:
+                        updates.append(GroupUpdate(rid, self._samples(group, seq, sample)))
+                        continue
                     params = group.sampling_params
-                    token = plain.token_ids[i]
                     if self.tokenizer is None or not params.detokenize:
+                        # No text, no logprob entries: the token rules only.
                         output_len = len(seq.output_token_ids) + 1
                         updates.append(GroupUpdate(rid, [AppendToken(
-                            s.seq_id, token, plain.logprobs[i], None,
+                            s.seq_id, token, logprob, None,
                             check_token(params, group.eos_token_id, token, output_len,
                                         len(seq.prompt_token_ids) + output_len))]))
                         continue
                     updates.append(GroupUpdate(rid, [self._one_token(
-                        group, seq, token, plain.logprobs[i], None)]))
+                        group, seq, token, logprob, None)]))
                     continue
                 if samples is None:
                     samples = _sample_dict(so)
-                if len(seqs) == 1 and rid not in beams and rid not in prompt_logprobs:
-                    # The usual step of a request: one sequence, at most one sample
-                    # (_check_results checked it).
-                    s = seqs[0]
-                    sample = samples.get(s.seq_id) if s.do_sample else None
-                    seq = group.seqs_dict.get(s.seq_id) if sample is not None else None
-                    if seq is None or seq.is_finished():
-                        if not group.is_finished():  # else aborted meanwhile
-                            updates.append(GroupUpdate(rid, []))
-                        continue
-                    params = group.sampling_params
-                    if (len(sample.token_ids) == 1 and not sample.top_logprobs
-                            and (self.tokenizer is None or not params.detokenize)):
-                        # One token, no text, no logprob entries: the token rules only.
-                        token = sample.token_ids[0]
-                        output_len = len(seq.output_token_ids) + 1
-                        updates.append(GroupUpdate(rid, [AppendToken(
-                            s.seq_id, token, sample.logprobs[0], None,
-                            check_token(params, group.eos_token_id, token, output_len,
-                                        len(seq.prompt_token_ids) + output_len))]))
-                        continue
-                    updates.append(GroupUpdate(rid, self._samples(group, seq, sample)))
-                    continue
                 if group.is_finished():
                     continue  # aborted meanwhile
                 updates.append(self._decide(group, sched, samples, beams.get(rid),
