@@ -107,9 +107,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 // pack_linear_weight(W [N, K]) -> packed (bfloat16: K even; also int8_linear's int8 and
 // int4_linear's uint8 qweight, for those ops' packed path); packed_linear(x [..., K] in
 // W's dtype, packed, bias float32 [N] or none, N) -> x W^T + bias in x's dtype, accumulated
-// in float32. The AVX-512 (float32) / AVX512-BF16 (bfloat16) kernels where that CPU build
-// is selected (packed_linear_kernel_selected), else the same math through at::linear on
-// the unpacked weight. CPU only: models.llama.Linear uses it where the kernel is selected.
+// in float32. The AVX-512 (float32) / AVX512-BF16 (bfloat16) / AVX2 (both) kernels where
+// that CPU build is selected (packed_linear_kernel_selected), else the same math through
+// at::linear on the unpacked weight. CPU only: models.llama.Linear uses it where the kernel is selected.
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
@@ -123,6 +123,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight,
 at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                                const std::optional<at::Tensor>& bias, int64_t intermediate_size);
 bool packed_linear_kernel_selected(at::ScalarType dtype);
+// Whether int8_linear / int4_linear run a packed qweight on packed_linear's tiles in the
+// selected build (AVX-512 builds); elsewhere a packed qweight is unpacked per call, so the
+// layers keep the row layout.
+bool packed_quant_linear_kernel_selected();
 // Greedy sampling: per row of logits [rows, vocab] (float, half or bfloat16), token_ids[r]
 // = the lowest id among the row's maxima (torch.argmax) and logprobs[r] = its
 // log_softmax in float32; -1 and NaN where the row's maximum is not finite (a NaN, +inf,

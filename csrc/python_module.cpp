@@ -52,6 +52,11 @@ PyObject* py_packed_linear_kernel(PyObject*, PyObject* arg) {
       dtype == "float32" ? at::kFloat : at::kBFloat16));
 }
 
+// Whether int8_linear / int4_linear have a kernel for a packed qweight in the selected build.
+PyObject* py_packed_quant_linear_kernel(PyObject*, PyObject*) {
+  return PyBool_FromLong(vllm_lite::cpu::packed_quant_linear_kernel_selected());
+}
+
 PyMethodDef methods[] = {
     {"cpu_isas", py_cpu_isas, METH_NOARGS,
      "The builds of the CPU attention kernel this CPU can run, widest first."},
@@ -59,6 +64,8 @@ PyMethodDef methods[] = {
     {"set_cpu_isa", py_set_cpu_isa, METH_O, "Selects a build of the CPU attention kernel."},
     {"packed_linear_kernel", py_packed_linear_kernel, METH_O,
      "Whether packed_linear has a kernel for 'float32' / 'bfloat16' in the selected build."},
+    {"packed_quant_linear_kernel", py_packed_quant_linear_kernel, METH_NOARGS,
+     "Whether int8_linear / int4_linear run a packed qweight's kernel in the selected build."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};

@@ -418,11 +418,19 @@ def llama_decode_layers(hidden: torch.Tensor, residual: torch.Tensor,
 
 def packed_linear_kernel_selected(dtype: torch.dtype) -> bool:
     """Whether packed_linear runs its own kernel for ``dtype`` in the selected CPU build
-    (float32: every build with AVX-512; bfloat16: "avx512bf16", and "amxbf16" on AMX tiles);
-    elsewhere it computes through at::linear, correct but no faster."""
+    (float32: every build with AVX2 or AVX-512; bfloat16: "avx2", "avx512" (the AVX2
+    kernel), "avx512bf16", and "amxbf16" on AMX tiles); elsewhere it computes through
+    at::linear, correct but no faster."""
     if dtype not in (torch.float32, torch.bfloat16):
         return False
     return bool(vllm_lite._C.packed_linear_kernel(str(dtype).removeprefix("torch.")))
+
+
+def packed_quant_linear_kernel_selected() -> bool:
+    """Whether :func:`int8_linear` / :func:`int4_linear` run a qweight packed by
+    :func:`pack_linear_weight` on packed_linear's tiles in the selected CPU build (builds
+    with AVX-512); elsewhere they unpack it per call, so layers keep the row layout."""
+    return bool(vllm_lite._C.packed_quant_linear_kernel())
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -1,6 +1,7 @@
 // pack_linear_weight / packed_linear on the CPU: the float32 and bfloat16 GEMMs of
-// models.llama.Linear on CPUs with AVX-512 (packed_linear_avx512.cpp, float32) and
-// AVX512_BF16 (packed_linear_avx512bf16.cpp, bfloat16). Panels of output columns run on
+// models.llama.Linear on CPUs with AVX-512 (packed_linear_avx512.cpp, float32),
+// AVX512_BF16 (packed_linear_avx512bf16.cpp, bfloat16) and AVX2 + FMA
+// (packed_linear_avx2.cpp, both). Panels of output columns run on
 // torch's intra-op threads, each a contiguous range so a thread can prefetch its next
 // panel. Where the selected CPU build (VLLM_LITE_CPU_ISA / set_cpu_isa) has no kernel for
 // the dtype, the same math runs through at::linear on the unpacked weight, so the op is
@@ -17,30 +18,45 @@ namespace vllm_lite::cpu {
 namespace {
 
 // The selected build's kernel for dtype (cpu_isa.h): bfloat16 on "amxbf16" (amx, AMX
-// tiles) and "avx512bf16", float32 on every build with AVX-512; nullptr elsewhere.
+// tiles) and "avx512bf16", float32 on every build with AVX-512; on the others with AVX2
+// (avx2_bf16 / avx2_f32: packed_linear_avx2.cpp) both, where given; nullptr elsewhere.
 template <typename Fn>
-Fn select_for(at::ScalarType dtype, Fn amx, Fn bf16, Fn f32) {
+Fn select_for(at::ScalarType dtype, Fn amx, Fn bf16, Fn f32, Fn avx2_bf16, Fn avx2_f32) {
   if (dtype == at::kBFloat16) {
     if (cpu_isa_includes("amxbf16")) return amx;
-    return cpu_isa_includes("avx512bf16") ? bf16 : nullptr;
+    if (cpu_isa_includes("avx512bf16")) return bf16;
+  } else if (cpu_isa_includes("avx512")) {
+    return f32;
   }
-  return cpu_isa_includes("avx512") ? f32 : nullptr;
+  if (!cpu_isa_includes("avx2")) return nullptr;
+  return dtype == at::kBFloat16 ? avx2_bf16 : avx2_f32;
 }
 
 PackedLinearFn selected_kernel(at::ScalarType dtype) {
   return select_for(dtype, packed_linear_bf16_amx(), packed_linear_bf16_avx512bf16(),
-                    packed_linear_f32_avx512());
+                    packed_linear_f32_avx512(), packed_linear_bf16_avx2(),
+                    packed_linear_f32_avx2());
+}
+
+// The quantized entry points: AVX-512 builds only (the AVX2 build keeps int8 / int4 weights
+// in their row layout, int8_linear_avx2.cpp).
+PackedQuantLinearFn selected_quant_kernel(at::ScalarType dtype) {
+  return select_for<PackedQuantLinearFn>(
+      dtype, packed_quant_linear_bf16_amx(), packed_quant_linear_bf16_avx512bf16(),
+      packed_quant_linear_f32_avx512(), nullptr, nullptr);
 }
 
 }  // namespace
 
 bool packed_linear_kernel_selected(at::ScalarType dtype) { return selected_kernel(dtype) != nullptr; }
 
+bool packed_quant_linear_kernel_selected() {
+  return selected_quant_kernel(at::kFloat) != nullptr;
+}
+
 at::Tensor packed_quant_linear(const at::Tensor& x2, const PackedQuantWeight& qw, int64_t N,
                                const float* scale, const std::optional<at::Tensor>& bias) {
-  const PackedQuantLinearFn fn =
-      select_for(x2.scalar_type(), packed_quant_linear_bf16_amx(),
-                 packed_quant_linear_bf16_avx512bf16(), packed_quant_linear_f32_avx512());
+  const PackedQuantLinearFn fn = selected_quant_kernel(x2.scalar_type());
   if (fn == nullptr) return {};
   at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
   // The bf16 layout pairs k: an odd K gets one zero column of x (its weights dequantize to

@@ -40,6 +40,7 @@ struct F32Round {
 
 // Rows [0, R) of x times one panel w (see the bf16 kernel's tile).
 struct F32Tile {
+  static constexpr int64_t kRows = kPackedTileRows;
   template <int64_t R>
   static void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* scale,
                    const float* bias, float* y, int64_t N, int64_t cols, PanelPrefetch next,

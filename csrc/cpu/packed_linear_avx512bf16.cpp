@@ -48,6 +48,7 @@ namespace {
 // panel's columns start at y; `cols` of them are stored (< kPackedPanelCols in the last
 // panel). next: the panel to prefetch into L2 meanwhile (nullptr: none).
 struct Bf16Tile {
+  static constexpr int64_t kRows = kPackedTileRows;
   template <int64_t R>
   static void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
                    const float* scale, const float* bias, uint16_t* y, int64_t N,

@@ -1,5 +1,6 @@
 // What the packed linear kernels (packed_linear_avx512bf16.cpp for bfloat16,
-// packed_linear_avx512.cpp for float32) and their caller (packed_linear.cpp) share.
+// packed_linear_avx512.cpp for float32, packed_linear_avx2.cpp for both on AVX2) and their
+// caller (packed_linear.cpp) share.
 //
 // Packed weight layouts, panel p holding output columns [p * kPackedPanelCols,
 // (p + 1) * kPackedPanelCols) of W [N, K] (nn.Linear's layout, y = x W^T), zero for the
@@ -117,9 +118,10 @@ struct PanelPrefetcher {
   }
 };
 
-// The loop nest of both kernels, built under each kernel file's target: per block of rows
-// (packed_row_block), per panel of [p0, p1), the block's tiles of kPackedTileRows rows and
-// one tile of the rest, Kernel::tile<R> computing R rows of one panel (T = the element
+// The loop nest of the vector kernels, built under each kernel file's target: per block of
+// rows (packed_row_block), per panel of [p0, p1), the block's tiles of Kernel::kRows rows
+// (kPackedTileRows on AVX-512; fewer where there are fewer registers, packed_linear_avx2.cpp)
+// and one tile of the rest, Kernel::tile<R> computing R rows of one panel (T = the element
 // type). The block's tiles prefetch the next panel into L2 meanwhile, shared between them
 // (PanelPrefetch): at decode sizes the weights stream from memory, and a lone first tile
 // prefetching the whole next panel left blocks of 2-4 tiles waiting for their weights
@@ -173,15 +175,17 @@ inline void run_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1, PanelO
   const int64_t block = packed_row_block(a.K, sizeof(T));
   // The panel's steps of kPackedRowBytes (K float32 rows, K / 2 bfloat16 pair rows).
   const int64_t steps = a.K * static_cast<int64_t>(sizeof(T)) * kPackedPanelCols / kPackedRowBytes;
+  constexpr int64_t TR = Kernel::kRows;
+  static_assert(kPackedTileRows % TR == 0, "a row block is a whole number of tiles");
   for (int64_t m0 = 0; m0 < a.M; m0 += block) {
     const int64_t m1 = std::min(a.M, m0 + block);
-    const int64_t tiles = (m1 - m0 + kPackedTileRows - 1) / kPackedTileRows;
+    const int64_t tiles = (m1 - m0 + TR - 1) / TR;
     for (int64_t p = p0; p < p1; ++p) {
       const PanelOut o = panel_out(a, p);
       const PanelRef<T> w = panel_of(p);
-      for (int64_t m = m0, t = 0; m < m1; m += kPackedTileRows, ++t) {
+      for (int64_t m = m0, t = 0; m < m1; m += TR, ++t) {
         const PanelPrefetch share = PanelPrefetch::part(w.next, steps, kPackedRowBytes, t, tiles);
-        tile_of<Kernel, kPackedTileRows>(std::min(kPackedTileRows, m1 - m),
+        tile_of<Kernel, TR>(std::min(TR, m1 - m),
                                          x + m * a.x_row_stride, a.x_row_stride, w.w, a.K,
                                          o.scale, o.bias, y + m * a.N + o.y0, a.N, o.cols, share,
                                          o.gated_cols);
@@ -217,6 +221,8 @@ using PackedQuantLinearFn = void (*)(const PackedLinearArgs&, const PackedQuantW
 PackedLinearFn packed_linear_bf16_avx512bf16();
 PackedLinearFn packed_linear_bf16_amx();
 PackedLinearFn packed_linear_f32_avx512();
+PackedLinearFn packed_linear_bf16_avx2();
+PackedLinearFn packed_linear_f32_avx2();
 PackedQuantLinearFn packed_quant_linear_bf16_avx512bf16();
 PackedQuantLinearFn packed_quant_linear_bf16_amx();
 PackedQuantLinearFn packed_quant_linear_f32_avx512();

@@ -63,7 +63,7 @@ def test_int8_linear_matches_float64(dtype: torch.dtype, bias: bool, rows: int) 
     lin = lin.to(dtype)
     q_lin = Int8Linear(lin)
     # packed in panels for the CPU GEMM where the selected build has packed_linear's kernel
-    assert q_lin.qweight.dim() == (3 if ops.packed_linear_kernel_selected(torch.float32) else 2)
+    assert q_lin.qweight.dim() == (3 if ops.packed_quant_linear_kernel_selected() else 2)
     x = _randn(2, rows, 96, seed=rows + 2).to(dtype)  # a leading batch dim too
     out = torch.full((2, rows, 40), float("nan"), dtype=dtype)
     out.copy_(q_lin(x))

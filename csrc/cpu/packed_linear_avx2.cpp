@@ -1,0 +1,216 @@
+// The float32 and bfloat16 kernels of packed_linear / packed_gated_linear on AVX2 + FMA (the
+// "avx2" build and every wider one that VLLM_LITE_CPU_ISA / set_cpu_isa narrows to it):
+// y = x W^T + bias with float32 accumulation, on the same packed weights as the AVX-512
+// kernels (packed_linear_params.h), so a packed weight does not depend on the kernel that
+// runs it.
+//
+// Layouts: float32 [panels, K, 48]: one k of a panel is 6 ymm vectors of 8 columns; bfloat16
+// [panels, K / 2, 48, 2]: one k pair is 6 ymm rows of [8 columns, 2], each 32-bit lane a
+// column's pair (W[n, 2j] in its low half, W[n, 2j + 1] in its high half). A bf16 row
+// expands to two float32 vectors without rounding: the low halves shifted left by 16, the
+// high halves masked, so the products are the exact ones vdpbf16ps forms (results equal the
+// AVX512-BF16 kernel's up to summation order); each output is rounded to bf16 once, at the
+// store (nearest even, bf16_bits).
+//
+// Grid: run_panels (packed_linear_params.h) as for the AVX-512 kernels: the caller splits
+// the panels over torch's threads, a call walks its panels once per block of rows, per
+// panel the block's rows in tiles of kRows, and the tiles prefetch the next panel into L2.
+// A tile holds kRows x 6 accumulators: with 16 ymm registers that is 2 rows (12
+// accumulators, a broadcast of x per row, one weight vector at a time). A bf16 tile runs
+// each k pair as two passes over the 6 vectors (the even k, then the odd k), so only two
+// broadcasts are live, not four: the pair's 192 bytes are read twice from L1 instead.
+// Limits: as the AVX-512 kernels (rows of x contiguous within themselves, bf16 K even, any
+// M and N; the last panel's columns past N are zero in the weight and not stored). No
+// quantized entry points (packed_quant_linear): int8 / int4 weights stay in their row
+// layout on this build (int8_linear_avx2.cpp).
+// Standard headers come before the target pragma, under the default target.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/packed_linear_params.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC target("avx2,fma")
+#endif
+#include <immintrin.h>
+
+#include "cpu/vec.h"
+
+namespace vllm_lite::cpu {
+namespace {
+
+constexpr int64_t kLanes = 8;                          // float32 per ymm
+constexpr int64_t NV = kPackedPanelCols / kLanes;      // vectors per panel row
+constexpr int64_t kGatedVecs = kGatedPanelCols / kLanes;  // a gated panel's gate vectors
+constexpr int64_t kTileRows = 2;
+static_assert(kTileRows * NV + kTileRows + 1 <= 16, "a tile's accumulators, broadcasts, one weight");
+static_assert(NV == 2 * kGatedVecs, "gate vectors, then as many up vectors");
+constexpr int64_t kPairStride = kPackedPanelCols * 2;  // bf16 per k pair of a panel
+
+using V8 = Vec<float, kLanes>;
+using I8 = Vec<int32_t, kLanes>;
+using U8 = Vec<uint32_t, kLanes>;
+
+// The first n (0..8) floats at p, zero after them.
+VLLM_LITE_INLINE __m256 load_first(const float* p, int64_t n) {
+  if (n >= kLanes) return _mm256_loadu_ps(p);
+  alignas(32) float t[kLanes] = {};
+  std::memcpy(t, p, static_cast<size_t>(std::max<int64_t>(n, 0)) * sizeof(float));
+  return _mm256_load_ps(t);
+}
+
+// The columns of vector b that are stored: `cols` of the panel's.
+constexpr int64_t vector_cols(int64_t cols, int64_t b) {
+  return std::clamp<int64_t>(cols - b * kLanes, 0, kLanes);
+}
+
+// Every row's accumulators start at the bias (zero without one).
+template <int64_t R>
+VLLM_LITE_INLINE void init_acc(__m256 (&acc)[R][NV], const float* bias, int64_t cols) {
+  for (int64_t b = 0; b < NV; ++b) {
+    const __m256 v = bias != nullptr ? load_first(bias + b * kLanes, vector_cols(cols, b))
+                                     : _mm256_setzero_ps();
+    for (int64_t r = 0; r < R; ++r) acc[r][b] = v;
+  }
+}
+
+// A vector's first n outputs of row r: 8 floats (float32) or 8 bf16 (bfloat16, nearest even).
+VLLM_LITE_INLINE void store_out(float* y, __m256 v, int64_t n) {
+  if (n >= kLanes) return _mm256_storeu_ps(y, v);
+  alignas(32) float t[kLanes];
+  _mm256_store_ps(t, v);
+  std::memcpy(y, t, static_cast<size_t>(n) * sizeof(float));
+}
+VLLM_LITE_INLINE void store_out(uint16_t* y, __m256 v, int64_t n) {
+  const U8 bits = bf16_bits<U8>((V8)v);
+  // the low halves of the 8 lanes, in order: 16 bytes
+  const __m256i packed = _mm256_packus_epi32((__m256i)bits, (__m256i)bits);  // per 128-bit half
+  const __m128i lo = _mm_unpacklo_epi64(_mm256_castsi256_si128(packed),
+                                        _mm256_extracti128_si256(packed, 1));
+  if (n >= kLanes) return _mm_storeu_si128(reinterpret_cast<__m128i*>(y), lo);
+  alignas(16) uint16_t t[kLanes];
+  _mm_store_si128(reinterpret_cast<__m128i*>(t), lo);
+  std::memcpy(y, t, static_cast<size_t>(n) * sizeof(uint16_t));
+}
+
+// The output rounding of each type: none in float32, bf16 (nearest even) in bfloat16, as a
+// float32 vector (the gated epilogue rounds the projection and the silu as the unfused
+// packed_linear then silu_and_mul do).
+VLLM_LITE_INLINE V8 round_as(const float*, V8 v) { return v; }
+VLLM_LITE_INLINE V8 round_as(const uint16_t*, V8 v) { return (V8)(bf16_bits<U8>(v) << 16); }
+
+// A tile's R rows into y (row stride N): the panel's `cols` columns, or for a gated weight
+// (gated_cols > 0 outputs; vectors 0-2 the gate features, 3-5 the up ones)
+// silu(gate) * up, each factor rounded as the unfused ops round it.
+template <int64_t R, typename T>
+VLLM_LITE_INLINE void store_tile(__m256 (&acc)[R][NV], T* y, int64_t N, int64_t cols,
+                                 int64_t gated_cols) {
+  for (int64_t r = 0; r < R; ++r) {
+    if (gated_cols > 0) {
+      for (int64_t b = 0; b < kGatedVecs; ++b) {
+        const int64_t n = vector_cols(gated_cols, b);
+        if (n == 0) break;
+        const V8 g = round_as(y, (V8)acc[r][b]), u = round_as(y, (V8)acc[r][b + kGatedVecs]);
+        const V8 s = round_as(y, silu<V8, I8>(g));
+        store_out(y + r * N + b * kLanes, (__m256)(s * u), n);
+      }
+      continue;
+    }
+    for (int64_t b = 0; b < NV; ++b) {
+      const int64_t n = vector_cols(cols, b);
+      if (n == 0) break;
+      store_out(y + r * N + b * kLanes, acc[r][b], n);
+    }
+  }
+}
+
+// Rows [0, R) of x (row stride xs) times one panel w; y's rows have stride N and this
+// panel's columns start at y. next: the panel to prefetch into L2 meanwhile.
+struct F32Tile {
+  static constexpr int64_t kRows = kTileRows;
+  template <int64_t R>
+  static void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* scale,
+                   const float* bias, float* y, int64_t N, int64_t cols, PanelPrefetch next,
+                   int64_t gated_cols) {
+    (void)scale;  // only the quantized entry points pass one; this build has none
+    __m256 acc[R][NV];
+    init_acc(acc, bias, cols);
+    PanelPrefetcher<kPackedRowBytes> pf(next);
+    for (int64_t k = 0; k < K; ++k) {
+      const float* wk = w + k * kPackedPanelCols;
+      pf.step();
+      __m256 xv[R];
+      for (int64_t r = 0; r < R; ++r) xv[r] = _mm256_broadcast_ss(x + r * xs + k);
+      for (int64_t b = 0; b < NV; ++b) {
+        const __m256 wv = _mm256_loadu_ps(wk + b * kLanes);
+        for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(xv[r], wv, acc[r][b]);
+      }
+    }
+    store_tile(acc, y, N, cols, gated_cols);
+  }
+};
+
+struct Bf16Tile {
+  static constexpr int64_t kRows = kTileRows;
+  template <int64_t R>
+  static void tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
+                   const float* scale, const float* bias, uint16_t* y, int64_t N, int64_t cols,
+                   PanelPrefetch next, int64_t gated_cols) {
+    (void)scale;
+    __m256 acc[R][NV];
+    init_acc(acc, bias, cols);
+    PanelPrefetcher<kPackedRowBytes> pf(next);
+    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int64_t j = 0; j < K / 2; ++j) {
+      const uint16_t* wj = w + j * kPairStride;
+      pf.step();
+      __m256i xp[R];  // row r's pair (x[2j], x[2j + 1]) in every lane
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * xs + 2 * j, sizeof(pair));
+        xp[r] = _mm256_set1_epi32(pair);
+      }
+      __m256 xv[R];
+      for (int64_t r = 0; r < R; ++r) xv[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xp[r], 16));
+      for (int64_t b = 0; b < NV; ++b) {  // k = 2j: the low halves
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj) + b);
+        const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(xv[r], wv, acc[r][b]);
+      }
+      for (int64_t r = 0; r < R; ++r) xv[r] = _mm256_castsi256_ps(_mm256_and_si256(xp[r], high));
+      for (int64_t b = 0; b < NV; ++b) {  // k = 2j + 1: the high halves
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj) + b);
+        const __m256 wv = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+        for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(xv[r], wv, acc[r][b]);
+      }
+    }
+    store_tile(acc, y, N, cols, gated_cols);
+  }
+};
+
+void f32_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
+  run_packed_panels<F32Tile, float>(a, p0, p1, a.K * kPackedPanelCols);
+}
+
+void bf16_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
+  run_packed_panels<Bf16Tile, uint16_t>(a, p0, p1, (a.K / 2) * kPairStride);
+}
+
+}  // namespace
+
+PackedLinearFn packed_linear_f32_avx2() { return &f32_linear_panels; }
+PackedLinearFn packed_linear_bf16_avx2() { return &bf16_linear_panels; }
+
+}  // namespace vllm_lite::cpu
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#else
+vllm_lite::cpu::PackedLinearFn vllm_lite::cpu::packed_linear_f32_avx2() { return nullptr; }
+vllm_lite::cpu::PackedLinearFn vllm_lite::cpu::packed_linear_bf16_avx2() { return nullptr; }
+#endif
