@@ -71,10 +71,25 @@ constexpr int64_t vector_cols(int64_t cols, int64_t b) {
 // Every row's accumulators start at the bias (zero without one).
 template <int64_t R>
 VLLM_LITE_INLINE void init_acc(__m256 (&acc)[R][NV], const float* bias, int64_t cols) {
+#pragma GCC unroll 8
   for (int64_t b = 0; b < NV; ++b) {
     const __m256 v = bias != nullptr ? load_first(bias + b * kLanes, vector_cols(cols, b))
                                      : _mm256_setzero_ps();
+#pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) acc[r][b] = v;
+  }
+}
+
+// The accumulators into sums (memory, for the epilogue). Every access to the accumulators
+// has a constant index once these loops are unrolled, so they stay in registers: the
+// epilogue's own loops (not unrolled: silu is long) indexed them at run time at first,
+// and GCC then kept them in memory, stored at every k (half the speed).
+template <int64_t R>
+VLLM_LITE_INLINE void spill_acc(const __m256 (&acc)[R][NV], float (&sums)[R][NV][kLanes]) {
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int64_t b = 0; b < NV; ++b) _mm256_store_ps(sums[r][b], acc[r][b]);
   }
 }
 
@@ -105,16 +120,17 @@ VLLM_LITE_INLINE V8 round_as(const uint16_t*, V8 v) { return (V8)(bf16_bits<U8>(
 
 // A tile's R rows into y (row stride N): the panel's `cols` columns, or for a gated weight
 // (gated_cols > 0 outputs; vectors 0-2 the gate features, 3-5 the up ones)
-// silu(gate) * up, each factor rounded as the unfused ops round it.
+// silu(gate) * up, each factor rounded as the unfused ops round it. sums: spill_acc's.
 template <int64_t R, typename T>
-VLLM_LITE_INLINE void store_tile(__m256 (&acc)[R][NV], T* y, int64_t N, int64_t cols,
-                                 int64_t gated_cols) {
+VLLM_LITE_INLINE void store_tile(const float (&sums)[R][NV][kLanes], T* y, int64_t N,
+                                 int64_t cols, int64_t gated_cols) {
+  const auto acc = [&](int64_t r, int64_t b) { return _mm256_load_ps(sums[r][b]); };
   for (int64_t r = 0; r < R; ++r) {
     if (gated_cols > 0) {
       for (int64_t b = 0; b < kGatedVecs; ++b) {
         const int64_t n = vector_cols(gated_cols, b);
         if (n == 0) break;
-        const V8 g = round_as(y, (V8)acc[r][b]), u = round_as(y, (V8)acc[r][b + kGatedVecs]);
+        const V8 g = round_as(y, (V8)acc(r, b)), u = round_as(y, (V8)acc(r, b + kGatedVecs));
         const V8 s = round_as(y, silu<V8, I8>(g));
         store_out(y + r * N + b * kLanes, (__m256)(s * u), n);
       }
@@ -123,7 +139,7 @@ VLLM_LITE_INLINE void store_tile(__m256 (&acc)[R][NV], T* y, int64_t N, int64_t 
     for (int64_t b = 0; b < NV; ++b) {
       const int64_t n = vector_cols(cols, b);
       if (n == 0) break;
-      store_out(y + r * N + b * kLanes, acc[r][b], n);
+      store_out(y + r * N + b * kLanes, acc(r, b), n);
     }
   }
 }
@@ -144,13 +160,18 @@ struct F32Tile {
       const float* wk = w + k * kPackedPanelCols;
       pf.step();
       __m256 xv[R];
+#pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) xv[r] = _mm256_broadcast_ss(x + r * xs + k);
+#pragma GCC unroll 8
       for (int64_t b = 0; b < NV; ++b) {
         const __m256 wv = _mm256_loadu_ps(wk + b * kLanes);
+#pragma GCC unroll 8
         for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(xv[r], wv, acc[r][b]);
       }
     }
-    store_tile(acc, y, N, cols, gated_cols);
+    alignas(32) float sums[R][NV][kLanes];
+    spill_acc(acc, sums);
+    store_tile(sums, y, N, cols, gated_cols);
   }
 };
 
@@ -176,19 +197,25 @@ struct Bf16Tile {
       }
       __m256 xv[R];
       for (int64_t r = 0; r < R; ++r) xv[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xp[r], 16));
+#pragma GCC unroll 8
       for (int64_t b = 0; b < NV; ++b) {  // k = 2j: the low halves
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj) + b);
         const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+#pragma GCC unroll 8
         for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(xv[r], wv, acc[r][b]);
       }
       for (int64_t r = 0; r < R; ++r) xv[r] = _mm256_castsi256_ps(_mm256_and_si256(xp[r], high));
+#pragma GCC unroll 8
       for (int64_t b = 0; b < NV; ++b) {  // k = 2j + 1: the high halves
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj) + b);
         const __m256 wv = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+#pragma GCC unroll 8
         for (int64_t r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(xv[r], wv, acc[r][b]);
       }
     }
-    store_tile(acc, y, N, cols, gated_cols);
+    alignas(32) float sums[R][NV][kLanes];
+    spill_acc(acc, sums);
+    store_tile(sums, y, N, cols, gated_cols);
   }
 };
 
