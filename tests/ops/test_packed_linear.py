@@ -1,9 +1,9 @@
 """torch.ops.vllm_lite.pack_linear_weight / packed_linear (CPU), float32 and bfloat16: every
-CPU build this machine runs (the AVX-512 / AVX512-BF16 kernels where selected, at::linear
-on the unpacked weight elsewhere) against a float64 matmul on the same values, on fresh
-random inputs: row counts that leave every row-tile tail, N that ends mid-panel and
-mid-vector, several panels per thread, strided and NaN-surrounded rows, leading dims;
-argument checks; opcheck."""
+CPU build this machine runs (the AVX-512 / AVX512-BF16 / AVX2 kernels where selected,
+at::linear on the unpacked weight elsewhere) against a float64 matmul on the same values,
+on fresh random inputs: row counts that leave every row-tile tail, N that ends mid-panel
+and mid-vector, several panels per thread, strided and NaN-surrounded rows, NaN-poisoned
+outputs, leading dims; argument checks; opcheck."""
 
 from __future__ import annotations
 
@@ -64,6 +64,37 @@ def test_matches_float64(isa: str, m: int, k: int, n: int, bias: bool, dtype) ->
     y = ops.packed_linear(x, packed, b, n)
     assert y.shape == (m, n)
     _check(y, _reference(x, w, b))
+
+
+def _poison(m: int, n: int, dtype) -> bool:
+    """Leaves a freed NaN block of [m, n] for the next allocation of that size; whether an
+    empty tensor of that size then held NaN (the allocator gave the block back)."""
+    t = torch.full((m, n), float("nan"), dtype=dtype)
+    del t
+    probe = torch.empty(m, n, dtype=dtype)
+    took = bool(probe.isnan().any())
+    del probe
+    return took
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_every_output_written(isa: str, dtype) -> None:
+    """The output's memory NaN-poisoned first (_poison), so a row or column that a tile
+    leaves unwritten shows as NaN: row counts ending mid-tile, N and I mid-vector."""
+    poisoned = 0
+    for m, k, n in [(1, 64, 1001), (3, 32, 301), (7, 96, 250), (17, 64, 202), (64, 40, 90)]:
+        x, w, b = _case(m, k, n, seed=m + n, bias=True, dtype=dtype)
+        packed = ops.pack_linear_weight(w)
+        i = n // 2
+        gated, gb = _pack_gated(w[: 2 * i], b[: 2 * i])
+        poisoned += _poison(m, n, dtype)
+        y = ops.packed_linear(x, packed, b, n)
+        assert not y.isnan().any(), f"rows {m}, N {n}: an output left unwritten"
+        _check(y, _reference(x, w, b))
+        poisoned += _poison(m, i, dtype)
+        y = ops.packed_gated_linear(x, gated, gb, i)
+        assert not y.isnan().any(), f"rows {m}, I {i}: a gated output left unwritten"
+    assert poisoned >= 3, "the allocator never handed a poisoned block back: the test is void"
 
 
 @pytest.mark.parametrize("k", [1, 3, 577])
