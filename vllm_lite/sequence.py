@@ -220,6 +220,9 @@ class SequenceGroup:
         # A seeded request's random generator (the sampler creates it at the request's
         # first sampled step; every sequence of the request draws from it, in row order).
         self.generator: Any = None
+        # The output processor's screen of the token rules for this request, made once
+        # (None until its first plain decode).
+        self.stop_limits: Any = None
         self._prompt_copy: list[int] | None = None
 
     @property

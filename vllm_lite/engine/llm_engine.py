@@ -33,7 +33,7 @@ from vllm_lite.engine.output_processor import DeferredText, OutputProcessor
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.outputs import RequestOutput, request_output
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
-from vllm_lite.sequence import SequenceGroup
+from vllm_lite.sequence import SequenceGroup, SequenceStatus
 from vllm_lite.errors import DistributedError
 from vllm_lite.worker.executor import Executor, make_executor
 from vllm_lite.worker.model_runner import RunnerOutput
@@ -49,6 +49,12 @@ def _output_due(group: SequenceGroup) -> bool:
     for FINAL_ONLY (LLM.generate) only once finished; nobody reads the others, so they
     are not built."""
     return group.sampling_params.output_kind is not _FINAL_ONLY or group.is_finished()
+
+
+def _due(groups: list[SequenceGroup]) -> list[SequenceGroup]:
+    """The groups of ``groups`` whose output is due (_output_due), in order."""
+    return [g for g in groups if g.sampling_params.output_kind is not _FINAL_ONLY
+            or g.is_finished()]
 
 
 class EngineStepError(RuntimeError):
@@ -209,7 +215,7 @@ class LLMEngine:
         # The previous step's outputs (async), then requests that finished unserved.
         outputs: list[RequestOutput] = []
         ignored = [request_output(g) for g in out.ignored_seq_groups]
-        groups = out.scheduled_seq_groups
+        lane = out.lane
         failed: dict[str, Exception] = {}
         try:
             self.executor.execute_cache_ops(out)
@@ -218,11 +224,11 @@ class LLMEngine:
         except Exception as e:
             outputs += self._finish_pending(pending, failed) + ignored
             # The swap pool's contents are unknown now: every swapped group fails too.
-            self._fail_step([s.request_id for s in groups]
+            self._fail_step(out.request_ids()
                             + [g.request_id for g in self.scheduler.swapped], e, outputs,
                             failed)
         try:
-            if pending is None or not groups:
+            if pending is None or not (out.groups or lane):
                 outputs += self._finish_pending(pending, failed)
                 result = self._execute_isolated(out, failed)
             else:
@@ -239,17 +245,21 @@ class LLMEngine:
             raise
         except Exception as e:
             outputs += ignored
-            self._fail_step([s.request_id for s in groups if s.request_id not in failed], e,
+            self._fail_step([rid for rid in out.request_ids() if rid not in failed], e,
                             outputs, failed)
         outputs += ignored
-        ran = [s.seq_group for s in groups if not s.seq_group.is_finished()]
+        running = SequenceStatus.RUNNING
+        # The requests that ran and are still in the engine (not aborted meanwhile).
+        ran = ([g for g, s in zip(lane.groups, lane.seqs) if s.status is running]
+               if lane is not None else [])
+        ran += [s.seq_group for s in out.groups if not s.seq_group.is_finished()]
         deferred: list[DeferredText] | None = [] if self.async_output_proc else None
         try:
-            updates = self.output_processor.process(out, result, failed, deferred)
-            self.scheduler.apply(out, updates)
+            updates, lane_update = self.output_processor.process(out, result, failed, deferred)
+            self.scheduler.apply(out, updates, lane_update)
         except Exception as e:
             # Bookkeeping failed outside any one request: nothing is known.
-            self._fail_step([s.request_id for s in groups if s.request_id in self._requests],
+            self._fail_step([rid for rid in out.request_ids() if rid in self._requests],
                             e, outputs, failed)
         if failed:
             text_failed: dict[str, Exception] = {}
@@ -262,7 +272,7 @@ class LLMEngine:
                            and _output_due(g))
             raise self._step_error(failed, outputs)
         if deferred is None:
-            outputs.extend(request_output(g) for g in ran if _output_due(g))
+            outputs.extend(request_output(g) for g in _due(ran))
         elif ran:
             self._pending = _Pending(ran, deferred)
         return outputs
@@ -280,6 +290,8 @@ class LLMEngine:
                                           pending.groups)
         failed.update(text_failed)
         aborted = pending.aborted
+        if not aborted and not text_failed:
+            return [request_output(g) for g in _due(pending.groups)]
         return [request_output(g) for g in pending.groups
                 if (g.request_id not in aborted or g.request_id in text_failed)
                 and _output_due(g)]
@@ -354,7 +366,7 @@ class LLMEngine:
         except DistributedError:
             raise  # not a request's fault: nothing to bisect
         except Exception as e:
-            groups = list(out.scheduled_seq_groups)
+            groups = out.request_ids()
             if len(groups) <= 1:
                 raise
             logger.warning("step %d failed (%r); looking for the request that broke it",
@@ -372,26 +384,26 @@ class LLMEngine:
         logger.error("step %d: request(s) %s failed alone; the others go on", out.step,
                      ", ".join(culprits))
         self.executor.restore_rng(snap)
-        rest = dataclasses.replace(
-            out, scheduled_seq_groups=[g for g in groups if g.request_id not in culprits])
+        rest = out.only({rid for rid in groups if rid not in culprits})
         return self.executor.execute_model(rest)
 
-    def _bisect(self, out: SchedulerOutput, groups: list[Any], snap: Any,
+    def _bisect(self, out: SchedulerOutput, groups: list[str], snap: Any,
                 culprits: dict[str, Exception], budget: list[int], cause: Exception) -> None:
-        """Adds to ``culprits`` the groups of ``groups`` (a failing set) that fail alone."""
+        """Adds to ``culprits`` the requests of ``groups`` (ids of a failing set) that fail
+        alone."""
         if len(groups) == 1:
-            culprits[groups[0].request_id] = cause
+            culprits[groups[0]] = cause
             return
         half = len(groups) // 2
         for part in (groups[:half], groups[half:]):
             if budget[0] <= 0:
-                for g in part:  # out of re-runs: every remaining suspect fails
-                    culprits.setdefault(g.request_id, cause)
+                for rid in part:  # out of re-runs: every remaining suspect fails
+                    culprits.setdefault(rid, cause)
                 continue
             budget[0] -= 1
             self.executor.restore_rng(snap)
             try:
-                self.executor.execute_model(dataclasses.replace(out, scheduled_seq_groups=part))
+                self.executor.execute_model(out.only(set(part)))
             except DistributedError:
                 raise
             except Exception as e:  # noqa: BLE001  (narrowing down which request broke it)

@@ -93,19 +93,37 @@ class ModelRunner:
         Per sequence it reads only its new tokens and the table the scheduler gave it (a
         persistent row, rewritten where it changed); the integer inputs go into one
         staging buffer and to the device in one copy."""
-        ids: list[int] = []
-        starts: list[int] = []
-        counts: list[int] = []
-        rows_of: list[int] = []
-        sample_idx: list[int] = []
-        rows: list[SamplingRow] = []
         plp_idx: list[np.ndarray] = []
         plp_spans: list[tuple[Any, int, int]] = []
         is_prompt = False
         max_blocks = 1
         tables = self._tables
         last_rows, step_rows = self._rows, {}
-        for sched in out.scheduled_seq_groups:
+        lane = out.lane
+        if lane is not None:
+            # The plain decodes, first in the batch: one token each (the one sampled last)
+            # at position computed, sampled.
+            seqs = lane.seqs
+            ids = [seq.output_token_ids[-1] for seq in seqs]
+            starts = list(lane.computed)
+            counts = [1] * len(ids)
+            rows_of = tables.rows_for(lane.seq_ids, lane.tables)
+            max_blocks = max(max_blocks, max(map(len, lane.tables)))
+            sample_idx = list(range(len(ids)))
+            rows = []
+            get_row = last_rows.get
+            for seq_id, group, seq in zip(lane.seq_ids, lane.groups, seqs):
+                row = get_row(seq_id)
+                if (row is not None and row.request is group and row.num_samples == 1
+                        and row.output_token_ids is seq.output_token_ids):
+                    row.cumulative_logprob = seq.cumulative_logprob
+                else:
+                    row = SamplingRow.for_seq(group, seq)
+                rows.append(row)
+            step_rows = dict(zip(lane.seq_ids, rows))
+        else:
+            ids, starts, counts, rows_of, sample_idx, rows = [], [], [], [], [], []
+        for sched in out.groups:
             group = sched.seq_group
             wants_plp = group.sampling_params.prompt_logprobs is not None
             for s in sched.seqs:
