@@ -322,3 +322,30 @@ def test_kernel_list_from_logged_symbols():
         "paged_attention_tc f16 auto 16 128",
         "varlen_attention f32 auto - 128",
     ]
+
+
+def test_emulator_kernel_set_follows_the_selection(monkeypatch):
+    """Every instance when the run selected a full_grid test (or CUDA_EMU_KERNELS=all),
+    else the default list; each set in its own generated folder."""
+    from types import SimpleNamespace
+
+    def session(*full: bool):
+        items = [SimpleNamespace(get_closest_marker=lambda name, f=f: object() if f and
+                                 name == "full_grid" else None) for f in full]
+        return SimpleNamespace(items=items)
+
+    monkeypatch.setattr(harness, "_EVERY_KERNEL", False)  # restored after the test
+    monkeypatch.delenv("CUDA_EMU_KERNELS", raising=False)
+    harness.use_every_kernel(session(False, False))
+    assert not harness.every_kernel() and harness.generated_dir().name == "default"
+    assert f"-I{harness.GENERATED / 'default'}" in harness.cxxflags()
+    harness.use_every_kernel(session(False, True))
+    assert harness.every_kernel() and harness.generated_dir().name == "all"
+    monkeypatch.setenv("CUDA_EMU_KERNELS", "default")
+    assert not harness.every_kernel()
+    harness.use_every_kernel(session(False))
+    monkeypatch.setenv("CUDA_EMU_KERNELS", "all")
+    assert harness.every_kernel()
+    monkeypatch.setenv("CUDA_EMU_KERNELS", "some")
+    with pytest.raises(ValueError, match="CUDA_EMU_KERNELS"):
+        harness.every_kernel()
