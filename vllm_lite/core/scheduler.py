@@ -308,6 +308,9 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._step = 0
         self._pending_output: SchedulerOutput | None = None
+        # Requests aborted so far: a step that sees it unchanged since schedule() knows
+        # every sequence it scheduled is still running.
+        self.num_aborted = 0
         self.num_preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
 
     # -- requests ------------------------------------------------------------------------
@@ -386,6 +389,7 @@ class Scheduler:
             if error is not None:
                 group.error = error
             aborted.append(group)
+            self.num_aborted += 1
         return aborted
 
     def _finish_all(self, group: SequenceGroup, status: SequenceStatus) -> None:
@@ -498,8 +502,8 @@ class Scheduler:
         if not self._running_sorted:
             self.running.sort(key=running_key)  # stays sorted until a group joins
             self._running_sorted = True
-        queue = self.running[:]  # a preemption takes its victim out of self.running
-        kept: list[SequenceGroup] = []
+        # A preemption takes its victim out of self.running, which is then the groups kept.
+        queue = self.running[:]
         rest: list[SequenceGroup] = []
         append_slots = self.block_manager.try_append_slots
         tables = self.block_manager.device_block_tables
@@ -514,20 +518,18 @@ class Scheduler:
         while head < end:
             group = queue[head]
             head += 1
-            seq = None
-            if len(group.seqs_dict) == 1 and not group.sampling_params.use_beam_search:
+            seq = group.plain_seq
+            if seq is not None:
                 # A plain decode (see DecodeLane) goes in the lane; one whose token fits
                 # its last block asks the block manager for nothing: a sequence alone in
                 # its request never shares the block it writes (prefix-cache hits are
                 # full computed blocks, and forks make a request of several sequences).
-                (seq,) = group.seqs_dict.values()
                 output = seq.output_token_ids
                 computed = seq.num_computed_tokens
                 if (seq.status is running and output
                         and len(seq.prompt_token_ids) + len(output) - computed == 1):
                     table = tables[seq.seq_id]
                     if computed < len(table) * bs:
-                        kept.append(group)
                         if num_batched < budget:
                             num_batched += 1
                             groups.append(group)
@@ -553,7 +555,6 @@ class Scheduler:
             else:
                 if copies:
                     state.copies.extend(copies)
-                kept.append(group)
                 if seq is not None:  # a plain decode that took a new block
                     if num_batched < budget:
                         num_batched += 1
@@ -570,7 +571,6 @@ class Scheduler:
                 num_batched = state.num_batched_tokens
                 rest.append(group)
         state.num_batched_tokens = num_batched
-        self.running = kept
         for group in rest:
             self._assign_tokens(group, state, decodes=False)
 

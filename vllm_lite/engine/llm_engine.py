@@ -76,6 +76,8 @@ class _Pending:
 
     groups: list[SequenceGroup]
     deferred: list[DeferredText]
+    # The groups whose output is due (_output_due), as the step left them.
+    due: list[SequenceGroup]
     aborted: set[str] = field(default_factory=set)
 
 
@@ -211,6 +213,7 @@ class LLMEngine:
         engine and no token is computed in vain; a request's outputs come one step later
         (a last call with nothing scheduled returns the final ones)."""
         out = self.scheduler.schedule()
+        num_aborted = self.scheduler.num_aborted
         pending, self._pending = self._pending, None
         # The previous step's outputs (async), then requests that finished unserved.
         outputs: list[RequestOutput] = []
@@ -248,12 +251,14 @@ class LLMEngine:
             self._fail_step([rid for rid in out.request_ids() if rid not in failed], e,
                             outputs, failed)
         outputs += ignored
-        running = SequenceStatus.RUNNING
         # The requests that ran and are still in the engine (not aborted meanwhile).
-        ran = ([g for g, s in zip(lane.groups, lane.seqs) if s.status is running]
-               if lane is not None else [])
-        ran += [s.seq_group for s in out.groups if not s.seq_group.is_finished()]
+        ran = [s.seq_group for s in out.groups if not s.seq_group.is_finished()]
+        lane_intact = self.scheduler.num_aborted == num_aborted
+        if lane is not None and not lane_intact:
+            running = SequenceStatus.RUNNING
+            ran = [g for g, s in zip(lane.groups, lane.seqs) if s.status is running] + ran
         deferred: list[DeferredText] | None = [] if self.async_output_proc else None
+        lane_update = None
         try:
             updates, lane_update = self.output_processor.process(out, result, failed, deferred)
             self.scheduler.apply(out, updates, lane_update)
@@ -261,6 +266,18 @@ class LLMEngine:
             # Bookkeeping failed outside any one request: nothing is known.
             self._fail_step([rid for rid in out.request_ids() if rid in self._requests],
                             e, outputs, failed)
+        if lane is not None and lane_intact and not failed:
+            # Every lane request is still in the engine: its output is due if it streams
+            # or if its token finished it.
+            finishes = lane_update.finishes if lane_update is not None else {}
+            due = [g for i, g in enumerate(lane.groups)
+                   if g.sampling_params.output_kind is not _FINAL_ONLY or i in finishes]
+            due += _due(ran)
+            ran = lane.groups + ran
+        else:
+            if lane is not None and lane_intact:
+                ran = lane.groups + ran
+            due = None
         if failed:
             text_failed: dict[str, Exception] = {}
             if deferred:
@@ -271,10 +288,12 @@ class LLMEngine:
                            if (g.request_id not in failed or g.request_id in text_failed)
                            and _output_due(g))
             raise self._step_error(failed, outputs)
+        if due is None:
+            due = _due(ran)
         if deferred is None:
-            outputs.extend(request_output(g) for g in _due(ran))
+            outputs.extend(request_output(g) for g in due)
         elif ran:
-            self._pending = _Pending(ran, deferred)
+            self._pending = _Pending(ran, deferred, due)
         return outputs
 
     def _finish_pending(self, pending: _Pending | None,
@@ -291,7 +310,7 @@ class LLMEngine:
         failed.update(text_failed)
         aborted = pending.aborted
         if not aborted and not text_failed:
-            return [request_output(g) for g in _due(pending.groups)]
+            return [request_output(g) for g in pending.due]
         return [request_output(g) for g in pending.groups
                 if (g.request_id not in aborted or g.request_id in text_failed)
                 and _output_due(g)]

@@ -110,16 +110,15 @@ class ModelRunner:
             rows_of = tables.rows_for(lane.seq_ids, lane.tables)
             max_blocks = max(max_blocks, max(map(len, lane.tables)))
             sample_idx = list(range(len(ids)))
-            rows = []
-            get_row = last_rows.get
-            for seq_id, group, seq in zip(lane.seq_ids, lane.groups, seqs):
-                row = get_row(seq_id)
-                if (row is not None and row.request is group and row.num_samples == 1
-                        and row.output_token_ids is seq.output_token_ids):
-                    row.cumulative_logprob = seq.cumulative_logprob
-                else:
-                    row = SamplingRow.for_seq(group, seq)
-                rows.append(row)
+            # A lane sequence that sampled last step reuses its row as it is: the row was
+            # built for this very sequence (its group, its live token list) with one
+            # sample, and its cumulative logprob is read by beam search only, never a
+            # lane row's.
+            rows = list(map(last_rows.get, lane.seq_ids))
+            if None in rows:
+                for i, row in enumerate(rows):
+                    if row is None:
+                        rows[i] = SamplingRow.for_seq(lane.groups[i], seqs[i])
             step_rows = dict(zip(lane.seq_ids, rows))
         else:
             ids, starts, counts, rows_of, sample_idx, rows = [], [], [], [], [], []
@@ -188,9 +187,10 @@ class ModelRunner:
         if num_tokens == num_seqs:
             # A decode step: one token a sequence, at its position start.
             positions[:] = seq_lens
-            seq_index = np.arange(num_seqs)
+            steps = np.arange(num_seqs + 1)
+            seq_index = steps[:-1]
             seq_lens += 1
-            np.cumsum(np.ones(num_seqs, dtype=np.int32), out=query_start[1:])
+            query_start[:] = steps
         else:
             counts_np = np.asarray(counts, dtype=np.int64)
             seq_index = np.repeat(np.arange(num_seqs), counts_np)
@@ -201,7 +201,10 @@ class ModelRunner:
         slots = h64[2 * num_tokens:3 * num_tokens]
         np.multiply(block_tables[seq_index, positions // bs], bs, out=slots)
         slots += positions % bs
-        h64[3 * num_tokens:3 * num_tokens + len(sample_idx)] = sample_idx
+        if lane is not None and not out.groups:
+            h64[3 * num_tokens:] = seq_index  # every row a lane row: each samples
+        else:
+            h64[3 * num_tokens:3 * num_tokens + len(sample_idx)] = sample_idx
         if plp_idx:
             h64[3 * num_tokens + len(sample_idx):] = np.concatenate(plp_idx)
         max_seq_len = int(seq_lens.max())
