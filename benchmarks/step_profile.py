@@ -304,8 +304,9 @@ def host_time(args: argparse.Namespace) -> str:
               f"(1 layer, hidden 64, 2/1 heads of 32, vocab 512), {args.num_seqs} sequences "
               f"decoding together, mean of {args.decode_steps} decode steps, "
               f"{torch.get_num_threads()} threads, async output processing "
-              f"{args.async_output_proc}, tokenizer {args.tokenizer}, output_kind "
-              f"{args.output_kind}; host = step - "
+              f"{args.async_output_proc}, tokenizer {args.tokenizer}, "
+              f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}"
+              f", output_kind {args.output_kind}; host = step - "
               f"kernel (wall clock); host CPU = the same in process CPU time (less "
               f"sensitive to a busy machine, but counting every thread's time); GEMMs = "
               f"the model's projections and LM head (Linear.forward), the micro model's "
@@ -348,15 +349,16 @@ def _host_time_at(args: argparse.Namespace, model: Path, context: int,
               async_output_proc=args.async_output_proc)
     try:
         return _time_decode(llm, n, context, args.decode_steps, args.seed, kernel_s,
-                            RequestOutputKind[args.output_kind.upper()])
+                            RequestOutputKind[args.output_kind.upper()], args.temperature)
     finally:
         llm.llm_engine.shutdown()
 
 
 def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
-                 kernel_s: list[float], output_kind: Any = None
+                 kernel_s: list[float], output_kind: Any = None, temperature: float = 0.0
                  ) -> tuple[float, float, float, float]:
-    """Queues n greedy requests of ``context`` random prompt tokens, all prefilled in one
+    """Queues n requests (greedy, or sampled at ``temperature`` above 0) of ``context``
+    random prompt tokens, all prefilled in one
     step, and times ``decode_steps`` engine steps in which all n decode (after
     HOST_WARMUP_STEPS untimed ones): (mean step, mean of kernel_s[0] (reset before each
     step; the caller's wrappers add to it), mean process CPU time minus kernel_s[1], and
@@ -368,8 +370,8 @@ def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
     engine = llm.llm_engine
     vocab = engine.config.model_config.hf_config.vocab_size
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=HOST_WARMUP_STEPS + decode_steps + 1,
-                            ignore_eos=True)
+    params = SamplingParams(temperature=temperature,
+                            max_tokens=HOST_WARMUP_STEPS + decode_steps + 1, ignore_eos=True)
     if output_kind is not None:
         params = dataclasses.replace(params, output_kind=output_kind)
     for i in range(n):
@@ -445,7 +447,7 @@ def decode_time(args: argparse.Namespace) -> str:
         try:
             for n in sizes:
                 results[n, eager] = _time_decode(llm, n, context, steps, args.seed,
-                                                 [0.0, 0.0])[0]
+                                                 [0.0, 0.0], None, args.temperature)[0]
         finally:
             llm.llm_engine.shutdown()
             del llm
@@ -462,7 +464,8 @@ def decode_time(args: argparse.Namespace) -> str:
         rows.append(f"| {n} | " + " | ".join(cells) + " |")
     header = (f"Decode step time, {time.strftime('%Y-%m-%d %H:%M')}: model `{args.model}`, "
               f"{args.dtype}, {device}, {context}-token prompts, mean of {steps} decode steps "
-              f"with every sequence decoding, {torch.get_num_threads()} threads"
+              f"with every sequence decoding, {torch.get_num_threads()} threads, "
+              f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}"
               + ("" if device.type == "cuda" else "; the CPU runs eagerly (no graphs)") + ".")
     return "\n".join([header, "", *rows, ""])
 
@@ -475,6 +478,8 @@ def run(args: argparse.Namespace) -> str:
 
     if args.host_time and args.decode_time:
         raise ValueError("--host-time and --decode-time are two runs; choose one")
+    if not args.temperature >= 0.0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     if args.host_time:
         return host_time(args)
     if args.decode_time:
@@ -486,8 +491,6 @@ def run(args: argparse.Namespace) -> str:
     for name in ("num_requests", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.temperature >= 0.0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     set_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, device="cpu", seed=args.seed,
               kv_cache_space=args.kv_cache_space, kv_cache_dtype=args.kv_cache_dtype,

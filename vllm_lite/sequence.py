@@ -202,6 +202,8 @@ class SequenceGroup:
         if not self.seqs_dict:
             raise ValueError("seqs must hold at least one sequence")
         self.sampling_params = sampling_params
+        self.plain_seq: Sequence | None = None
+        self._find_plain_seq()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # Lower value runs first (vLLM's convention).
         self.priority = priority
@@ -220,6 +222,9 @@ class SequenceGroup:
         # A seeded request's random generator (the sampler creates it at the request's
         # first sampled step; every sequence of the request draws from it, in row order).
         self.generator: Any = None
+        # The output processor's screen of the token rules for this request, made once
+        # (None until its first plain decode).
+        self.stop_limits: Any = None
         self._prompt_copy: list[int] | None = None
 
     @property
@@ -251,11 +256,21 @@ class SequenceGroup:
         if seq.seq_id in self.seqs_dict:
             raise InternalError(f"seq_id {seq.seq_id} is already in request {self.request_id}")
         self.seqs_dict[seq.seq_id] = seq
+        self._find_plain_seq()
 
     def remove(self, seq_id: int) -> None:
         if seq_id not in self.seqs_dict:
             raise InternalError(f"seq_id {seq_id} is not in request {self.request_id}")
         del self.seqs_dict[seq_id]
+        self._find_plain_seq()
+
+    def _find_plain_seq(self) -> None:
+        """plain_seq: the request's only sequence when it has one and no beam search
+        (what the scheduler's decode lane serves), else None."""
+        seqs = self.seqs_dict
+        self.plain_seq = (next(iter(seqs.values()))
+                          if len(seqs) == 1 and not self.sampling_params.use_beam_search
+                          else None)
 
     def awaiting_first_sample(self) -> bool:
         """No sequence has sampled yet, so best_of children are still to be forked."""

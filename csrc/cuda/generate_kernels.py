@@ -29,6 +29,12 @@ every kernel):
   VLLM_LITE_KV_CACHE_DTYPES KV-cache dtypes to build attention kernels for: auto (the
                             model dtype), fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2
 A call that needs a kernel left out fails with an error naming the variables.
+
+  --instances FILE          only the instances FILE lists, one a line (the CPU emulator's
+                            default kernel set, tests/cuda_emulation): "<kernel> <query>
+                            <cache> <block size> <head bucket>", the block size "-" for the
+                            varlen kernels, e.g. "paged_attention bf16 fp8_e4m3 16 64";
+                            # starts a comment. Applied on top of the two options above.
 """
 
 from __future__ import annotations
@@ -120,20 +126,25 @@ def _cache_type(cache: str, query_type: str) -> str:
     return query_type if ct is None else ct
 
 
-def _instances(kernel: str, query_type: str, ct: str, buckets) -> list[str]:
+def _instances(kernel: str, query_type: str, ct: str, buckets, wanted) -> list[str]:
     _, _, struct, per_block = KERNELS[kernel]
     if per_block:
         return [f"{struct}<{query_type}, {ct}, {bs}, {hb}>"
-                for bs in BLOCK_SIZES for hb in buckets]
-    return [f"{struct}<{query_type}, {ct}, {hb}>" for hb in buckets]
+                for bs in BLOCK_SIZES for hb in buckets if wanted(bs, hb)]
+    return [f"{struct}<{query_type}, {ct}, {hb}>" for hb in buckets if wanted(None, hb)]
 
 
-def _unit(kernel: str, qtype: str, cache: str, buckets) -> str:
+def _unit(kernel: str, qtype: str, cache: str, buckets, wanted) -> str | None:
+    """The translation unit of (kernel, query, cache): the instances ``wanted(block size,
+    bucket)`` keeps, or None when it keeps none."""
     header, ns, _, _ = KERNELS[kernel]
     ct = _cache_type(cache, qtype)
+    insts = _instances(kernel, qtype, ct, buckets, wanted)
+    if not insts:
+        return None
     lines = [BANNER, f'#include "{header}"\n\n',
              f"namespace vllm_lite {{\nnamespace cuda {{\nnamespace {ns} {{\n\n"]
-    lines += [f"template struct {inst};\n" for inst in _instances(kernel, qtype, ct, buckets)]
+    lines += [f"template struct {inst};\n" for inst in insts]
     lines.append(f"\n}}  // namespace {ns}\n}}  // namespace cuda\n}}  // namespace vllm_lite\n")
     return "".join(lines)
 
@@ -143,7 +154,41 @@ def _limited(kernel: str, what: str, values) -> tuple:
     return tuple(values) if allowed is None else tuple(v for v in values if v in allowed)
 
 
-def _table(kernel: str, caches, buckets) -> str:
+def read_instances(path: Path) -> frozenset:
+    """The instance list file (see --instances) as a set of (kernel, query tag, cache name,
+    block size or None, head bucket); SettingError naming the file and line otherwise."""
+    found = set()
+    qtags = [t for t, _ in QUERY_DTYPES]
+    caches = [n for n, _ in CACHE_DTYPES]
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        where = f"--instances {path}:{number}: {line.strip()!r}"
+        if len(words) != 5:
+            raise SettingError(f"{where}: want <kernel> <query> <cache> <block size> <bucket>")
+        kernel, qtag, cache, bs, bucket = words
+        if kernel not in KERNELS or qtag not in qtags or cache not in caches:
+            raise SettingError(f"{where}: kernel one of {', '.join(KERNELS)}, query one of "
+                               f"{', '.join(qtags)}, cache one of {', '.join(caches)}")
+        per_block = KERNELS[kernel][3]
+        block_sizes = [str(b) for b in BLOCK_SIZES] if per_block else ["-"]
+        kbuckets = [str(b) for b in _limited(kernel, "bucket", HEAD_BUCKETS)]
+        if bs not in block_sizes or bucket not in kbuckets:
+            raise SettingError(f"{where}: {kernel} takes block size {'/'.join(block_sizes)} "
+                               f"and head bucket {'/'.join(kbuckets)}")
+        if qtag not in _limited(kernel, "query", qtags) or \
+                cache not in _limited(kernel, "cache", caches):
+            raise SettingError(f"{where}: {kernel} has no instance for {qtag} / {cache}")
+        found.add((kernel, qtag, cache, int(bs) if per_block else None, int(bucket)))
+    return frozenset(found)
+
+
+def _wanted(only, kernel: str, qtag: str, cache: str, bs, bucket: int) -> bool:
+    return only is None or (kernel, qtag, cache, bs, bucket) in only
+
+
+def _table(kernel: str, caches, buckets, only=None) -> str:
     _, ns, struct, per_block = KERNELS[kernel]
     caches = _limited(kernel, "cache", caches)
     buckets = _limited(kernel, "bucket", buckets)
@@ -161,17 +206,29 @@ def _table(kernel: str, caches, buckets) -> str:
     for cache in caches:
         ct = dict(CACHE_DTYPES)[cache]
         cond = "std::is_same_v<CT, T>" if ct is None else f"std::is_same_v<CT, {ct}>"
-        if len(qtypes) < len(QUERY_DTYPES):
-            cond += " && (" + " || ".join(f"std::is_same_v<T, {q}>" for q in qtypes) + ")"
-        out.append(f"  if constexpr ({cond}) {{\n")
-        for bs in BLOCK_SIZES if per_block else (None,):
-            for hb in buckets:
-                if per_block:
-                    when, inst = f"block_size == {bs} && ", f"{struct}<T, CT, {bs}, {hb}>"
-                else:
-                    when, inst = "", f"{struct}<T, CT, {hb}>"
-                out.append(f"    if ({when}head_bucket == {hb}) return {inst}::get();\n")
-        out.append("  }\n")
+        # With an instance list: one section per query dtype, each with its own entries.
+        groups = [(qtypes, None)] if only is None else [
+            ([qt], tag) for tag, qt in QUERY_DTYPES if qt in qtypes]
+        for group_qtypes, qtag in groups:
+            entries = []
+            for bs in BLOCK_SIZES if per_block else (None,):
+                for hb in buckets:
+                    if qtag is not None and not _wanted(only, kernel, qtag, cache, bs, hb):
+                        continue
+                    if per_block:
+                        when, inst = f"block_size == {bs} && ", f"{struct}<T, CT, {bs}, {hb}>"
+                    else:
+                        when, inst = "", f"{struct}<T, CT, {hb}>"
+                    entries.append(f"    if ({when}head_bucket == {hb}) return {inst}::get();\n")
+            if qtag is not None and not entries:
+                continue
+            group_cond = cond
+            if len(group_qtypes) < len(QUERY_DTYPES):
+                group_cond += " && (" + " || ".join(f"std::is_same_v<T, {q}>"
+                                                    for q in group_qtypes) + ")"
+            out.append(f"  if constexpr ({group_cond}) {{\n")
+            out += entries
+            out.append("  }\n")
     out.append("  return nullptr;\n}\n\n")
     out.append(f"}}  // namespace {ns}\n}}  // namespace cuda\n}}  // namespace vllm_lite\n")
     return "".join(out)
@@ -186,16 +243,19 @@ def _config(settings: str) -> str:
 
 
 def generate(outdir: Path, head_sizes: str | None = None,
-             cache_dtypes: str | None = None) -> list[Path]:
-    """Writes the files into outdir; returns the .cu files to compile."""
+             cache_dtypes: str | None = None, instances: Path | None = None) -> list[Path]:
+    """Writes the files into outdir; returns the .cu files to compile. ``instances``: the
+    instance list file (see --instances), else every instance the options select."""
     buckets = parse_head_sizes(head_sizes)
     caches = parse_cache_dtypes(cache_dtypes)
-    files: dict[str, str] = {
-        "kernel_build_config.h": _config(settings_text(head_sizes, cache_dtypes)),
-    }
+    only = None if instances is None else read_instances(instances)
+    settings = settings_text(head_sizes, cache_dtypes)
+    if only is not None:
+        settings += f" and the kernel list {Path(instances).as_posix()}"
+    files: dict[str, str] = {"kernel_build_config.h": _config(settings)}
     units = []
     for kernel in KERNELS:
-        files[f"{kernel}_table.h"] = _table(kernel, caches, buckets)
+        files[f"{kernel}_table.h"] = _table(kernel, caches, buckets, only)
         kbuckets = _limited(kernel, "bucket", buckets)
         if not kbuckets:
             continue
@@ -203,8 +263,12 @@ def generate(outdir: Path, head_sizes: str | None = None,
             if qtag not in _limited(kernel, "query", dict(QUERY_DTYPES)):
                 continue
             for cache in _limited(kernel, "cache", caches):
+                unit = _unit(kernel, qtype, cache, kbuckets, lambda bs, hb: _wanted(
+                    only, kernel, qtag, cache, bs, hb))
+                if unit is None:
+                    continue
                 name = f"{kernel}_{qtag}_{cache}.cu"
-                files[name] = _unit(kernel, qtype, cache, kbuckets)
+                files[name] = unit
                 units.append(name)
     outdir.mkdir(parents=True, exist_ok=True)
     for stale in outdir.glob("*.cu"):
@@ -224,9 +288,11 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"default: ${HEAD_SIZES_VAR}, else all")
     ap.add_argument("--kv-cache-dtypes", default=os.environ.get(CACHE_DTYPES_VAR),
                     help=f"default: ${CACHE_DTYPES_VAR}, else all")
+    ap.add_argument("--instances", type=Path, default=None,
+                    help="build only the instances this file lists (see the module doc)")
     a = ap.parse_args(argv)
     try:
-        units = generate(a.outdir, a.head_sizes, a.kv_cache_dtypes)
+        units = generate(a.outdir, a.head_sizes, a.kv_cache_dtypes, a.instances)
     except SettingError as e:
         print(f"generate_kernels.py: {e}", file=sys.stderr)
         return 2

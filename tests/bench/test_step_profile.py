@@ -74,6 +74,22 @@ def test_host_time_takes_the_output_kind(tmp_path: Path) -> None:
         _args(tmp_path, tmp_path, host_time="", output_kind="delta")
 
 
+def test_host_time_takes_the_temperature(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lite.layers.sampler import Sampler
+
+    draws: list[int] = []
+    draw = Sampler._draw
+    monkeypatch.setattr(Sampler, "_draw",
+                        lambda self, *a: draws.append(len(a[-1])) or draw(self, *a))
+    report = step_profile.run(_args(tmp_path, tmp_path, host_time="", num_seqs=2,
+                                    contexts="9", decode_steps=1, temperature=0.8))
+    assert "temperature 0.8, output_kind" in report, report
+    assert draws and set(draws) == {2}, draws  # every step drew both rows' tokens
+    with pytest.raises(ValueError, match="--temperature must be >= 0"):
+        step_profile.run(_args(tmp_path, tmp_path, host_time="", temperature=-1))
+
+
 def test_host_time_with_a_tokenizer_makes_text(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_lite.detokenizer import IncrementalDetokenizer

@@ -37,10 +37,11 @@ def record_step(sched: Scheduler, out: SchedulerOutput, sampled: Mapping[int, Se
     result = RunnerOutput(SamplerOutput(outputs, torch.empty(0), {k: list(v) for k, v in (beams or {}).items()}),
                           SamplingMetadata([]))
     failed: dict[str, Exception] = {}
-    updates = OutputProcessor(StopChecker(sched.config.max_model_len)).process(out, result, failed)
+    updates, lane = OutputProcessor(StopChecker(sched.config.max_model_len)).process(
+        out, result, failed)
     if failed:
         raise next(iter(failed.values()))
-    sched.apply(out, updates)
+    sched.apply(out, updates, lane)
 
 
 class FakeModel:

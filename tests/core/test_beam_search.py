@@ -6,7 +6,6 @@ chunked prefill and prefix caching."""
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from typing import Any
 
@@ -186,8 +185,7 @@ class BeamFakeModel(FakeModel):
                     assert s.do_sample or end == g.seq_group.get_seq(s.seq_id).get_len() - 1
             assert out.num_batched_tokens <= self.scheduler.config.max_num_batched_tokens
             rest = [g for g in out.scheduled_seq_groups if g not in beam_groups]
-            out = dataclasses.replace(out, scheduled_seq_groups=rest,
-                                      num_batched_tokens=sum(g.token_chunk_size for g in rest))
+            out = out.only({g.request_id for g in rest})
         super().check_budgets(out)
 
 

@@ -1,4 +1,5 @@
-"""Fixtures of the CUDA emulation tests: the emulator binary (built once per session, or
+"""Fixtures of the CUDA emulation tests: the emulator binary (built once per session, with
+every attention kernel when the run selected a full_grid test, else the default list; or
 the tests skip with the reason when this machine cannot build it) and case folders."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ def case_dir(root: Path, name: str) -> harness.CaseDir:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def emu_binary():
+def emu_binary(request: pytest.FixtureRequest):
+    harness.use_every_kernel(request.session)
     try:
         return harness.binary()
     except harness.Unavailable as e:

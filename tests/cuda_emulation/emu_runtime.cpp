@@ -22,6 +22,7 @@
 // Fiber stacks and switches are annotated for AddressSanitizer.
 #include "emu_runtime.h"
 
+#include <dlfcn.h>
 #include <link.h>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -399,6 +400,21 @@ void worker_main(LaunchJob& job, int worker_index) {
 void set_schedule_seed(uint64_t seed) { g_seed.store(seed); }
 uint64_t schedule_seed() { return g_seed.load(); }
 void set_workers(int n) { g_workers.store(n); }
+
+void log_kernel(const void* kernel) {
+  static const char* const path = std::getenv("CUDA_EMU_KERNEL_LOG");
+  if (path == nullptr) return;
+  Dl_info info{};
+  const char* symbol = dladdr(kernel, &info) != 0 && info.dli_sname != nullptr
+                           ? info.dli_sname
+                           : "?";
+  static std::mutex log_mutex;
+  std::lock_guard<std::mutex> lock(log_mutex);
+  if (FILE* f = std::fopen(path, "a")) {
+    std::fprintf(f, "%s\n", symbol);
+    std::fclose(f);
+  }
+}
 
 bool register_dynamic_smem(void* (*get)()) {
   std::lock_guard<std::mutex> lock(g_dyn_mutex);

@@ -33,6 +33,10 @@ bool register_dynamic_smem(void* (*get)());
 void launch_blocks(dim3 grid, dim3 block, size_t smem, const char* name,
                    const std::function<void()>& thread_body);
 
+// Appends the kernel's symbol to the file CUDA_EMU_KERNEL_LOG names (when set): which
+// template instances a run launched (harness.py turns that into its kernel list).
+void log_kernel(const void* kernel);
+
 // kernel<<<grid, block, smem>>>(args...): the arguments are converted to the kernel's
 // parameter types and copied once, as CUDA copies them into the parameter buffer.
 template <typename... Params, typename... Args>
@@ -40,6 +44,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, const
             Args&&... args) {
   static_assert(sizeof...(Params) == sizeof...(Args), "kernel argument count");
   const std::tuple<std::remove_cv_t<Params>...> params(std::forward<Args>(args)...);
+  log_kernel(reinterpret_cast<const void*>(kernel));
   launch_blocks(grid, block, smem, name, [&] { std::apply(kernel, params); });
 }
 

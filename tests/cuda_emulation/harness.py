@@ -2,7 +2,11 @@
 
 The binary is compiled once per source state (a hash of csrc/cuda, csrc/fp8.h,
 csrc/attention_limits.h, this folder and the flags) into build/cuda_emulation/<hash>/, with AddressSanitizer and UBSan, translation
-units in parallel. Cases are directories with spec.txt + raw buffers (see emu_main.cpp);
+units in parallel. Its attention kernels are the instances default_kernels.txt lists (those
+the default grid runs) unless the run selected a full_grid test (or CUDA_EMU_KERNELS=all):
+then every instance, as the pip build has them. A case needing a kernel left out fails with
+an error naming the list (the SIMT kernels), or takes the SIMT kernel where it planned the
+tensor-core one, which the attention tests' path checks catch. Cases are directories with spec.txt + raw buffers (see emu_main.cpp);
 run_cases() runs them in one process, and when a case crashes it (sanitizer report,
 emulator error) records the report for that case and continues with the rest in a new
 process.
@@ -14,6 +18,12 @@ Environment:
   CUDA_EMU_JOBS     parallel compiles (default 2)
   CUDA_EMU_CXX      the compiler (default g++)
   CUDA_EMU_CSRC     the csrc folder whose kernels run (default: the checkout's)
+  CUDA_EMU_KERNELS  "all": every attention kernel instance, "default": default_kernels.txt
+                   (default: all when the run selected a full_grid test, else default)
+  CUDA_EMU_KERNEL_LOG  a file to which the emulator appends every launched kernel's symbol;
+                   `python tests/cuda_emulation/harness.py kernels LOG` prints the instance
+                   list they make. default_kernels.txt is that list for a default-grid run of
+                   tests/cuda_emulation and tests/compat with CUDA_EMU_KERNELS=all.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,9 +48,11 @@ ROOT = HERE.parent.parent
 # CUDA_EMU_CSRC: another csrc folder to emulate (e.g. a copy with a bug injected).
 CSRC = Path(os.environ.get("CUDA_EMU_CSRC", ROOT / "csrc")).resolve()
 BUILD = ROOT / "build" / "cuda_emulation"
-# The kernel tables that csrc/cuda/generate_kernels.py writes (every kernel: the emulator
-# ignores the build options), which the kernel headers include.
+# The kernel tables that csrc/cuda/generate_kernels.py writes (the emulator ignores the
+# build options), which the kernel headers include: generated/all (every instance) or
+# generated/default (the instances DEFAULT_KERNELS lists).
 GENERATED = BUILD / "generated"
+DEFAULT_KERNELS = HERE / "default_kernels.txt"
 
 SOURCES = [
     "emu_runtime.cpp", "emu_tensor.cpp", "emu_main.cpp", "emu_selftest.cpp", "emu_cache.cpp",
@@ -58,8 +71,10 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 CXXFLAGS = [
     "-std=c++20", "-O1", "-g", "-fno-omit-frame-pointer", "-fno-strict-aliasing",
     "-Wall", "-Wno-unknown-pragmas", *SANITIZE,
-    f"-I{HERE / 'fake_include'}", f"-I{HERE}", f"-I{CSRC}", f"-I{GENERATED}",
+    f"-I{HERE / 'fake_include'}", f"-I{HERE}", f"-I{CSRC}",
 ]
+# -rdynamic: the kernels' symbols visible to dladdr (CUDA_EMU_KERNEL_LOG).
+LDFLAGS = [*SANITIZE, "-pthread", "-rdynamic"]
 RUN_ENV = {
     # Leak checking needs ptrace-like privileges and is irrelevant here; abort on the first
     # report so the harness sees a crash.
@@ -95,6 +110,31 @@ def cxx() -> str:
     return os.environ.get("CUDA_EMU_CXX", "g++")
 
 
+_EVERY_KERNEL = False
+
+
+def use_every_kernel(session: pytest.Session) -> None:
+    """Called by the emulated tests' session fixtures: the binary gets every attention
+    kernel instance when the run selected a full_grid test, else DEFAULT_KERNELS's."""
+    global _EVERY_KERNEL
+    _EVERY_KERNEL = any(it.get_closest_marker("full_grid") for it in session.items)
+
+
+def every_kernel() -> bool:
+    choice = os.environ.get("CUDA_EMU_KERNELS", "")
+    if choice not in ("", "all", "default"):
+        raise ValueError(f"CUDA_EMU_KERNELS must be 'all' or 'default', got {choice!r}")
+    return choice == "all" or (not choice and _EVERY_KERNEL)
+
+
+def generated_dir() -> Path:
+    return GENERATED / ("all" if every_kernel() else "default")
+
+
+def cxxflags() -> list[str]:
+    return [*CXXFLAGS, f"-I{generated_dir()}"]
+
+
 class Unavailable(Exception):
     """The emulator cannot be built on this machine (the tests skip with this reason)."""
 
@@ -111,6 +151,8 @@ def _object_key(src: str) -> str:
     headers, the kernels (for the TUs that include them), flags and compiler."""
     h = hashlib.sha256()
     _hash_files(h, [HERE / src, *HERE.rglob("*.h"), *(HERE / s for s in INCLUDED.get(src, ()))])
+    if not every_kernel():
+        _hash_files(h, [DEFAULT_KERNELS])
     if src.startswith(KERNEL_TUS) or src in ("emu_main.cpp", "emu_selftest.cpp"):
         # The kernels, the limits they share with the CPU side (csrc/attention_limits.h) and
         # the fp8 conversions (csrc/fp8.h, through cuda/dtype.cuh; emu_main.cpp includes it
@@ -118,7 +160,7 @@ def _object_key(src: str) -> str:
         # The generator is under csrc/cuda: its tables are hashed with the kernels.
         _hash_files(h, [*(CSRC / "cuda").rglob("*"), CSRC / "attention_limits.h",
                         CSRC / "moe_limits.h", CSRC / "fp8.h"])
-    h.update(" ".join(CXXFLAGS).encode())
+    h.update(" ".join(cxxflags()).encode())
     h.update(_compiler_version().encode())
     return h.hexdigest()[:16]
 
@@ -151,31 +193,33 @@ def _check_toolchain() -> None:
 
 
 def _generate_tables() -> None:
-    """Runs the kernel generator for every kernel (its tables only are used here)."""
+    """Runs the kernel generator for every kernel or the default list (its tables only are
+    used here)."""
+    only = [] if every_kernel() else ["--instances", str(DEFAULT_KERNELS)]
     r = subprocess.run([sys.executable, str(CSRC / "cuda" / "generate_kernels.py"),
-                        str(GENERATED), "--head-sizes", "all", "--kv-cache-dtypes", "all"],
-                       capture_output=True, text=True)
+                        str(generated_dir()), "--head-sizes", "all", "--kv-cache-dtypes", "all",
+                        *only], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"generate_kernels.py failed:\n{r.stderr[-4000:]}")
 
 
-_BINARY: Path | None = None
+_BINARY: dict[bool, Path] = {}
 _ERROR: str | None = None
 
 
 def binary() -> Path:
     """The emulator binary, built if this source state has none yet."""
-    global _BINARY, _ERROR
-    if _BINARY is not None:
-        return _BINARY
+    global _ERROR
+    if every_kernel() in _BINARY:
+        return _BINARY[every_kernel()]
     if _ERROR is not None:
         raise Unavailable(_ERROR)
     try:
-        _BINARY = _build()
+        _BINARY[every_kernel()] = _build()
     except Unavailable as e:
         _ERROR = str(e)
         raise
-    return _BINARY
+    return _BINARY[every_kernel()]
 
 
 def _build() -> Path:
@@ -184,7 +228,8 @@ def _build() -> Path:
     keys = {src: _object_key(src) for src in SOURCES}
     objdir = BUILD / "obj"
     objs = [objdir / f"{Path(src).stem}-{keys[src]}.o" for src in SOURCES]
-    exe_key = hashlib.sha256("".join(sorted(keys.values())).encode()).hexdigest()[:16]
+    exe_key = hashlib.sha256(("".join(sorted(keys.values())) + " ".join(LDFLAGS)).encode()
+                             ).hexdigest()[:16]
     exe = BUILD / exe_key / "emu_kernels"
     if exe.exists():
         return exe
@@ -204,7 +249,8 @@ def _build() -> Path:
             while pending and len(running) < jobs:
                 src, obj = pending.pop(0)
                 tmp = obj.with_suffix(".tmp.o")
-                cmd = ["nice", "-n", "10", cxx(), *CXXFLAGS, "-c", str(HERE / src), "-o", str(tmp)]
+                cmd = ["nice", "-n", "10", cxx(), *cxxflags(), "-c", str(HERE / src), "-o",
+                       str(tmp)]
                 running.append((src, obj, subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                                            stderr=subprocess.STDOUT, text=True)))
             src, obj, p = running.pop(0)
@@ -216,7 +262,7 @@ def _build() -> Path:
         if failed:
             raise RuntimeError("building the CUDA emulator failed:\n" + "\n".join(failed))
         tmp = exe.with_suffix(".tmp")
-        r = subprocess.run([cxx(), *SANITIZE, *map(str, objs), "-pthread", "-o", str(tmp)],
+        r = subprocess.run([cxx(), *map(str, objs), *LDFLAGS, "-o", str(tmp)],
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"linking the CUDA emulator failed:\n{r.stderr[-4000:]}")
@@ -322,3 +368,41 @@ def _summarize(stderr: str, limit: int = 6000) -> str:
     head = [ln for ln in lines if any(k in ln for k in keys)][:30]
     text = "\n".join(head) if head else stderr
     return text[:limit]
+
+
+# ---------------------------------------------------------------------------------------
+# The kernel list (default_kernels.txt) from a CUDA_EMU_KERNEL_LOG file
+
+# Kernel template -> its name in csrc/cuda/generate_kernels.py.
+_KERNEL_NAMES = {"paged_attention_kernel": "paged_attention",
+                 "paged_attention_tc_kernel": "paged_attention_tc",
+                 "varlen_paged_attention_kernel": "varlen_attention",
+                 "varlen_paged_attention_tc_kernel": "varlen_attention_tc"}
+_QUERY_TAGS = {"float": "f32", "__half": "f16", "__nv_bfloat16": "bf16"}
+# The fp8 cache elements as c++filt names them (fp8_e4m3 / fp8_e5m2 are aliases).
+_FP8_CACHES = {"vllm_lite::cuda::fp8_t<vllm_lite::fp8::E4M3>": "fp8_e4m3",
+               "vllm_lite::cuda::fp8_t<vllm_lite::fp8::E5M2>": "fp8_e5m2"}
+
+
+def kernel_list(symbols: list[str]) -> list[str]:
+    """The generator's instance lines (see its --instances) of the attention kernels among
+    the logged symbols (mangled), sorted; other kernels are not in the list."""
+    names = subprocess.run(["c++filt"], input="\n".join(symbols), capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    lines = set()
+    for name in names:
+        m = re.match(r"void vllm_lite::cuda::\w+::(\w+)<(.*)>\([^()]*\)$", name)
+        if m is None or m.group(1) not in _KERNEL_NAMES:
+            continue
+        kernel = _KERNEL_NAMES[m.group(1)]
+        args = [a.strip() for a in re.split(r",(?![^<]*>)", m.group(2))]
+        cache = "auto" if args[1] == args[0] else _FP8_CACHES[args[1]]
+        bs = args[2] if kernel.startswith("paged") else "-"
+        lines.add(f"{kernel} {_QUERY_TAGS[args[0]]} {cache} {bs} {args[-1]}")
+    return sorted(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "kernels":
+        sys.exit("usage: python tests/cuda_emulation/harness.py kernels CUDA_EMU_KERNEL_LOG")
+    print("\n".join(kernel_list(Path(sys.argv[2]).read_text().split())))

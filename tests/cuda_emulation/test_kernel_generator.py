@@ -240,3 +240,112 @@ def test_left_out_kernel_fails_naming_the_options(tmp_path):
                                "head_size 32 with kv_cache_dtype fp8_e5m2"),
     ]:
         assert res[name].startswith(f"error {msg}: {settings}"), (name, res[name])
+
+
+def test_instance_list_builds_exactly_the_listed(tmp_path):
+    listed = tmp_path / "kernels.txt"
+    listed.write_text("# the emulator's default set, say\n"
+                      "paged_attention bf16 fp8_e4m3 16 64\n"
+                      "paged_attention f32 auto 8 256  # a comment\n"
+                      "paged_attention_tc f16 auto 32 128\n"
+                      "\n"
+                      "varlen_attention f16 fp8_e5m2 - 128\n")
+    units = gk.generate(tmp_path / "g", instances=listed)
+    out = tmp_path / "g"
+    assert sorted(p.name for p in units) == sorted([
+        "paged_attention_bf16_fp8_e4m3.cu", "paged_attention_f32_auto.cu",
+        "paged_attention_tc_f16_auto.cu", "varlen_attention_f16_fp8_e5m2.cu"])
+    assert sorted(_instances(out)) == sorted([
+        ("AttentionInstance", "__nv_bfloat16", "fp8_e4m3", "16", "64"),
+        ("AttentionInstance", "float", "float", "8", "256"),
+        ("AttentionTcInstance", "__half", "__half", "32", "128"),
+        ("VarlenInstance", "__half", "fp8_e5m2", "128")])
+    # One table section per (cache, query dtype) that has an entry, returning only those.
+    paged = (out / "paged_attention_table.h").read_text()
+    assert re.findall(r"return (\w+<[^>]*>)::get\(\)", paged) == [
+        "AttentionInstance<T, CT, 8, 256>", "AttentionInstance<T, CT, 16, 64>"]
+    assert "std::is_same_v<CT, T> && (std::is_same_v<T, float>)" in paged
+    assert "std::is_same_v<CT, fp8_e4m3> && (std::is_same_v<T, __nv_bfloat16>)" in paged
+    tc = (out / "paged_attention_tc_table.h").read_text()
+    assert re.findall(r"return (\w+<[^>]*>)::get\(\)", tc) == [
+        "AttentionTcInstance<T, CT, 32, 128>"]
+    assert "std::is_same_v<CT, T> && (std::is_same_v<T, __half>)" in tc
+    assert "::get()" not in (out / "varlen_attention_tc_table.h").read_text()
+    assert f"the kernel list {listed.as_posix()}" in (out / "kernel_build_config.h").read_text()
+    # The build options still apply on top of the list.
+    assert [p.name for p in gk.generate(tmp_path / "h", "64", None, listed)] == [
+        "paged_attention_bf16_fp8_e4m3.cu"]
+
+
+@pytest.mark.parametrize("line,what", [
+    ("paged_attention bf16 fp8_e4m3 16", "want <kernel>"),
+    ("paged_attention bf16 int8 16 64", "cache one of"),
+    ("paged_attention bf16 auto 12 64", "block size 8/16/32"),
+    ("varlen_attention bf16 auto 16 64", "block size -"),
+    ("paged_attention_tc f16 auto 16 256", "head bucket 64/128"),
+    ("paged_attention_tc f32 auto 16 64", "no instance for f32 / auto"),
+    ("varlen_attention_tc f16 fp8_e4m3 - 64", "no instance for f16 / fp8_e4m3"),
+])
+def test_bad_instance_line_names_the_file_and_line(tmp_path, line, what):
+    listed = tmp_path / "kernels.txt"
+    listed.write_text("paged_attention f16 auto 8 64\n" + line + "\n")
+    with pytest.raises(gk.SettingError, match=rf"kernels\.txt:2: .*{re.escape(what)}"):
+        gk.generate(tmp_path / "g", instances=listed)
+    assert not (tmp_path / "g").exists()
+
+
+def test_default_kernel_list_is_sorted_and_parses():
+    """The emulator's default list: valid for the generator, no line twice."""
+    lines = [ln for ln in harness.DEFAULT_KERNELS.read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    assert lines == sorted(set(lines))
+    assert len(gk.read_instances(harness.DEFAULT_KERNELS)) == len(lines)
+
+
+def test_kernel_list_from_logged_symbols():
+    """CUDA_EMU_KERNEL_LOG's symbols as the generator's instance lines (other kernels left
+    out, each instance once)."""
+    if shutil.which("c++filt") is None:
+        pytest.skip("no c++filt")
+    symbols = [
+        "_ZN9vllm_lite4cuda4attn22paged_attention_kernelI6__halfNS0_5fp8_tINS_3fp84E5M2EEELi16E"
+        "Li128EEEvNS1_15AttentionParamsE",
+        "_ZN9vllm_lite4cuda4attn25paged_attention_tc_kernelI6__halfS3_Li16ELi128EEEvNS1_15"
+        "AttentionParamsE",
+        "_ZN9vllm_lite4cuda6varlen29varlen_paged_attention_kernelIffLi128EEEvNS1_12VarlenParamsE",
+        "_ZN9vllm_lite4cuda6varlen29varlen_paged_attention_kernelIffLi128EEEvNS1_12VarlenParamsE",
+        "_ZN9vllm_lite4cuda4attn32paged_attention_v2_reduce_kernelI13__nv_bfloat16EEvNS1_12"
+        "ReduceParamsE",
+    ]
+    assert harness.kernel_list(symbols) == [
+        "paged_attention f16 fp8_e5m2 16 128",
+        "paged_attention_tc f16 auto 16 128",
+        "varlen_attention f32 auto - 128",
+    ]
+
+
+def test_emulator_kernel_set_follows_the_selection(monkeypatch):
+    """Every instance when the run selected a full_grid test (or CUDA_EMU_KERNELS=all),
+    else the default list; each set in its own generated folder."""
+    from types import SimpleNamespace
+
+    def session(*full: bool):
+        items = [SimpleNamespace(get_closest_marker=lambda name, f=f: object() if f and
+                                 name == "full_grid" else None) for f in full]
+        return SimpleNamespace(items=items)
+
+    monkeypatch.setattr(harness, "_EVERY_KERNEL", False)  # restored after the test
+    monkeypatch.delenv("CUDA_EMU_KERNELS", raising=False)
+    harness.use_every_kernel(session(False, False))
+    assert not harness.every_kernel() and harness.generated_dir().name == "default"
+    assert f"-I{harness.GENERATED / 'default'}" in harness.cxxflags()
+    harness.use_every_kernel(session(False, True))
+    assert harness.every_kernel() and harness.generated_dir().name == "all"
+    monkeypatch.setenv("CUDA_EMU_KERNELS", "default")
+    assert not harness.every_kernel()
+    harness.use_every_kernel(session(False))
+    monkeypatch.setenv("CUDA_EMU_KERNELS", "all")
+    assert harness.every_kernel()
+    monkeypatch.setenv("CUDA_EMU_KERNELS", "some")
+    with pytest.raises(ValueError, match="CUDA_EMU_KERNELS"):
+        harness.every_kernel()

@@ -565,6 +565,131 @@ def test_greedy_and_random_rows_in_one_batch():
                 assert math.isfinite(processed[i, tok].item())  # in the kept set
 
 
+# ----------------------------------------------------------------------------------------
+# Each row's plan (what the sampler derives from its params, made once per row): kept
+# across steps, never stale
+# ----------------------------------------------------------------------------------------
+
+
+def test_min_tokens_expiring_on_a_kept_row():
+    """A greedy row kept across steps (as the runner keeps it) has EOS and its stop ids
+    masked while below min_tokens (the general path), and the plain path once min_tokens
+    is reached: the decision follows the output, not the first step's."""
+    V = 16
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(21))
+    logits[0, EOS], logits[0, 9], logits[0, 6] = 9.0, 8.0, 7.0
+    row = make_row(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[9]))
+    sampler = Sampler(seed=0)
+    for step in range(4):
+        out = sampler(logits, SamplingMetadata([row]))
+        tok, lp = out.plain.token_ids[0], out.plain.logprobs[0]
+        masked = logits[0].double().tolist()
+        if step < 2:
+            assert out.logprobs is not None and tok == 6  # EOS and stop id 9 masked
+            masked[EOS] = masked[9] = NEG_INF
+        else:
+            assert out.logprobs is None and tok == EOS  # the plain greedy path
+        assert lp == pytest.approx(ref_log_softmax(masked)[tok], abs=1e-5)
+        row.output_token_ids.append(tok)
+
+
+def test_a_row_given_other_params_follows_them():
+    """The plan is kept with the params object it was made from: a row given other
+    params (greedy -> greedy with logprobs -> random top_k=1 -> plain greedy again)
+    samples as the new params say from the next step on."""
+    V = 40
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(22))
+    best = int(logits[0].argmax())
+    row = make_row(SamplingParams(temperature=0.0))
+    sampler = Sampler(seed=0)
+    assert sampler(logits, SamplingMetadata([row])).logprobs is None
+    row.params = SamplingParams(temperature=0.0, logprobs=2)
+    out = sampler(logits, SamplingMetadata([row]))
+    assert out.plain is None and out.outputs[0].token_ids == [best]
+    check_logprob_dict(out.outputs[0].top_logprobs[0],
+                       ref_log_softmax(logits[0].double().tolist()), best, 2)
+    row.params = SamplingParams(temperature=1.0, top_k=1)
+    out = sampler(logits, SamplingMetadata([row]))
+    assert out.plain.token_ids == [best] and out.plain.logprobs == [0.0]  # the only token
+    row.params = SamplingParams(temperature=0.0)
+    assert sampler(logits, SamplingMetadata([row])).logprobs is None
+
+
+def test_first_step_draws_then_one_a_step():
+    """A best_of request's row draws best_of tokens at its first sample and one a step
+    after (the runner makes a new row then: num_samples is fixed for a row's life); the
+    request's generator carries on across the two rows."""
+    params = SamplingParams(n=1, best_of=3, temperature=1.0, seed=5)
+    group = SequenceGroup("r", [Sequence(1, [3, 4])], params, eos_token_id=EOS)
+    seq = group.get_seqs()[0]
+    logits = torch.zeros(1, 50)  # uniform: every draw consumes the generator
+    sampler = Sampler()
+    first = SamplingRow.for_seq(group, seq)
+    out = sampler(logits, SamplingMetadata([first]))
+    assert first.num_samples == 3 and out.plain is None
+    assert len(out.outputs[0].token_ids) == 3
+    seq.output_token_ids.append(out.outputs[0].token_ids[0])
+    later = SamplingRow.for_seq(group, seq)
+    out2 = sampler(logits, SamplingMetadata([later]))
+    assert later.num_samples == 1 and len(out2.plain.token_ids) == 1
+    # The same four draws from one generator of the same seed, in one row.
+    again = Sampler()(logits, SamplingMetadata([make_row(params, num_samples=4)]))
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids + out2.plain.token_ids
+
+
+def test_rows_sharing_a_plan_keep_their_own_generators():
+    """Requests with equal settings (one seed value) share a plan but each draws from its
+    own generator: both draw what either draws alone; a row without a seed in the batch
+    draws from the sampler's."""
+    V = 50
+    logits = torch.zeros(3, V)
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0, seed=7),
+              SamplingParams(temperature=1.0)]
+    rows = [make_row(p, seq_id=i) for i, p in enumerate(params)]
+    alone = make_row(SamplingParams(temperature=1.0, seed=7), seq_id=9)
+    sampler, solo = Sampler(seed=0), Sampler(seed=0)
+    for _ in range(5):
+        got = sampler(logits, SamplingMetadata(rows)).plain.token_ids
+        want = solo(logits[:1], SamplingMetadata([alone])).plain.token_ids[0]
+        assert got[0] == got[1] == want
+
+
+def test_mixed_batch_rows_sample_as_alone():
+    """Greedy, seeded random (one and several draws), beam and logprob rows in one batch:
+    each row's samples (and a beam request's candidates) are what the row gets alone."""
+    V = 60
+    logits = torch.randn(7, V, generator=torch.Generator().manual_seed(23)) * 2
+    beam = SamplingParams(use_beam_search=True, best_of=2, temperature=0.0)
+    specs = [
+        (SamplingParams(temperature=0.0), 1, "a"),
+        (SamplingParams(n=1, best_of=3, temperature=0.9, seed=1), 3, "b"),
+        (beam, 1, "c"),
+        (SamplingParams(temperature=0.0, logprobs=3), 1, "d"),
+        (beam, 1, "c"),  # the request's rows need not be next to each other
+        (SamplingParams(temperature=0.7, seed=2, min_p=0.05), 1, "e"),
+        (SamplingParams(temperature=0.0, min_tokens=1, presence_penalty=0.4), 1, "f"),
+    ]
+
+    def rows_of(idx):
+        return [make_row(specs[i][0], prompt=[1, 2], seq_id=i, request_id=specs[i][2],
+                         num_samples=specs[i][1]) for i in idx]
+
+    out = Sampler(seed=0)(logits, SamplingMetadata(rows_of(range(7))))
+    assert out.plain is None and out.outputs[2] is None and out.outputs[4] is None
+    for i in (0, 1, 3, 5, 6):
+        solo = Sampler(seed=0)(logits[i:i + 1], SamplingMetadata(rows_of([i]))).outputs[0]
+        o = out.outputs[i]
+        assert o.seq_id == i and o.token_ids == solo.token_ids
+        assert o.logprobs == pytest.approx(solo.logprobs, abs=1e-6)
+        assert (o.top_logprobs is None) == (solo.top_logprobs is None)
+        if o.top_logprobs is not None:
+            assert o.top_logprobs[0].keys() == solo.top_logprobs[0].keys()
+    assert len(out.outputs[1].token_ids) == 3
+    beams = Sampler(seed=0)(logits[[2, 4]], SamplingMetadata(rows_of([2, 4]))).beams
+    assert [(c.parent_seq_id, c.token_id) for c in out.beams["c"]] == \
+        [(c.parent_seq_id, c.token_id) for c in beams["c"]]
+
+
 class ToyModel:
     """Deterministic logits from a sequence's token history."""
 

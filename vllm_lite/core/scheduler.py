@@ -14,11 +14,12 @@ out in one call.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Iterable, Mapping, Sequence as Seq
+from collections.abc import Container, Iterable, Mapping, Sequence as Seq
 from types import MappingProxyType
 
 from vllm_lite.config.schema import CacheConfig, SchedulerConfig
@@ -67,14 +68,49 @@ class ScheduledSequenceGroup:
         return sum(s.num_new_tokens for s in self.seqs)
 
 
+@dataclass(slots=True)
+class DecodeLane:
+    """The step's plain decodes as columns, one row per request: row i is request
+    ``groups[i]``'s only sequence ``seqs[i]`` (id ``seq_ids[i]``), computing its last
+    token at position ``computed[i]`` (its computed tokens: one token is left) into the
+    block manager's own table ``tables[i]`` (uncopied: it only grows in place), and
+    sampling. A plain decode is a running request of one sequence, no beams, past its
+    first sample, with one token to compute: the usual step of nearly every request,
+    served without an object per request."""
+
+    groups: list[SequenceGroup]
+    seqs: list[Sequence]
+    seq_ids: list[int]
+    computed: list[int]
+    tables: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def scheduled_groups(self) -> list[ScheduledSequenceGroup]:
+        """The rows as the per-request path's records (for consumers off the hot path)."""
+        return [ScheduledSequenceGroup(g, [ScheduledSequence(s.seq_id, c, 1, t, False, True)])
+                for g, s, c, t in zip(self.groups, self.seqs, self.computed, self.tables)]
+
+    def without(self, request_ids: Container[str]) -> DecodeLane:
+        keep = [i for i, g in enumerate(self.groups) if g.request_id not in request_ids]
+        return DecodeLane(*([col[i] for i in keep] for col in (
+            self.groups, self.seqs, self.seq_ids, self.computed, self.tables)))
+
+
 @dataclass
 class SchedulerOutput:
     """What one step runs. Apply the block operations in this order before the forward:
     blocks_to_swap_out (GPU->CPU), blocks_to_swap_in (CPU->GPU), blocks_to_copy (GPU->GPU,
-    copy-on-write): a block swapped out may be handed out again in the same step."""
+    copy-on-write): a block swapped out may be handed out again in the same step.
+
+    The step's plain decodes come as one columnar ``lane`` (its rows first in the batch),
+    every other request as a ScheduledSequenceGroup in ``groups`` (prefill chunks,
+    recomputes, forked and beam requests, first samples); ``scheduled_seq_groups`` has
+    them all as records, the lane's rows first."""
 
     step: int
-    scheduled_seq_groups: list[ScheduledSequenceGroup]
+    groups: list[ScheduledSequenceGroup]
     num_batched_tokens: int
     blocks_to_swap_in: BlockMapping
     blocks_to_swap_out: BlockMapping
@@ -82,6 +118,53 @@ class SchedulerOutput:
     # Finished this step without running (FINISHED_IGNORED; the reason is in group.error).
     ignored_seq_groups: list[SequenceGroup]
     num_preempted: int
+    lane: DecodeLane | None = None
+    _records: list[ScheduledSequenceGroup] | None = field(default=None, init=False,
+                                                          repr=False, compare=False)
+
+    @property
+    def scheduled_seq_groups(self) -> list[ScheduledSequenceGroup]:
+        """Every request of the step as a ScheduledSequenceGroup, the lane's rows first
+        (built on first read; the hot path reads ``lane`` and ``groups``)."""
+        if self.lane is None:
+            return self.groups
+        if self._records is None:
+            self._records = self.lane.scheduled_groups() + self.groups
+        return self._records
+
+    def num_requests(self) -> int:
+        return len(self.groups) + (len(self.lane) if self.lane is not None else 0)
+
+    def seq_groups(self) -> list[SequenceGroup]:
+        """The requests of the step, in batch order."""
+        rest = [s.seq_group for s in self.groups]
+        return self.lane.groups + rest if self.lane is not None else rest
+
+    def request_ids(self) -> list[str]:
+        return [g.request_id for g in self.seq_groups()]
+
+    def only(self, request_ids: Container[str]) -> SchedulerOutput:
+        """The same step restricted to ``request_ids`` (the engine's re-runs of a step
+        that failed), the lane kept a lane."""
+        lane = self.lane
+        if lane is not None:
+            lane = lane.without(_Complement(request_ids))
+        groups = [g for g in self.groups if g.request_id in request_ids]
+        return dataclasses.replace(self, groups=groups, lane=lane or None,
+                                   num_batched_tokens=sum(g.token_chunk_size for g in groups)
+                                   + (len(lane) if lane else 0))
+
+
+class _Complement:
+    """Membership in the complement of a container."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: Container[str]) -> None:
+        self.ids = ids
+
+    def __contains__(self, item: object) -> bool:
+        return item not in self.ids
 
 
 # A finished status and its stop reason (a stop token id, a stop string, or None).
@@ -148,6 +231,21 @@ class GroupUpdate:
     prompt_logprobs: list[dict[int, Any] | None] | None = None
 
 
+@dataclass(slots=True)
+class LaneUpdate:
+    """What one step changes in the rows of its DecodeLane, as columns in row order: row
+    i's sequence takes token ``token_ids[i]`` of logprob ``logprobs[i]``, except the rows
+    in ``skip`` (their request failed this step). ``finishes``: the rows whose token ends
+    their sequence, with the finish; ``outputs``: the rows whose output state (text,
+    logprob entries) moved, with the new state."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finishes: dict[int, Finish] = field(default_factory=dict)
+    outputs: dict[int, SeqOutputState] = field(default_factory=dict)
+    skip: set[int] = field(default_factory=set)
+
+
 @dataclass
 class _StepState:
     token_budget: int
@@ -160,6 +258,7 @@ class _StepState:
     copies: BlockMapping = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)
     num_preempted: int = 0
+    lane: DecodeLane = field(default_factory=lambda: DecodeLane([], [], [], [], []))
 
     @property
     def tokens_left(self) -> int:
@@ -185,6 +284,10 @@ class SchedulerStats:
 
 
 class Scheduler:
+    # Plain decodes go in the step's DecodeLane; False: the same rows, in the same order,
+    # as ScheduledSequenceGroups on the per-request path (tests compare the two).
+    _decode_lane = True
+
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
@@ -198,11 +301,16 @@ class Scheduler:
             )
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
+        # Whether running is in service order (running_key): a group joining unsorts it.
+        self._running_sorted = True
         self.swapped: list[SequenceGroup] = []
         self._requests: dict[str, SequenceGroup] = {}
         self._arrivals = itertools.count()
         self._step = 0
         self._pending_output: SchedulerOutput | None = None
+        # Requests aborted so far: a step that sees it unchanged since schedule() knows
+        # every sequence it scheduled is still running.
+        self.num_aborted = 0
         self.num_preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
 
     # -- requests ------------------------------------------------------------------------
@@ -281,6 +389,7 @@ class Scheduler:
             if error is not None:
                 group.error = error
             aborted.append(group)
+            self.num_aborted += 1
         return aborted
 
     def _finish_all(self, group: SequenceGroup, status: SequenceStatus) -> None:
@@ -366,69 +475,102 @@ class Scheduler:
         self._schedule_waiting(state)
         for group in self.waiting:
             group.waiting_steps += 1
+        lane: DecodeLane | None = state.lane if state.lane.seqs else None
+        groups = list(state.scheduled.values())
+        if lane is not None and not self._decode_lane:
+            groups = lane.scheduled_groups() + groups
+            lane = None
         out = SchedulerOutput(
             step=self._step,
-            scheduled_seq_groups=list(state.scheduled.values()),
+            groups=groups,
             num_batched_tokens=state.num_batched_tokens,
             blocks_to_swap_in=state.swap_in,
             blocks_to_swap_out=state.swap_out,
             blocks_to_copy=state.copies,
             ignored_seq_groups=state.ignored,
             num_preempted=state.num_preempted,
+            lane=lane,
         )
         self._pending_output = out
         return out
 
     def _schedule_running(self, state: _StepState) -> None:
-        queue = sorted(self.running, key=running_key)
-        kept: list[SequenceGroup] = []
+        # Decodes before prefill chunks: a long prompt must not stall the running batch.
+        # Groups are served in order, each growing its block table first; when blocks run
+        # out, victims come from the back only: groups already served this step keep their
+        # slots, so nothing scheduled is taken away again.
+        if not self._running_sorted:
+            self.running.sort(key=running_key)  # stays sorted until a group joins
+            self._running_sorted = True
+        # A preemption takes its victim out of self.running, which is then the groups kept.
+        queue = self.running[:]
+        rest: list[SequenceGroup] = []
         append_slots = self.block_manager.try_append_slots
+        tables = self.block_manager.device_block_tables
+        bs = self.cache_config.block_size
+        running = SequenceStatus.RUNNING
+        groups, seqs, seq_ids, computed_col, table_col = (
+            state.lane.groups, state.lane.seqs, state.lane.seq_ids, state.lane.computed,
+            state.lane.tables)
+        budget = state.token_budget
+        num_batched = state.num_batched_tokens
         head, end = 0, len(queue)  # queue[head:end] still to serve; victims come off the end
         while head < end:
             group = queue[head]
             head += 1
+            seq = group.plain_seq
+            if seq is not None:
+                # A plain decode (see DecodeLane) goes in the lane; one whose token fits
+                # its last block asks the block manager for nothing: a sequence alone in
+                # its request never shares the block it writes (prefix-cache hits are
+                # full computed blocks, and forks make a request of several sequences).
+                output = seq.output_token_ids
+                computed = seq.num_computed_tokens
+                if (seq.status is running and output
+                        and len(seq.prompt_token_ids) + len(output) - computed == 1):
+                    table = tables[seq.seq_id]
+                    if computed < len(table) * bs:
+                        if num_batched < budget:
+                            num_batched += 1
+                            groups.append(group)
+                            seqs.append(seq)
+                            seq_ids.append(seq.seq_id)
+                            computed_col.append(computed)
+                            table_col.append(table)
+                        else:
+                            state.blocked = True
+                        continue
+                else:
+                    seq = None
             while (copies := append_slots(group)) is None:
-                # Victims come from the back only: groups already served this step keep
-                # their slots, so nothing scheduled is taken away again.
                 if head < end:
                     end -= 1
                     victim = queue[end]
                 else:
                     victim = group
+                state.num_batched_tokens = num_batched
                 self._preempt(victim, state)
                 if victim is group:
                     break
             else:
                 if copies:
                     state.copies.extend(copies)
-                kept.append(group)
-        self.running = kept
-        # Decodes before prefill chunks: a long prompt must not stall the running batch.
-        # A request running one plain sequence with one token to compute (the usual
-        # decode) is served here directly; every other group goes through _assign_tokens.
-        rest: list[SequenceGroup] = []
-        running = SequenceStatus.RUNNING
-        tables = self.block_manager.device_block_tables
-        scheduled = state.scheduled
-        for group in kept:
-            seqs = group.seqs_dict
-            if len(seqs) == 1 and not group.sampling_params.use_beam_search:
-                (seq,) = seqs.values()
-                output = seq.output_token_ids
-                computed = seq.num_computed_tokens
-                if (seq.status is running
-                        and len(seq.prompt_token_ids) + len(output) - computed == 1):
-                    # _schedule_seq for this case (its first entry of the step).
-                    if state.num_batched_tokens < state.token_budget:
-                        state.num_batched_tokens += 1
-                        scheduled[group.request_id] = ScheduledSequenceGroup(group, [
-                            ScheduledSequence(seq.seq_id, computed, 1, tables[seq.seq_id],
-                                              not output, True)])
+                if seq is not None:  # a plain decode that took a new block
+                    if num_batched < budget:
+                        num_batched += 1
+                        groups.append(group)
+                        seqs.append(seq)
+                        seq_ids.append(seq.seq_id)
+                        computed_col.append(seq.num_computed_tokens)
+                        table_col.append(tables[seq.seq_id])
                     else:
                         state.blocked = True
                     continue
-            self._assign_tokens(group, state, decodes=True)
-            rest.append(group)
+                state.num_batched_tokens = num_batched
+                self._assign_tokens(group, state, decodes=True)
+                num_batched = state.num_batched_tokens
+                rest.append(group)
+        state.num_batched_tokens = num_batched
         for group in rest:
             self._assign_tokens(group, state, decodes=False)
 
@@ -449,6 +591,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             state.copies.extend(self.block_manager.append_slots(group))
             self.running.append(group)
+            self._running_sorted = False
             self._assign_tokens(group, state)
 
     def _schedule_waiting(self, state: _StepState) -> None:
@@ -477,6 +620,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             group.waiting_steps = 0
             self.running.append(group)
+            self._running_sorted = False
             self._assign_tokens(group, state)
 
     def _never_reason(self, group: SequenceGroup) -> str | None:
@@ -619,21 +763,23 @@ class Scheduler:
         logger.debug("preempted %s by %s", group.request_id, mode)
 
     # -- after the model ran -----------------------------------------------------------
-    def apply(self, output: SchedulerOutput, updates: Iterable[GroupUpdate]) -> None:
+    def apply(self, output: SchedulerOutput, updates: Iterable[GroupUpdate],
+              lane: LaneUpdate | None = None) -> None:
         """Records the step ``output`` once it ran: the scheduled tokens of every group
         still in the scheduler are in the KV cache now (full blocks become prefix-cache
-        hits for others), then each group's updates change its sequences and blocks.
-        Every update names sequences as they stood before this step's updates: forks and
-        hypotheses copy their parent before the parent takes its own token, and dropped
-        sequences go last. A request whose sequences have all finished leaves the
-        scheduler. Anything inconsistent with the scheduler's state is a bug upstream
-        (InternalError)."""
+        hits for others), then each group's updates change its sequences and blocks
+        (``lane``: those of the step's DecodeLane rows, as columns; a lane row may also
+        get a GroupUpdate instead). Every update names sequences as they stood before
+        this step's updates: forks and hypotheses copy their parent before the parent
+        takes its own token, and dropped sequences go last. A request whose sequences
+        have all finished leaves the scheduler. Anything inconsistent with the
+        scheduler's state is a bug upstream (InternalError)."""
         if output is not self._pending_output:
             raise InternalError("a step must be recorded once, after the latest schedule()")
         self._pending_output = None
         running = SequenceStatus.RUNNING
         mark_computed = self.block_manager.mark_computed
-        for sched in output.scheduled_seq_groups:
+        for sched in output.groups:
             seqs = sched.seq_group.seqs_dict
             # A sequence aborted since it was scheduled is no longer RUNNING.
             for s in sched.seqs:
@@ -641,11 +787,60 @@ class Scheduler:
                 if seq is not None and seq.status is running:
                     seq.num_computed_tokens += s.num_new_tokens
                     mark_computed(seq)
+        if output.lane is not None:
+            self._apply_lane(output.lane, lane)
+        elif lane is not None:
+            raise InternalError("a lane update for a step without a decode lane")
         for update in updates:
             group = self._requests.get(update.request_id)
             if group is None:
                 raise InternalError(f"an update for {update.request_id!r}, not in the scheduler")
             self._apply_group(group, update)
+
+    def _apply_lane(self, lane: DecodeLane, update: LaneUpdate | None) -> None:
+        """The lane's rows computed their token; each takes its new one (the columns of
+        ``update``). Blocks are published in the prefix cache as they become full."""
+        running = SequenceStatus.RUNNING
+        bs = self.cache_config.block_size
+        caching = self.block_manager.enable_caching
+        mark_computed = self.block_manager.mark_computed
+        seqs = lane.seqs
+        if update is None:
+            for seq in seqs:
+                if seq.status is running:
+                    n = seq.num_computed_tokens = seq.num_computed_tokens + 1
+                    if caching and not n % bs:
+                        mark_computed(seq)
+            return
+        if len(update.token_ids) != len(seqs) or len(update.logprobs) != len(seqs):
+            raise InternalError(f"a lane update of {len(update.token_ids)} tokens for "
+                                f"{len(seqs)} rows")
+        skip = update.skip
+        for i, (seq, token, logprob) in enumerate(zip(seqs, update.token_ids,
+                                                      update.logprobs)):
+            if seq.status is running:  # else aborted since it was scheduled
+                n = seq.num_computed_tokens = seq.num_computed_tokens + 1
+                if caching and not n % bs:
+                    mark_computed(seq)
+                if skip and i in skip:
+                    continue
+                seq.output_token_ids.append(token)
+                seq.cumulative_logprob += logprob
+        for i, state in update.outputs.items():
+            seq = seqs[i]
+            if seq.status is running and i not in skip:
+                seq.output = state
+        for i, finish in update.finishes.items():
+            seq = seqs[i]
+            if seq.status is not running or i in skip:
+                continue
+            status, reason = finish
+            if not SequenceStatus.is_finished(status):
+                raise InternalError(f"status must be a finished status, got {status}")
+            self.block_manager.free(seq)
+            seq.status = status
+            seq.stop_reason = reason
+            self._retire_if_finished(lane.groups[i])
 
     def _apply_group(self, group: SequenceGroup, update: GroupUpdate) -> None:
         if update.prompt_logprobs:

@@ -33,7 +33,7 @@ from vllm_lite.engine.output_processor import DeferredText, OutputProcessor
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.outputs import RequestOutput, request_output
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
-from vllm_lite.sequence import SequenceGroup
+from vllm_lite.sequence import SequenceGroup, SequenceStatus
 from vllm_lite.errors import DistributedError
 from vllm_lite.worker.executor import Executor, make_executor
 from vllm_lite.worker.model_runner import RunnerOutput
@@ -49,6 +49,12 @@ def _output_due(group: SequenceGroup) -> bool:
     for FINAL_ONLY (LLM.generate) only once finished; nobody reads the others, so they
     are not built."""
     return group.sampling_params.output_kind is not _FINAL_ONLY or group.is_finished()
+
+
+def _due(groups: list[SequenceGroup]) -> list[SequenceGroup]:
+    """The groups of ``groups`` whose output is due (_output_due), in order."""
+    return [g for g in groups if g.sampling_params.output_kind is not _FINAL_ONLY
+            or g.is_finished()]
 
 
 class EngineStepError(RuntimeError):
@@ -70,6 +76,8 @@ class _Pending:
 
     groups: list[SequenceGroup]
     deferred: list[DeferredText]
+    # The groups whose output is due (_output_due), as the step left them.
+    due: list[SequenceGroup]
     aborted: set[str] = field(default_factory=set)
 
 
@@ -205,11 +213,12 @@ class LLMEngine:
         engine and no token is computed in vain; a request's outputs come one step later
         (a last call with nothing scheduled returns the final ones)."""
         out = self.scheduler.schedule()
+        num_aborted = self.scheduler.num_aborted
         pending, self._pending = self._pending, None
         # The previous step's outputs (async), then requests that finished unserved.
         outputs: list[RequestOutput] = []
         ignored = [request_output(g) for g in out.ignored_seq_groups]
-        groups = out.scheduled_seq_groups
+        lane = out.lane
         failed: dict[str, Exception] = {}
         try:
             self.executor.execute_cache_ops(out)
@@ -218,11 +227,11 @@ class LLMEngine:
         except Exception as e:
             outputs += self._finish_pending(pending, failed) + ignored
             # The swap pool's contents are unknown now: every swapped group fails too.
-            self._fail_step([s.request_id for s in groups]
+            self._fail_step(out.request_ids()
                             + [g.request_id for g in self.scheduler.swapped], e, outputs,
                             failed)
         try:
-            if pending is None or not groups:
+            if pending is None or not (out.groups or lane):
                 outputs += self._finish_pending(pending, failed)
                 result = self._execute_isolated(out, failed)
             else:
@@ -239,18 +248,36 @@ class LLMEngine:
             raise
         except Exception as e:
             outputs += ignored
-            self._fail_step([s.request_id for s in groups if s.request_id not in failed], e,
+            self._fail_step([rid for rid in out.request_ids() if rid not in failed], e,
                             outputs, failed)
         outputs += ignored
-        ran = [s.seq_group for s in groups if not s.seq_group.is_finished()]
+        # The requests that ran and are still in the engine (not aborted meanwhile).
+        ran = [s.seq_group for s in out.groups if not s.seq_group.is_finished()]
+        lane_intact = self.scheduler.num_aborted == num_aborted
+        if lane is not None and not lane_intact:
+            running = SequenceStatus.RUNNING
+            ran = [g for g, s in zip(lane.groups, lane.seqs) if s.status is running] + ran
         deferred: list[DeferredText] | None = [] if self.async_output_proc else None
+        lane_update = None
         try:
-            updates = self.output_processor.process(out, result, failed, deferred)
-            self.scheduler.apply(out, updates)
+            updates, lane_update = self.output_processor.process(out, result, failed, deferred)
+            self.scheduler.apply(out, updates, lane_update)
         except Exception as e:
             # Bookkeeping failed outside any one request: nothing is known.
-            self._fail_step([s.request_id for s in groups if s.request_id in self._requests],
+            self._fail_step([rid for rid in out.request_ids() if rid in self._requests],
                             e, outputs, failed)
+        if lane is not None and lane_intact and not failed:
+            # Every lane request is still in the engine: its output is due if it streams
+            # or if its token finished it.
+            finishes = lane_update.finishes if lane_update is not None else {}
+            due = [g for i, g in enumerate(lane.groups)
+                   if g.sampling_params.output_kind is not _FINAL_ONLY or i in finishes]
+            due += _due(ran)
+            ran = lane.groups + ran
+        else:
+            if lane is not None and lane_intact:
+                ran = lane.groups + ran
+            due = None
         if failed:
             text_failed: dict[str, Exception] = {}
             if deferred:
@@ -261,10 +288,12 @@ class LLMEngine:
                            if (g.request_id not in failed or g.request_id in text_failed)
                            and _output_due(g))
             raise self._step_error(failed, outputs)
+        if due is None:
+            due = _due(ran)
         if deferred is None:
-            outputs.extend(request_output(g) for g in ran if _output_due(g))
+            outputs.extend(request_output(g) for g in due)
         elif ran:
-            self._pending = _Pending(ran, deferred)
+            self._pending = _Pending(ran, deferred, due)
         return outputs
 
     def _finish_pending(self, pending: _Pending | None,
@@ -280,6 +309,8 @@ class LLMEngine:
                                           pending.groups)
         failed.update(text_failed)
         aborted = pending.aborted
+        if not aborted and not text_failed:
+            return [request_output(g) for g in pending.due]
         return [request_output(g) for g in pending.groups
                 if (g.request_id not in aborted or g.request_id in text_failed)
                 and _output_due(g)]
@@ -354,7 +385,7 @@ class LLMEngine:
         except DistributedError:
             raise  # not a request's fault: nothing to bisect
         except Exception as e:
-            groups = list(out.scheduled_seq_groups)
+            groups = out.request_ids()
             if len(groups) <= 1:
                 raise
             logger.warning("step %d failed (%r); looking for the request that broke it",
@@ -372,26 +403,26 @@ class LLMEngine:
         logger.error("step %d: request(s) %s failed alone; the others go on", out.step,
                      ", ".join(culprits))
         self.executor.restore_rng(snap)
-        rest = dataclasses.replace(
-            out, scheduled_seq_groups=[g for g in groups if g.request_id not in culprits])
+        rest = out.only({rid for rid in groups if rid not in culprits})
         return self.executor.execute_model(rest)
 
-    def _bisect(self, out: SchedulerOutput, groups: list[Any], snap: Any,
+    def _bisect(self, out: SchedulerOutput, groups: list[str], snap: Any,
                 culprits: dict[str, Exception], budget: list[int], cause: Exception) -> None:
-        """Adds to ``culprits`` the groups of ``groups`` (a failing set) that fail alone."""
+        """Adds to ``culprits`` the requests of ``groups`` (ids of a failing set) that fail
+        alone."""
         if len(groups) == 1:
-            culprits[groups[0].request_id] = cause
+            culprits[groups[0]] = cause
             return
         half = len(groups) // 2
         for part in (groups[:half], groups[half:]):
             if budget[0] <= 0:
-                for g in part:  # out of re-runs: every remaining suspect fails
-                    culprits.setdefault(g.request_id, cause)
+                for rid in part:  # out of re-runs: every remaining suspect fails
+                    culprits.setdefault(rid, cause)
                 continue
             budget[0] -= 1
             self.executor.restore_rng(snap)
             try:
-                self.executor.execute_model(dataclasses.replace(out, scheduled_seq_groups=part))
+                self.executor.execute_model(out.only(set(part)))
             except DistributedError:
                 raise
             except Exception as e:  # noqa: BLE001  (narrowing down which request broke it)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_lite.core.beam_search import BeamCandidate, Hypothesis, ScoredCandidate, select_beams
-from vllm_lite.core.scheduler import (AppendToken, DropSeq, Finish, ForkSeq, GroupUpdate,
-                                      NewHypothesis, ScheduledSequenceGroup, SchedulerOutput,
-                                      SeqUpdate)
+from vllm_lite.core.scheduler import (AppendToken, DecodeLane, DropSeq, Finish, ForkSeq,
+                                      GroupUpdate, LaneUpdate, NewHypothesis,
+                                      ScheduledSequenceGroup, SchedulerOutput, SeqUpdate)
 from vllm_lite.detokenizer import TEXT_CONTEXT, IncrementalDetokenizer, token_texts_after
 from vllm_lite.engine.stop_checker import StopChecker
 from vllm_lite.errors import InternalError
@@ -63,10 +63,12 @@ class OutputProcessor:
 
     def process(self, out: SchedulerOutput, result: RunnerOutput,
                 failed: dict[str, Exception],
-                deferred: list[DeferredText] | None = None) -> list[GroupUpdate]:
-        """The step's updates, one GroupUpdate per request that ran and is still in the
-        engine. A request whose own decision raises is put in ``failed`` (the engine
-        aborts it) and gets no update.
+                deferred: list[DeferredText] | None = None
+                ) -> tuple[list[GroupUpdate], LaneUpdate | None]:
+        """The step's updates: one GroupUpdate per request of ``out.groups`` that ran and
+        is still in the engine, and the lane's updates as columns (None without a lane).
+        A request whose own decision raises is put in ``failed`` (the engine aborts it)
+        and gets no update.
 
         ``deferred`` (a list): the text and logprob entries of a sampled token whose
         request's finish cannot depend on text (one sequence, no stop strings, no beams)
@@ -79,14 +81,16 @@ class OutputProcessor:
         # its rows are found by sequence id, without a SampleOutput per row.
         plain = so.plain if so is not None else None
         row_of = (dict(zip(plain.seq_ids, range(len(plain.seq_ids))))
-                  if plain is not None else None)
-        samples = _sample_dict(so) if plain is None else None
+                  if plain is not None and out.groups else None)
+        samples = _sample_dict(so) if plain is None and out.groups else None
         beams = dict(so.beams) if so is not None else {}
         self._check_results(out, so, samples, row_of, beams)
+        lane_update = (self._process_lane(out.lane, so, failed)
+                       if out.lane is not None else None)
         updates: list[GroupUpdate] = []
         prompt_logprobs = result.prompt_logprobs
         check_token = self.stop_checker.check_token
-        for sched in out.scheduled_seq_groups:
+        for sched in out.groups:
             group = sched.seq_group
             rid = group.request_id
             if rid in failed:
@@ -138,7 +142,93 @@ class OutputProcessor:
             except Exception as e:  # noqa: BLE001  (this request fails, the others go on)
                 logger.exception("request %s failed while recording its step", rid)
                 failed[rid] = e
-        return updates
+        return updates, lane_update
+
+    def _process_lane(self, lane: DecodeLane, so: SamplerOutput | None,
+                      failed: dict[str, Exception]) -> LaneUpdate:
+        """The lane's updates. Its rows are the first rows of the step's samples, in
+        order: read as columns where the sampler gave them so (else by sequence id). A
+        row runs on unless its token meets the request's screen of the token rules
+        (StopChecker.token_limits); those rows, and the rows that make text or logprob
+        entries or have stop_token_ids, take the per-row path (_one_token)."""
+        n = len(lane.seqs)
+        plain = so.plain if so is not None else None
+        entries: list[dict[int, Any] | None] | None = None
+        if plain is not None and plain.seq_ids[:n] == lane.seq_ids:
+            tokens, logprobs = plain.token_ids[:n], plain.logprobs[:n]
+        else:
+            tokens, logprobs, entries = self._lane_samples(lane, so, failed)
+        update = LaneUpdate(tokens, logprobs)
+        if failed:
+            update.skip = {i for i, g in enumerate(lane.groups) if g.request_id in failed}
+        checked = []
+        for i, (group, token, computed) in enumerate(zip(lane.groups, tokens, lane.computed)):
+            limits = group.stop_limits
+            if limits is None:
+                limits = group.stop_limits = self._stop_limits(group)
+            # With its token the sequence is computed + 2 long.
+            if computed + 2 >= limits[0] or token == limits[1] or limits[2]:
+                checked.append(i)
+        if entries is not None:
+            checked = sorted({*checked, *(i for i, e in enumerate(entries) if e is not None)})
+        running = SequenceStatus.RUNNING
+        skip = update.skip
+        for i in checked:
+            seq = lane.seqs[i]
+            if seq.status is not running or i in skip:
+                continue  # aborted since it was scheduled, or failed
+            group = lane.groups[i]
+            try:
+                u = self._one_token(group, seq, tokens[i], logprobs[i],
+                                    entries[i] if entries is not None else None)
+            except Exception as e:  # noqa: BLE001  (this request fails, the others go on)
+                logger.exception("request %s failed while recording its step",
+                                 group.request_id)
+                failed[group.request_id] = e
+                skip.add(i)
+                continue
+            if u.output is not None:
+                update.outputs[i] = u.output
+            if u.finish is not None:
+                update.finishes[i] = u.finish
+        return update
+
+    def _stop_limits(self, group: SequenceGroup) -> tuple[int, int, bool]:
+        """(cap, eos, per_row) of a lane request: StopChecker.token_limits, and whether
+        every token of it takes the per-row path (stop_token_ids, text, logprob entries)."""
+        params = group.sampling_params
+        cap, eos = self.stop_checker.token_limits(params, group.eos_token_id,
+                                                  len(group.prompt_token_ids))
+        per_row = (bool(params.stop_token_ids) or params.logprobs is not None
+                   or self._detokenizes(params))
+        return cap, eos, per_row
+
+    @staticmethod
+    def _lane_samples(lane: DecodeLane, so: SamplerOutput | None, failed: dict[str, Exception]
+                      ) -> tuple[list[int], list[float], list[dict[int, Any] | None]]:
+        """The lane's samples, found by sequence id (a step whose samples are not plain
+        columns, or a re-run without some requests): columns with a logprob entry per
+        row (None without one); a row without its sample gets token -1 and must be
+        aborted or failed (else a runner bug: InternalError)."""
+        samples = _sample_dict(so)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        entries: list[dict[int, Any] | None] = []
+        for group, seq in zip(lane.groups, lane.seqs):
+            s = samples.get(seq.seq_id)
+            if s is None:
+                if not seq.is_finished() and group.request_id not in failed:
+                    raise InternalError(f"seq {seq.seq_id} must get 1 sample, got None")
+                tokens.append(-1)
+                logprobs.append(0.0)
+                entries.append(None)
+                continue
+            if len(s.token_ids) != 1 or len(s.logprobs) != 1:
+                raise InternalError(f"seq {seq.seq_id} must get 1 sample, got {s!r}")
+            tokens.append(s.token_ids[0])
+            logprobs.append(s.logprobs[0])
+            entries.append(s.top_logprobs[0] if s.top_logprobs else None)
+        return tokens, logprobs, entries
 
     def _check_results(self, out: SchedulerOutput, so: SamplerOutput | None,
                        samples: dict[int, SampleOutput] | None, row_of: dict[int, int] | None,
@@ -148,13 +238,13 @@ class OutputProcessor:
         against what was scheduled, before anything is decided: a mismatch is a bug in
         the runner or sampler."""
         if beams:
-            beam_requests = {s.seq_group.request_id for s in out.scheduled_seq_groups
+            beam_requests = {s.seq_group.request_id for s in out.groups
                              if s.seq_group.sampling_params.use_beam_search}
             for rid in beams:
                 if rid not in beam_requests:
                     raise InternalError(f"beam candidates for {rid!r}, not a beam-search "
                                         "request of this step")
-        for sched in out.scheduled_seq_groups:
+        for sched in out.groups:
             group = sched.seq_group
             params = group.sampling_params
             if not params.use_beam_search and len(sched.seqs) == 1:

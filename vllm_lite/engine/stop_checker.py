@@ -39,6 +39,18 @@ class StopChecker:
             return SequenceStatus.FINISHED_LENGTH_CAPPED, None
         return None
 
+    def token_limits(self, params: SamplingParams, eos_token_id: int | None,
+                     prompt_len: int) -> tuple[int, int]:
+        """(cap, eos) for a one-sequence request with no stop_token_ids: check_token can
+        only end it on a token that makes it ``cap`` tokens long or more, or on token
+        ``eos`` (-1: none); any other token runs on. A screen, computed once per request,
+        so the usual decode step runs no check per row."""
+        cap = self.max_model_len + 1
+        if params.max_tokens is not None:
+            cap = min(cap, prompt_len + params.max_tokens)
+        eos = -1 if params.ignore_eos or eos_token_id is None else eos_token_id
+        return cap, eos
+
     def max_output_len(self, params: SamplingParams, prompt_len: int) -> int:
         """The most tokens a sequence with this prompt can generate."""
         limit = self.max_model_len + 1 - prompt_len

@@ -12,15 +12,14 @@ paged layouts, see README "Layouts"), assigned by the runner after the model is 
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_lite import ops
 from vllm_lite.errors import InternalError
 
 
@@ -108,15 +107,24 @@ def get_attention_metadata() -> AttentionMetadata:
     return meta
 
 
-@contextlib.contextmanager
-def attention_metadata(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
-    """Installs ``meta`` for the duration of the block, restoring the previous one."""
-    previous = getattr(_CURRENT, "meta", None)
-    set_attention_metadata(meta)
-    try:
-        yield meta
-    finally:
-        set_attention_metadata(previous)
+class attention_metadata:  # noqa: N801 (used as a function: with attention_metadata(m))
+    """Installs ``meta`` for the duration of the block, restoring the previous one. A
+    class, not a generator context manager: entered once per forward, where contextlib's
+    generator machinery costs more than the two assignments."""
+
+    __slots__ = ("meta", "previous")
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        self.previous: AttentionMetadata | None = None
+
+    def __enter__(self) -> AttentionMetadata:
+        self.previous = getattr(_CURRENT, "meta", None)
+        _CURRENT.meta = self.meta
+        return self.meta
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.meta = self.previous
 
 
 class Attention(nn.Module):
@@ -145,14 +153,12 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
-        if self.k_cache is not None and self.v_cache is not None:
-            from vllm_lite import ops  # the native ops; only needed once a cache exists
-
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache is not None and v_cache is not None:
             # The caches' layout is the key cache's rank (ops.kv_cache_shapes), as the
             # attention kernels tell it.
-            flash = self.k_cache.dim() == 4
-            write = ops.reshape_and_cache_flash if flash else ops.reshape_and_cache
-            write(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_cache_dtype,
+            write = ops.reshape_and_cache_flash if k_cache.dim() == 4 else ops.reshape_and_cache
+            write(k, v, k_cache, v_cache, meta.slot_mapping, self.kv_cache_dtype,
                   self.k_scale, self.v_scale)
         if meta.is_prompt:
             out = self._prefill(q, k, v, meta)
@@ -161,19 +167,18 @@ class Attention(nn.Module):
         return out.reshape(out.shape[0], self.num_heads * self.head_size)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.k_cache is None or self.v_cache is None:
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache is None or v_cache is None:
             raise RuntimeError("a decode step needs the KV cache (k_cache/v_cache are None)")
-        if q.shape[0] != meta.num_seqs:
+        if q.shape[0] != meta.seq_lens.shape[0]:
             raise ValueError(
                 f"decode step with {q.shape[0]} tokens for {meta.num_seqs} sequences; "
                 "each sequence must contribute exactly one token (use is_prompt=True for "
                 "mixed batches)"
             )
-        from vllm_lite import ops
-
         # The new token was just written to the cache, so the kernel sees the whole context.
         return ops.paged_attention(
-            q, self.k_cache, self.v_cache, self.num_kv_heads, self.scale, meta.block_tables,
+            q, k_cache, v_cache, self.num_kv_heads, self.scale, meta.block_tables,
             meta.seq_lens, meta.block_size, meta.max_seq_len, None, self.kv_cache_dtype,
             self.k_scale, self.v_scale,
         )
@@ -185,8 +190,6 @@ class Attention(nn.Module):
             # Every row of the step (fresh prompts, chunks after earlier chunks or a cached
             # prefix, the decodes of a mixed step) in one kernel call over the paged cache,
             # where forward just wrote the new tokens' K/V.
-            from vllm_lite import ops
-
             return ops.varlen_paged_attention(
                 q, self.k_cache, self.v_cache, self.num_kv_heads, self.scale,
                 meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.block_size,

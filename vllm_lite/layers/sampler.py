@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Callable, Iterable, Sequence as Seq
 
 import torch
 
@@ -108,7 +108,7 @@ class SamplerOutput:
     beam-search request, the step's 2 * beam_width best extensions over all its rows
     (beam_search_candidates), best first, with their logprob entries when asked for.
     logprobs: [num_rows, vocab] float32 log_softmax of the processed logits; None after the
-    plain greedy path (Sampler._plain_greedy), which computes only the chosen tokens'.
+    plain greedy path (_plain_greedy), which computes only the chosen tokens'.
     plain: the same samples as columns where the step has them (PlainSamples); then
     ``outputs`` is made from them only when read."""
 
@@ -219,9 +219,12 @@ def apply_penalties(
     return logits.scatter_(1, ids, x)
 
 
-def apply_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """Divide each row by its temperature ([rows]; greedy rows should pass 1)."""
-    return logits.div_(temperatures.to(logits.dtype).unsqueeze(1))
+def apply_temperature(logits: torch.Tensor, temperatures: torch.Tensor,
+                      in_place: bool = True) -> torch.Tensor:
+    """Divide each row by its temperature ([rows]; greedy rows should pass 1); in place
+    unless in_place=False."""
+    t = temperatures.to(logits.dtype).unsqueeze(1)
+    return logits.div_(t) if in_place else torch.div(logits, t)
 
 
 # The top_k / top_p fast path first looks at this many best tokens per row (torch.topk,
@@ -339,48 +342,154 @@ def _temperature(params: SamplingParams) -> float:
     return 1.0 if params.temperature < _SAMPLING_EPS else float(params.temperature)
 
 
-def _apply_sampling_processors(
-    logits: torch.Tensor, params_list: Seq[SamplingParams]
-) -> torch.Tensor:
-    """Steps 3-4 (temperature, top_k/top_p, min_p) for rows with the given params."""
+class RowPlan:
+    """What the sampler does with a row, derived from its params, eos_token_id and
+    num_samples alone: made once per row (row_plans) and shared by every row with the
+    same settings, so a step whose rows share one plan (the usual batch: one
+    SamplingParams) takes its decisions and its settings' columns from that one object,
+    not from a pass over the rows per setting and step. What changes from step to step
+    (the output so far: min_tokens, the penalties' counts) is read from the row.
+
+    samples: tokens drawn from the row this step (greedy 1, random num_samples, beam 0:
+    beam rows are ranked per request). min_tokens: the output length below which
+    ``banned`` gets -inf (0 where nothing would be banned). plain_greedy: a greedy row
+    whose logits no processor changes (greedy rows use temperature 1, and greedy
+    SamplingParams reset top_k / top_p / min_p; they are checked all the same, as the
+    processors would apply them) and that asks for no logprobs beyond its token's, once
+    min_tokens is reached."""
+
+    __slots__ = ("greedy", "random", "beam", "seeded", "samples", "temperature", "top_k",
+                 "top_p", "min_p", "penalized", "num_logprobs", "min_tokens", "banned",
+                 "plain_greedy")
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        (kind, self.samples, self.temperature, self.top_k, self.top_p, self.min_p,
+         self.penalized, self.num_logprobs, self.min_tokens, self.banned) = key
+        self.greedy = kind == SamplingType.GREEDY
+        self.random = kind in (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
+        self.seeded = kind == SamplingType.RANDOM_SEED
+        self.beam = kind == SamplingType.BEAM
+        self.plain_greedy = (self.greedy and self.num_logprobs is None and not self.penalized
+                             and self.top_k <= 0 and self.top_p >= 1.0 and self.min_p <= 0.0)
+
+
+# Plans by their settings. Bounded: a server's requests may bring any number of distinct
+# settings, and clearing only loses the sharing until the plans are made again.
+_PLANS: dict[tuple[Any, ...], RowPlan] = {}
+_MAX_PLANS = 4096
+
+
+def _plan_row(row: SamplingRow) -> RowPlan:
+    p = row.params
+    kind = p.sampling_type
+    banned = list(p.stop_token_ids or [])
+    if row.eos_token_id is not None and not p.ignore_eos:
+        banned.append(row.eos_token_id)
+    samples = (1 if kind == SamplingType.GREEDY else 0 if kind == SamplingType.BEAM
+               else row.num_samples)
+    key = (kind, samples, _temperature(p), p.top_k, p.top_p, p.min_p, _penalized(p),
+           p.logprobs, p.min_tokens if banned else 0, tuple(banned))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = RowPlan(key)
+    row.sampler_plan, row.sampler_plan_params = plan, p
+    return plan
+
+
+def row_plans(rows: Seq[SamplingRow]) -> list[RowPlan]:
+    """Each row's plan: made at its first step, kept on the row while its params object
+    stays the same."""
+    return [r.sampler_plan if r.sampler_plan_params is r.params else _plan_row(r)
+            for r in rows]
+
+
+def _common_plan(plans: list[RowPlan]) -> RowPlan | None:
+    """The plan every row shares, or None (also for no rows)."""
+    if plans and plans.count(plans[0]) == len(plans):  # identity first: no __eq__ calls
+        return plans[0]
+    return None
+
+
+def _min_tokens_bans(rows: Seq[SamplingRow], plans: list[RowPlan], one: RowPlan | None
+                     ) -> list[tuple[int, tuple[int, ...]]]:
+    """(row, banned ids) of the rows below their min_tokens this step (step 1)."""
+    if one is not None and not one.min_tokens:
+        return []
+    if one is None and not any(p.min_tokens for p in plans):
+        return []
+    return [(i, p.banned) for i, (r, p) in enumerate(zip(rows, plans))
+            if p.min_tokens and len(r.output_token_ids) < p.min_tokens]
+
+
+def _apply_sampling_processors(logits: torch.Tensor, temperatures: float | list[float],
+                               top_ks: int | list[int], top_ps: float | list[float],
+                               min_ps: float | list[float], in_place: bool = True
+                               ) -> torch.Tensor:
+    """Steps 3-4 (temperature, top_k/top_p, min_p); each setting one value for every row
+    or a list of one per row. in_place=False: logits are not the caller's to write (the
+    temperature divides out of place; the other steps always do)."""
     dev = logits.device
-    temps = [_temperature(p) for p in params_list]
-    if any(t != 1.0 for t in temps):
-        logits = apply_temperature(logits, torch.tensor(temps, dtype=logits.dtype, device=dev))
+    rows = logits.shape[0]
+
+    def column(values: Any, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(values, list):
+            return torch.tensor(values, dtype=dtype, device=dev)
+        return torch.full((rows,), values, dtype=dtype, device=dev)
+
+    def some(values: Any, test: Callable[[Any], bool]) -> bool:
+        return any(map(test, values)) if isinstance(values, list) else test(values)
+
+    if some(temperatures, lambda t: t != 1.0):
+        logits = apply_temperature(logits, column(temperatures, logits.dtype), in_place)
     # top_k past the vocabulary keeps everything (vLLM clamps it the same way); clamping
     # here also keeps a huge value such as 2**63 out of the int64 tensor.
     vocab = logits.shape[1]
-    top_ks = [min(p.top_k, vocab) for p in params_list]
-    top_ps = [p.top_p for p in params_list]
-    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
-        logits = apply_top_k_top_p(
-            logits,
-            torch.tensor(top_ks, dtype=torch.long, device=dev),
-            torch.tensor(top_ps, dtype=logits.dtype, device=dev),
-        )
-    min_ps = [p.min_p for p in params_list]
-    if any(m > 0.0 for m in min_ps):
-        logits = apply_min_p(logits, torch.tensor(min_ps, dtype=logits.dtype, device=dev))
+    top_ks = [min(k, vocab) for k in top_ks] if isinstance(top_ks, list) else min(top_ks, vocab)
+    if some(top_ks, lambda k: k > 0) or some(top_ps, lambda p: p < 1.0):
+        logits = apply_top_k_top_p(logits, column(top_ks, torch.long),
+                                   column(top_ps, logits.dtype))
+    if some(min_ps, lambda m: m > 0.0):
+        logits = apply_min_p(logits, column(min_ps, logits.dtype))
     return logits
+
+
+def _check_rows(logits: torch.Tensor, num_rows: int) -> None:
+    if logits.dim() != 2 or logits.shape[0] != num_rows:
+        raise InternalError(
+            f"logits must be [num_rows={num_rows}, vocab], got {tuple(logits.shape)}")
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Steps 1-4 on a float32 copy of logits [rows, vocab]; the input is left untouched."""
-    if logits.dim() != 2 or logits.shape[0] != len(metadata.rows):
-        raise InternalError(
-            f"logits must be [num_rows={len(metadata.rows)}, vocab], got {tuple(logits.shape)}"
-        )
     rows = metadata.rows
-    dev = logits.device
-    banned = [r.min_tokens_banned_ids() for r in rows]
-    pen = [i for i, r in enumerate(rows) if _penalized(r.params)]
-    # min_tokens, the penalties and temperature write in place, so they get a copy; a
-    # batch with none of them (greedy, or top_k/top_p/min_p alone, which are out of place)
-    # skips copying [rows, vocab] floats every step.
-    in_place = any(banned) or pen or any(_temperature(r.params) != 1.0 for r in rows)
-    logits = logits.to(torch.float32, copy=bool(in_place))
+    _check_rows(logits, len(rows))
+    plans = row_plans(rows)
+    one = _common_plan(plans)
+    return _process(logits, rows, plans, one, _min_tokens_bans(rows, plans, one))
 
-    if any(banned):
+
+def _process(logits: torch.Tensor, rows: Seq[SamplingRow], plans: list[RowPlan],
+             one: RowPlan | None, bans: list[tuple[int, tuple[int, ...]]]) -> torch.Tensor:
+    """process_logits with the step's plans (one: the plan all rows share, or None) and
+    min_tokens bans."""
+    dev = logits.device
+    if one is not None:
+        pen = list(range(len(rows))) if one.penalized else []
+    else:
+        pen = [i for i, p in enumerate(plans) if p.penalized]
+    # min_tokens and the penalties write in place, so they get a copy; a batch with
+    # neither skips copying [rows, vocab] floats every step (the temperature then divides
+    # out of place, top_k/top_p/min_p always do).
+    x = logits.to(torch.float32, copy=bool(bans or pen))
+    owned = x is not logits  # a copy, or another dtype's conversion
+    logits = x
+
+    if bans:
+        banned: list[Seq[int]] = [()] * len(rows)
+        for i, ids in bans:
+            banned[i] = ids
         logits = apply_min_tokens(logits, banned)
 
     if pen:
@@ -395,7 +504,12 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
             torch.tensor([r.params.repetition_penalty for r in sub], device=dev),
         )
 
-    return _apply_sampling_processors(logits, [r.params for r in rows])
+    if one is not None:
+        return _apply_sampling_processors(logits, one.temperature, one.top_k, one.top_p,
+                                          one.min_p, owned)
+    return _apply_sampling_processors(
+        logits, [p.temperature for p in plans], [p.top_k for p in plans],
+        [p.top_p for p in plans], [p.min_p for p in plans], owned)
 
 
 # ----------------------------------------------------------------------------------------
@@ -449,7 +563,8 @@ def compute_prompt_logprobs(
         return out
     x = logits[:num_targets].to(torch.float32, copy=True)
     if params is not None:
-        x = _apply_sampling_processors(x, [params] * num_targets)
+        x = _apply_sampling_processors(x, _temperature(params), params.top_k, params.top_p,
+                                       params.min_p)
     logprobs = torch.log_softmax(x, dim=-1)
     targets = torch.as_tensor(
         list(prompt_token_ids[start + 1 : start + 1 + num_targets]),
@@ -597,147 +712,183 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         rows = metadata.rows
-        plain = _plain_greedy(logits, rows)
-        if plain is not None:
-            return plain
-        processed = process_logits(logits, metadata)
+        _check_rows(logits, len(rows))
+        # The step's decisions, from each row's plan (made once per row), and from one
+        # shared plan where every row has the same (no pass over the rows per decision).
+        plans = row_plans(rows)
+        one = _common_plan(plans)
+        bans = _min_tokens_bans(rows, plans, one)
+        if not bans and logits.device.type == "cpu" and rows and (
+                one.plain_greedy if one is not None else all(p.plain_greedy for p in plans)):
+            plain = _plain_greedy(logits, rows)
+            if plain is not None:
+                return plain
+        processed = _process(logits, rows, plans, one, bans)
         logprobs = torch.log_softmax(processed, dim=-1)
         dev = processed.device
 
-        # Greedy rows: argmax; random rows: num_samples draws each (_draw).
-        greedy = [i for i, r in enumerate(rows) if r.sampling_type == SamplingType.GREEDY]
-        random_rows = [
-            i for i, r in enumerate(rows)
-            if r.sampling_type in (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
-        ]
-        tokens: dict[int, torch.Tensor] = {}
-        if greedy:
-            # One argmax over every row (cheaper than gathering the greedy rows first).
-            best = first_argmax(processed)
-            for i in greedy:
-                tokens[i] = best[i:i + 1]
-        if random_rows:
-            sampled = self._draw(processed, rows, random_rows)
-            j = 0
-            for i in random_rows:
-                n = rows[i].num_samples
-                tokens[i] = sampled[j : j + n]
-                j += n
-
-        order = sorted(tokens)
-        outputs: list[SampleOutput | None] = [None] * len(rows)
-        beams = _beam_candidates(rows, logprobs)
-        if not order:
-            return SamplerOutput(outputs, logprobs, beams)
-        flat_rows = [i for i in order for _ in range(tokens[i].numel())]
-        fr = torch.tensor(flat_rows, dtype=torch.long, device=dev)
-        flat_tokens = torch.cat([tokens[i] for i in order])
-        flat_lp = logprobs[fr, flat_tokens]  # one value per sample, no row copies
-        want_top = [j for j, i in enumerate(flat_rows) if rows[i].params.logprobs is not None]
+        # Every sample in row order (flat_rows[j]: the row of sample j; greedy rows one,
+        # their argmax; random rows rows[i].num_samples draws each, _draw; beam rows none).
+        n = len(rows)
+        if one is not None:
+            counts = None if one.samples == 1 else [one.samples] * n
+            greedy = list(range(n)) if one.greedy else []
+            random_rows = list(range(n)) if one.random else []
+        else:
+            counts = [p.samples for p in plans]
+            greedy = [i for i, p in enumerate(plans) if p.greedy]
+            random_rows = [i for i, p in enumerate(plans) if p.random]
+        if counts is not None and all(c == 1 for c in counts):
+            counts = None
+        # counts None: one sample per row, sample j is row j's.
+        flat_rows = (list(range(n)) if counts is None
+                     else [i for i, c in enumerate(counts) for _ in range(c)])
+        beams = (_beam_candidates(rows, plans, logprobs)
+                 if (one.beam if one is not None else any(p.beam for p in plans)) else {})
+        if not flat_rows:
+            return SamplerOutput([None] * n, logprobs, beams)
+        flat_tokens = self._tokens(processed, rows, plans, one, greedy, random_rows, counts,
+                                   len(flat_rows))
+        # One value per sample, no row copies.
+        if counts is None:
+            flat_lp = logprobs.gather(1, flat_tokens.unsqueeze(1)).squeeze(1)
+        else:
+            flat_lp = logprobs[torch.tensor(flat_rows, dtype=torch.long, device=dev),
+                               flat_tokens]
+        if one is not None:
+            want_top = list(range(len(flat_rows))) if one.num_logprobs is not None else []
+        else:
+            want_top = [j for j, i in enumerate(flat_rows) if plans[i].num_logprobs is not None]
         top_dicts: dict[int, dict[int, Logprob]] = {}
         if want_top:
             w = torch.tensor(want_top, dtype=torch.long, device=dev)
             dicts = top_logprob_dicts(
-                logprobs[fr[w]],
+                logprobs[torch.tensor([flat_rows[j] for j in want_top], dtype=torch.long,
+                                      device=dev)],
                 flat_tokens[w],
-                [rows[flat_rows[j]].params.logprobs for j in want_top],
+                [plans[flat_rows[j]].num_logprobs for j in want_top],
             )
             top_dicts = dict(zip(want_top, dicts))
-        # One copy to the host for the step's tokens and their logprobs (float64 holds
-        # every token id exactly, and every float32 logprob).
-        toks_f, lps_l = torch.stack((flat_tokens.to(torch.float64),
-                                     flat_lp.to(torch.float64))).tolist()
-        toks_l = [int(t) for t in toks_f]
-        if not beams and not want_top and len(order) == len(toks_l) == len(rows):
-            # One token per row, no entries: the columns (order is every row, in order).
+        toks_l, lps_l = _host_lists(flat_tokens, flat_lp)
+        if not beams and not want_top and len(toks_l) == n:
+            # One token per row, no entries: the columns (sample j is row j's).
             return SamplerOutput(None, logprobs, beams, plain=PlainSamples(
                 [r.seq_id for r in rows], toks_l, lps_l))
+        outputs: list[SampleOutput | None] = [None] * n
         j = 0
-        for i in order:
-            n = tokens[i].numel()
-            top = None
-            if rows[i].params.logprobs is not None:
-                top = [top_dicts[j + m] for m in range(n)]
-            outputs[i] = SampleOutput(rows[i].seq_id, toks_l[j : j + n], lps_l[j : j + n], top)
-            j += n
+        for i, c in enumerate(counts if counts is not None else [1] * n):
+            if not c:
+                continue  # a beam row
+            top = ([top_dicts[j + m] for m in range(c)] if plans[i].num_logprobs is not None
+                   else None)
+            outputs[i] = SampleOutput(rows[i].seq_id, toks_l[j : j + c], lps_l[j : j + c], top)
+            j += c
         return SamplerOutput(outputs, logprobs, beams)
 
+    def _tokens(self, processed: torch.Tensor, rows: Seq[SamplingRow], plans: list[RowPlan],
+                one: RowPlan | None, greedy: list[int], random_rows: list[int],
+                counts: list[int] | None, num_samples: int) -> torch.Tensor:
+        """The step's samples in row order [num_samples]: the greedy rows' argmax, the
+        random rows' draws (_draw); counts: each row's samples, None for one a row."""
+        n = len(rows)
+        # One argmax over every row (cheaper than gathering the greedy rows first).
+        best = first_argmax(processed) if greedy else None
+        sampled = self._draw(processed, rows, plans, one, random_rows) if random_rows else None
+        if sampled is None and counts is None:
+            return best  # every row greedy
+        if best is None and len(random_rows) == n:
+            return sampled  # every row random, its draws in row order
+        dev = processed.device
+        starts = list(range(n)) if counts is None else _starts(counts)
+        tokens = torch.empty(num_samples, dtype=torch.long, device=dev)
+        if best is not None:
+            g = torch.tensor(greedy, dtype=torch.long, device=dev)
+            tokens[torch.tensor([starts[i] for i in greedy], dtype=torch.long,
+                                device=dev)] = best[g]
+        if sampled is not None:
+            pos = (random_rows if counts is None else
+                   [starts[i] + k for i in random_rows for k in range(counts[i])])
+            tokens[torch.tensor(pos, dtype=torch.long, device=dev)] = sampled
+        return tokens
 
-    def _draw(self, processed: torch.Tensor, rows: Seq[SamplingRow],
-              random_rows: list[int]) -> torch.Tensor:
+    def _draw(self, processed: torch.Tensor, rows: Seq[SamplingRow], plans: list[RowPlan],
+              one: RowPlan | None, random_rows: list[int]) -> torch.Tensor:
         """The random rows' tokens, rows[i].num_samples each, in row order: per sample, one
         float64 uniform from the row's generator (its request's when seeded, else the
         sampler's), then inverse_cdf_sample. Why not vLLM's argmax(probs / Exponential(1)
         noise): a noise value per vocabulary entry costs a large share of a CPU decode
         step; one uniform per sample costs nothing and the cumulative sum little."""
         dev = processed.device
-        if random_rows == list(range(len(rows))):
+        if len(random_rows) == len(rows):
             probs = torch.softmax(processed, dim=-1)  # every row: no gather
         else:
             probs = torch.softmax(
                 processed[torch.tensor(random_rows, dtype=torch.long, device=dev)], dim=-1)
-        counts = [rows[i].num_samples for i in random_rows]
-        u = torch.empty(sum(counts), dtype=torch.float64, device=dev)
-        sample_rows = [i for i, n in zip(random_rows, counts) for _ in range(n)]
-        unseeded = [j for j, i in enumerate(sample_rows) if rows[i].params.seed is None]
-        if len(unseeded) == len(u):
+        if one is not None:
+            counts = [one.samples] * len(random_rows)
+            seeded = [one.seeded] * len(random_rows) if one.seeded else []
+        else:
+            counts = [plans[i].samples for i in random_rows]
+            seeded = [plans[i].seeded for i in random_rows]
+        total = sum(counts)
+        u = torch.empty(total, dtype=torch.float64, device=dev)
+        if not any(seeded):
             u.uniform_(generator=self._global_generator(dev))
-        elif unseeded:
-            u[torch.tensor(unseeded, dtype=torch.long, device=dev)] = torch.rand(
-                len(unseeded), dtype=torch.float64, device=dev,
-                generator=self._global_generator(dev))
-        j = 0
-        for i, n in zip(random_rows, counts):
-            if rows[i].params.seed is not None:
-                u[j : j + n].uniform_(generator=self._request_generator(rows[i], dev))
-            j += n
-        if len(u) != len(random_rows):  # best_of draws: one probability row per sample
+        else:
+            per_sample = [s for s, c in zip(seeded, counts) for _ in range(c)]
+            unseeded = [j for j, s in enumerate(per_sample) if not s]
+            if unseeded:
+                u[torch.tensor(unseeded, dtype=torch.long, device=dev)] = torch.rand(
+                    len(unseeded), dtype=torch.float64, device=dev,
+                    generator=self._global_generator(dev))
+            j = 0
+            for i, n, s in zip(random_rows, counts, seeded):
+                if s:
+                    u[j : j + n].uniform_(generator=self._request_generator(rows[i], dev))
+                j += n
+        if total != len(random_rows):  # best_of draws: one probability row per sample
             probs = probs.repeat_interleave(torch.tensor(counts, device=dev), dim=0)
         return inverse_cdf_sample(probs, u)
 
 
-def _is_plain_greedy(row: SamplingRow) -> bool:
-    """A greedy row whose logits no processor changes (steps 1-4 leave them as they are:
-    greedy rows use temperature 1, and greedy SamplingParams reset top_k / top_p / min_p;
-    they are checked all the same, as process_logits would apply them) and that asks for
-    no logprobs beyond its token's."""
-    p = row.params
-    static = row.params_plain_greedy
-    if static is None:
-        static = row.params_plain_greedy = (
-            row.sampling_type == SamplingType.GREEDY and p.logprobs is None
-            and not _penalized(p) and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
-    return static and (len(row.output_token_ids) >= p.min_tokens
-                       or not row.min_tokens_banned_ids())
+def _starts(counts: list[int]) -> list[int]:
+    """Where each row's samples start in the flat order."""
+    out, j = [], 0
+    for c in counts:
+        out.append(j)
+        j += c
+    return out
+
+
+def _host_lists(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """tokens (int64) and logprobs as Python lists, in one copy to the host off the CPU
+    (the float64 logprobs' bits ride in the tokens' int64 tensor)."""
+    if tokens.device.type == "cpu":
+        return tokens.tolist(), logprobs.tolist()
+    both = torch.stack((tokens, logprobs.to(torch.float64).view(torch.int64))).cpu()
+    return both[0].tolist(), both[1].view(torch.float64).tolist()
 
 
 def _plain_greedy(logits: torch.Tensor, rows: Seq[SamplingRow]) -> SamplerOutput | None:
-    """The step's output where every row is plain greedy (_is_plain_greedy) and the logits
-    are on the CPU: ops.greedy_sample gives each row's token and logprob in two passes over
-    the logits, several times faster than the general path's float32 copy, log_softmax and
-    argmax. None otherwise, or
-    when a row's maximum is not finite (then torch's argmax / log_softmax decide, as
-    before)."""
-    if (logits.device.type != "cpu" or logits.dim() != 2 or logits.shape[0] != len(rows)
-            or not rows or not all(_is_plain_greedy(r) for r in rows)):
-        return None
+    """The step's output where every row is plain greedy (RowPlan.plain_greedy, min_tokens
+    reached) and the logits are on the CPU: ops.greedy_sample gives each row's token and
+    logprob in two passes over the logits, several times faster than the general path's
+    float32 copy, log_softmax and argmax. None when a row's maximum is not finite (then
+    torch's argmax / log_softmax decide, as before)."""
     tokens, logprobs = ops.greedy_sample(logits)
-    # One copy to the host for the tokens and their logprobs (float64 holds every token
-    # id exactly, and every float32 logprob).
-    toks_f, lps = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).tolist()
-    if min(toks_f) < 0:
+    toks, lps = tokens.tolist(), logprobs.tolist()
+    if min(toks) < 0:
         return None
-    return SamplerOutput(None, None, plain=PlainSamples(
-        [r.seq_id for r in rows], list(map(int, toks_f)), lps))
+    return SamplerOutput(None, None, plain=PlainSamples([r.seq_id for r in rows], toks, lps))
 
 
-def _beam_candidates(rows: Seq[SamplingRow], logprobs: torch.Tensor
+def _beam_candidates(rows: Seq[SamplingRow], plans: list[RowPlan], logprobs: torch.Tensor
                      ) -> dict[str, list[BeamCandidate]]:
     """Per beam-search request: the best 2 * beam_width extensions over its rows, each
     with its token's logprob and, when the request asks for logprobs, its entry."""
     by_request: dict[str, list[int]] = {}
-    for i, r in enumerate(rows):
-        if r.sampling_type == SamplingType.BEAM:
+    for i, (r, p) in enumerate(zip(rows, plans)):
+        if p.beam:
             by_request.setdefault(r.request_id, []).append(i)
     out: dict[str, list[BeamCandidate]] = {}
     dev = logprobs.device

@@ -23,7 +23,7 @@ class GeneratorHolder:
         self.generator: Any = None
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """One row of logits: the sequence it belongs to and how to sample it.
 
@@ -51,10 +51,13 @@ class SamplingRow:
     # The sequence's cumulative logprob so far (beam search ranks extensions by it).
     cumulative_logprob: float = 0.0
     request: Any = field(default_factory=GeneratorHolder, compare=False, repr=False)
-    # What the sampler derives from params alone (its plain-greedy test), computed once
-    # for a row the runner reuses across steps.
-    params_plain_greedy: bool | None = field(default=None, init=False, compare=False,
-                                             repr=False)
+    # What the sampler derives from params, eos_token_id and num_samples (its plan of the
+    # row, vllm_lite.layers.sampler.row_plans), made at the row's first step and kept for
+    # a row the runner reuses across steps, with the params object it was made from (a
+    # row given other params gets a new plan; eos_token_id and num_samples are fixed for
+    # a row's life: the runner makes a new row where they change).
+    sampler_plan: Any = field(default=None, init=False, compare=False, repr=False)
+    sampler_plan_params: Any = field(default=None, init=False, compare=False, repr=False)
 
     @classmethod
     def for_seq(cls, group: Any, seq: Any, first_step_draws: bool = True) -> SamplingRow:
@@ -95,15 +98,6 @@ class SamplingRow:
     @property
     def sampling_type(self) -> SamplingType:
         return self.params.sampling_type
-
-    def min_tokens_banned_ids(self) -> list[int]:
-        """Token ids masked this step because min_tokens is not reached yet (else [])."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
-            return []
-        ids = list(self.params.stop_token_ids or [])
-        if self.eos_token_id is not None and not self.params.ignore_eos:
-            ids.append(self.eos_token_id)
-        return ids
 
 
 @dataclass

@@ -15,6 +15,7 @@ The variants differ only in config-driven details (:class:`LayerOptions`): QKV b
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -128,24 +129,22 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
         """x @ W.T + b; ``silu_and_mul=True``: ``ops.silu_and_mul`` of it (the rows being
         [gate | up]), [..., out_features / 2], in one GEMM where the layer is packed gated."""
-        fast = (x.device.type == "cpu" and x.dtype == self.weight.dtype
-                and not torch.is_grad_enabled())
-        if fast and silu_and_mul and self.gated_packed:
-            return ops.packed_gated_linear(x, self._own_packed, self._bias_f32,
-                                           self.out_features // 2)
-        y = self._project(x, fast)
+        own, packed = self._own_packed, self._packed
+        # A packed copy serves a CPU x of the weight's dtype without autograd (checked
+        # only where there is one: the other layers go straight to F.linear).
+        if ((own is not None or packed is not None) and x.is_cpu
+                and not torch.is_grad_enabled() and x.dtype == self.weight.dtype):
+            if own is None:
+                y = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            elif not self.gated:
+                y = ops.packed_linear(x, own, self._bias_f32, self.out_features)
+            elif silu_and_mul:
+                return ops.packed_gated_linear(x, own, self._bias_f32, self.out_features // 2)
+            else:  # a gated packed copy serves only the fused activation
+                y = F.linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         return ops.silu_and_mul(y) if silu_and_mul else y
-
-    def _project(self, x: torch.Tensor, fast: bool) -> torch.Tensor:
-        """x @ W.T + b through the packed copy where ``fast`` allows one (a gated packed
-        copy serves only the fused activation: F.linear)."""
-        if fast and not self.gated_packed:
-            if self._own_packed is not None:
-                return ops.packed_linear(x, self._own_packed, self._bias_f32, self.out_features)
-            if self._packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none",
-                                                          [], "")
-        return F.linear(x, self.weight, self.bias)
 
 
 class LlamaAttention(nn.Module):
@@ -165,6 +164,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = _head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self._qkv_sizes = (self.q_size, self.kv_size, self.kv_size)
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=opts.qkv_bias
         )
@@ -189,7 +189,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        # split_with_sizes itself: Tensor.split's Python wrapper costs more than the views.
+        q, k, v = qkv.split_with_sizes(self._qkv_sizes, dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             if self.qk_norm_over_heads:  # OLMoE: over all heads at once
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -388,14 +389,17 @@ class LlamaModel(nn.Module):
         meta = get_attention_metadata()
         if meta.is_prompt or hidden.shape[0] != meta.num_seqs:
             return None  # the layers' own path (and its errors)
-        if any(m._forward_hooks or m._forward_pre_hooks for m in self._layer_modules()):
-            return None
         key = (hidden.dtype,
                *(t for a in self._attention_cores() for t in (a.k_cache, a.v_cache)))
-        if self._decode_key is None or not _same_settings(key, self._decode_key):
+        last = self._decode_key
+        # By identity (dtypes are singletons, tensors count by identity), in C.
+        if last is None or len(last) != len(key) or not all(map(operator.is_, key, last)):
             self._decode_args = self._gather_decode_args(hidden.dtype)
             self._decode_key = key
-        if self._decode_args is None:
+        # Where a layer does not qualify (the usual answer, settled once per key) nothing
+        # else is looked at.
+        if self._decode_args is None or any(
+                m._forward_hooks or m._forward_pre_hooks for m in self._layer_modules()):
             return None
         lists, s = self._decode_args
         residual = torch.empty_like(hidden)
@@ -520,7 +524,10 @@ class LlamaForCausalLM(nn.Module):
         """Logits [T, vocab] in the model's dtype: the sampler takes float32 copies where its
         softmax needs them, and its plain greedy path reads bf16 logits as they are (no
         float32 copy of [rows, vocab] per decode step)."""
-        return gather_vocab(self.tp, self.lm_head(hidden), self.config.vocab_size)
+        logits = self.lm_head(hidden)
+        if self.tp is None:  # the whole vocabulary already (and no config lookup a step)
+            return logits
+        return gather_vocab(self.tp, logits, self.config.vocab_size)
 
     def attention_layers(self) -> list[Attention]:
         """The Attention layers in order; the runner assigns each its k_cache/v_cache."""

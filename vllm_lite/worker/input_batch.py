@@ -64,6 +64,20 @@ class BlockTableRows:
         self._seqs[seq_id] = [row, table, n]
         return row
 
+    def rows_for(self, seq_ids: list[int], tables: list[list[int]]) -> list[int]:
+        """row_of for each (seq_id, table) pair, in one pass: a row whose table is the
+        same list at the same length as last time costs one lookup."""
+        self._seen.update(seq_ids)
+        get = self._seqs.get
+        out = []
+        for seq_id, table in zip(seq_ids, tables):
+            entry = get(seq_id)
+            if entry is not None and entry[1] is table and entry[2] == len(table):
+                out.append(entry[0])
+            else:
+                out.append(self.row_of(seq_id, table))
+        return out
+
     def end_step(self) -> None:
         """Release the rows of sequences this step did not run (finished, preempted, or
         waiting; one that comes back is written afresh)."""

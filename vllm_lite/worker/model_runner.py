@@ -93,19 +93,36 @@ class ModelRunner:
         Per sequence it reads only its new tokens and the table the scheduler gave it (a
         persistent row, rewritten where it changed); the integer inputs go into one
         staging buffer and to the device in one copy."""
-        ids: list[int] = []
-        starts: list[int] = []
-        counts: list[int] = []
-        rows_of: list[int] = []
-        sample_idx: list[int] = []
-        rows: list[SamplingRow] = []
         plp_idx: list[np.ndarray] = []
         plp_spans: list[tuple[Any, int, int]] = []
         is_prompt = False
         max_blocks = 1
         tables = self._tables
         last_rows, step_rows = self._rows, {}
-        for sched in out.scheduled_seq_groups:
+        lane = out.lane
+        if lane is not None:
+            # The plain decodes, first in the batch: one token each (the one sampled last)
+            # at position computed, sampled.
+            seqs = lane.seqs
+            ids = [seq.output_token_ids[-1] for seq in seqs]
+            starts = list(lane.computed)
+            counts = [1] * len(ids)
+            rows_of = tables.rows_for(lane.seq_ids, lane.tables)
+            max_blocks = max(max_blocks, max(map(len, lane.tables)))
+            sample_idx = list(range(len(ids)))
+            # A lane sequence that sampled last step reuses its row as it is: the row was
+            # built for this very sequence (its group, its live token list) with one
+            # sample, and its cumulative logprob is read by beam search only, never a
+            # lane row's.
+            rows = list(map(last_rows.get, lane.seq_ids))
+            if None in rows:
+                for i, row in enumerate(rows):
+                    if row is None:
+                        rows[i] = SamplingRow.for_seq(lane.groups[i], seqs[i])
+            step_rows = dict(zip(lane.seq_ids, rows))
+        else:
+            ids, starts, counts, rows_of, sample_idx, rows = [], [], [], [], [], []
+        for sched in out.groups:
             group = sched.seq_group
             wants_plp = group.sampling_params.prompt_logprobs is not None
             for s in sched.seqs:
@@ -170,9 +187,10 @@ class ModelRunner:
         if num_tokens == num_seqs:
             # A decode step: one token a sequence, at its position start.
             positions[:] = seq_lens
-            seq_index = np.arange(num_seqs)
+            steps = np.arange(num_seqs + 1)
+            seq_index = steps[:-1]
             seq_lens += 1
-            np.cumsum(np.ones(num_seqs, dtype=np.int32), out=query_start[1:])
+            query_start[:] = steps
         else:
             counts_np = np.asarray(counts, dtype=np.int64)
             seq_index = np.repeat(np.arange(num_seqs), counts_np)
@@ -183,7 +201,10 @@ class ModelRunner:
         slots = h64[2 * num_tokens:3 * num_tokens]
         np.multiply(block_tables[seq_index, positions // bs], bs, out=slots)
         slots += positions % bs
-        h64[3 * num_tokens:3 * num_tokens + len(sample_idx)] = sample_idx
+        if lane is not None and not out.groups:
+            h64[3 * num_tokens:] = seq_index  # every row a lane row: each samples
+        else:
+            h64[3 * num_tokens:3 * num_tokens + len(sample_idx)] = sample_idx
         if plp_idx:
             h64[3 * num_tokens + len(sample_idx):] = np.concatenate(plp_idx)
         max_seq_len = int(seq_lens.max())

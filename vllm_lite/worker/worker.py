@@ -181,7 +181,7 @@ class Worker:
 
     def snapshot_rng(self, out: SchedulerOutput) -> RngSnapshot:
         """The random states running ``out`` may advance."""
-        return self.sampler.snapshot([s.seq_group for s in out.scheduled_seq_groups])
+        return self.sampler.snapshot(out.seq_groups())
 
     def restore_rng(self, snap: RngSnapshot) -> None:
         self.sampler.restore(snap)
