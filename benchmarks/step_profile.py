@@ -26,7 +26,12 @@ Writes ``step_profile.md`` to --out and prints it.
 A micro random Llama (one layer, hidden 64, compute negligible) decodes --num-seqs
 sequences together at each --contexts length; host time is the mean decode step's wall
 time minus the paged-attention kernel's own time in that step (timed around each kernel
-call: on the CPU it runs synchronously). It should stay flat as the context grows. Beside
+call: on the CPU it runs synchronously). Where the CPU runs the decode layers in one native
+call (``ops.llama_decode_layers``: the CPU has a packed GEMM), the kernels run inside that
+call and cannot be timed there: the same steps run once more layer by layer (the same
+kernels on the same arguments, the model's ``fused_decode`` off), and the kernel and GEMM
+times of that run are taken off the one-call run's step. It should stay flat as the
+context grows. Beside
 it, in process CPU time, the model's projections and LM head (``Linear.forward``: their
 GEMMs, the micro model's own compute) and the host CPU time without them: what the
 engine's Python costs. ``--output-kind``: the requests' SamplingParams.output_kind
@@ -280,9 +285,9 @@ def host_time(args: argparse.Namespace) -> str:
         finally:
             kernel_s[2] += time.process_time() - c
 
-    rows = ["| context | decode step ms | paged-attention kernel ms | host ms | host CPU ms "
-            "| of which GEMMs CPU ms | host CPU without GEMMs ms |",
-            "|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| context | decoder layers | decode step ms | paged-attention kernel ms | host ms "
+            "| host CPU ms | of which GEMMs CPU ms | host CPU without GEMMs ms |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as tmp:
         max_len = max(args.contexts) + HOST_WARMUP_STEPS + args.decode_steps + 16
         model = tiny_random_llama(Path(tmp) / "micro", max_len=max_len, seed=args.seed,
@@ -293,8 +298,10 @@ def host_time(args: argparse.Namespace) -> str:
         Linear.forward = timed_linear
         try:
             for context in args.contexts:
-                step, kernel, cpu, gemm = _host_time_at(args, model, context, kernel_s)
-                rows.append(f"| {context} | {step * 1e3:.2f} | {kernel * 1e3:.2f} | "
+                step, kernel, cpu, gemm, one_call = _host_time_at(args, model, context,
+                                                                  kernel_s)
+                rows.append(f"| {context} | {'one call' if one_call else 'per layer'} | "
+                            f"{step * 1e3:.2f} | {kernel * 1e3:.2f} | "
                             f"**{(step - kernel) * 1e3:.2f}** | {cpu * 1e3:.2f} | "
                             f"{gemm * 1e3:.2f} | {(cpu - gemm) * 1e3:.2f} |")
         finally:
@@ -335,10 +342,13 @@ def _save_micro_tokenizer(folder: Path, vocab: int) -> None:
 
 
 def _host_time_at(args: argparse.Namespace, model: Path, context: int,
-                  kernel_s: list[float]) -> tuple[float, float, float, float]:
+                  kernel_s: list[float]) -> tuple[float, float, float, float, bool]:
     """(mean decode step, mean kernel time in it, mean host CPU time, mean GEMM CPU time)
-    in seconds, at one prompt length, with the micro model on the CPU."""
-    from vllm_lite import LLM, RequestOutputKind
+    in seconds, at one prompt length, with the micro model on the CPU, and whether the
+    decoder layers ran in one native call (then the kernel and GEMM times are those of the
+    same steps run layer by layer)."""
+    from vllm_lite import LLM, RequestOutputKind, ops
+    from vllm_lite.models.llama import LlamaModel
 
     n = args.num_seqs
     total = context + HOST_WARMUP_STEPS + args.decode_steps + 1
@@ -347,22 +357,55 @@ def _host_time_at(args: argparse.Namespace, model: Path, context: int,
               max_num_batched_tokens=max(2048, n * (context + 1)), swap_space=0,
               kv_cache_space=max(0.05, 2.5 * n * total * 2 * 32 * 4 / 2**30),
               async_output_proc=args.async_output_proc)
+    kind = RequestOutputKind[args.output_kind.upper()]
+    one_call = ops.llama_decode_layers
+    calls = [0]
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        return one_call(*a, **kw)
+
     try:
-        return _time_decode(llm, n, context, args.decode_steps, args.seed, kernel_s,
-                            RequestOutputKind[args.output_kind.upper()], args.temperature)
+        fused = LlamaModel.fused_decode
+        LlamaModel.fused_decode = False
+        try:
+            layered = _time_decode(llm, n, context, args.decode_steps, args.seed, kernel_s,
+                                   kind, args.temperature)
+        finally:
+            LlamaModel.fused_decode = fused
+        ops.llama_decode_layers = counted
+        try:
+            step, _, cpu, gemm, _ = _time_decode(llm, n, context, args.decode_steps,
+                                                 args.seed, kernel_s, kind, args.temperature)
+        finally:
+            ops.llama_decode_layers = one_call
     finally:
         llm.llm_engine.shutdown()
+    if not calls[0]:  # the layers' own path both times: the second run counts
+        return step, *_kernel_and_host(step, cpu, gemm, layered, same_path=True), False
+    return step, *_kernel_and_host(step, cpu, gemm, layered, same_path=False), True
+
+
+def _kernel_and_host(step: float, cpu: float, gemm: float, layered: tuple[float, ...],
+                     same_path: bool) -> tuple[float, float, float]:
+    """(kernel wall, host CPU, GEMM CPU) of a run, from its own timings where the kernels
+    ran layer by layer (``same_path``), else from ``layered``'s (a run of the same steps
+    layer by layer: its kernel and GEMM times are taken off this run's CPU time)."""
+    _, kernel, _, layered_gemm, kernel_cpu = layered
+    if same_path:
+        return kernel, cpu, gemm
+    return kernel, cpu - kernel_cpu, layered_gemm
 
 
 def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
                  kernel_s: list[float], output_kind: Any = None, temperature: float = 0.0
-                 ) -> tuple[float, float, float, float]:
+                 ) -> tuple[float, float, float, float, float]:
     """Queues n requests (greedy, or sampled at ``temperature`` above 0) of ``context``
     random prompt tokens, all prefilled in one
     step, and times ``decode_steps`` engine steps in which all n decode (after
     HOST_WARMUP_STEPS untimed ones): (mean step, mean of kernel_s[0] (reset before each
-    step; the caller's wrappers add to it), mean process CPU time minus kernel_s[1], and
-    mean kernel_s[2]), seconds. ``output_kind``: the requests' (None: the default)."""
+    step; the caller's wrappers add to it), mean process CPU time minus kernel_s[1],
+    mean kernel_s[2] and mean kernel_s[1]), seconds. ``output_kind``: the requests' (None: the default)."""
     import random
 
     from vllm_lite import SamplingParams
@@ -388,7 +431,7 @@ def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
 
     engine.scheduler.schedule = recording
     try:
-        warm, steps, step_s, kernel, cpu, gemm = 0, 0, 0.0, 0.0, 0.0, 0.0
+        warm, steps, step_s, kernel, cpu, gemm, kernel_cpu = 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0
         while engine.has_unfinished_requests() and steps < decode_steps:
             kernel_s[:] = [0.0, 0.0, 0.0]
             t, c = time.perf_counter(), time.process_time()
@@ -403,13 +446,14 @@ def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
             step_s += dt
             kernel += kernel_s[0]
             cpu += dc - kernel_s[1]
+            kernel_cpu += kernel_s[1]
             gemm += kernel_s[2]
     finally:
         del engine.scheduler.schedule  # the class's method again
         engine.abort_request(engine.unfinished_request_ids())
     if steps < decode_steps:
         raise RuntimeError(f"only {steps} decode steps ran with all {n} sequences")
-    return step_s / steps, kernel / steps, cpu / steps, gemm / steps
+    return step_s / steps, kernel / steps, cpu / steps, gemm / steps, kernel_cpu / steps
 
 
 def decode_time(args: argparse.Namespace) -> str:

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -52,18 +53,34 @@ def test_bad_sizes_are_refused(tmp_path: Path) -> None:
         step_profile.run(_args(tmp_path, tmp_path, temperature=-1))
 
 
-def test_host_time_reports_each_context(tmp_path: Path) -> None:
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "per-layer"])
+def test_host_time_reports_each_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        one_call: bool) -> None:
+    """Both ways the decoder layers run: in one native call where the CPU has a packed GEMM
+    (the kernel and GEMM times then come from a layer-by-layer run of the same steps), and
+    layer by layer (the model's fused_decode off)."""
+    from vllm_lite import ops
+    from vllm_lite.models.llama import LlamaModel
+
+    if one_call and not ops.packed_linear_kernel_selected(torch.float32):
+        pytest.skip("this CPU build has no packed float32 GEMM: no one-call decode")
+    if not one_call:
+        monkeypatch.setattr(LlamaModel, "fused_decode", False)
+    before = LlamaModel.fused_decode
     report = step_profile.run(_args(tmp_path, tmp_path, host_time="", num_seqs=3,
                                     contexts="9,40", decode_steps=2))
     assert "3 sequences decoding together, mean of 2 decode steps" in report, report
-    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| \*\*(-?[\d.]+)\*\* \| "
-                      r"(-?[\d.]+) \| ([\d.]+) \| (-?[\d.]+) \|$", report, re.M)
+    rows = re.findall(r"^\| (\d+) \| (one call|per layer) \| ([\d.]+) \| ([\d.]+) \| "
+                      r"\*\*(-?[\d.]+)\*\* \| (-?[\d.]+) \| ([\d.]+) \| (-?[\d.]+) \|$",
+                      report, re.M)
     assert [r[0] for r in rows] == ["9", "40"], report
-    for _, step, kernel, host, cpu, gemm, rest in rows:
+    for _, layers, step, kernel, host, cpu, gemm, rest in rows:
+        assert layers == ("one call" if one_call else "per layer"), report
         step, kernel, host = float(step), float(kernel), float(host)
         assert 0 < kernel < step and abs(step - kernel - host) < 0.02, report
         # The GEMMs are timed (the model's projections ran) and part of the host CPU time.
         assert 0 < float(gemm) and abs(float(cpu) - float(gemm) - float(rest)) < 0.02, report
+    assert LlamaModel.fused_decode is before, "the model's setting is restored after the run"
 
 
 def test_host_time_takes_the_output_kind(tmp_path: Path) -> None:
