@@ -28,10 +28,11 @@ sequences together at each --contexts length; host time is the mean decode step'
 time minus the paged-attention kernel's own time in that step (timed around each kernel
 call: on the CPU it runs synchronously). Where the CPU runs the decode layers in one native
 call (``ops.llama_decode_layers``: the CPU has a packed GEMM), the kernels run inside that
-call and cannot be timed there: the same steps run once more layer by layer (the same
-kernels on the same arguments, the model's ``fused_decode`` off), and the kernel and GEMM
-times of that run are taken off the one-call run's step. It should stay flat as the
-context grows. Beside
+call and cannot be timed there: each context runs layer by layer first (the model's
+``fused_decode`` off; every kernel timed in its step), then in one call, whose row takes
+the kernel and GEMM times of the first (the same kernels on the same arguments; where the
+kernel dominates, as at long contexts, its run-to-run spread makes that row's host time
+approximate). It should stay flat as the context grows. Beside
 it, in process CPU time, the model's projections and LM head (``Linear.forward``: their
 GEMMs, the micro model's own compute) and the host CPU time without them: what the
 engine's Python costs. ``--output-kind``: the requests' SamplingParams.output_kind
@@ -298,12 +299,12 @@ def host_time(args: argparse.Namespace) -> str:
         Linear.forward = timed_linear
         try:
             for context in args.contexts:
-                step, kernel, cpu, gemm, one_call = _host_time_at(args, model, context,
-                                                                  kernel_s)
-                rows.append(f"| {context} | {'one call' if one_call else 'per layer'} | "
-                            f"{step * 1e3:.2f} | {kernel * 1e3:.2f} | "
-                            f"**{(step - kernel) * 1e3:.2f}** | {cpu * 1e3:.2f} | "
-                            f"{gemm * 1e3:.2f} | {(cpu - gemm) * 1e3:.2f} |")
+                for layers, step, kernel, cpu, gemm in _host_time_at(args, model, context,
+                                                                     kernel_s):
+                    rows.append(f"| {context} | {layers} | {step * 1e3:.2f} | "
+                                f"{kernel * 1e3:.2f} | **{(step - kernel) * 1e3:.2f}** | "
+                                f"{cpu * 1e3:.2f} | {gemm * 1e3:.2f} | "
+                                f"{(cpu - gemm) * 1e3:.2f} |")
         finally:
             ops.paged_attention = paged_attention
             Linear.forward = linear_forward
@@ -342,11 +343,13 @@ def _save_micro_tokenizer(folder: Path, vocab: int) -> None:
 
 
 def _host_time_at(args: argparse.Namespace, model: Path, context: int,
-                  kernel_s: list[float]) -> tuple[float, float, float, float, bool]:
-    """(mean decode step, mean kernel time in it, mean host CPU time, mean GEMM CPU time)
-    in seconds, at one prompt length, with the micro model on the CPU, and whether the
-    decoder layers ran in one native call (then the kernel and GEMM times are those of the
-    same steps run layer by layer)."""
+                  kernel_s: list[float]) -> list[tuple[str, float, float, float, float]]:
+    """Rows (how the decoder layers ran, mean decode step, mean kernel time in it, mean
+    host CPU time, mean GEMM CPU time; seconds) at one prompt length, with the micro model
+    on the CPU: the layers run layer by layer (every kernel timed in the step), then, where
+    the CPU runs them in one native call, a second row for that way, whose kernel and GEMM
+    times are the first row's (the same kernels on the same arguments: approximate where
+    the kernel's own run-to-run spread is as large as the host time)."""
     from vllm_lite import LLM, RequestOutputKind, ops
     from vllm_lite.models.llama import LlamaModel
 
@@ -369,32 +372,25 @@ def _host_time_at(args: argparse.Namespace, model: Path, context: int,
         fused = LlamaModel.fused_decode
         LlamaModel.fused_decode = False
         try:
-            layered = _time_decode(llm, n, context, args.decode_steps, args.seed, kernel_s,
-                                   kind, args.temperature)
+            step, kernel, cpu, gemm, kernel_cpu = _time_decode(
+                llm, n, context, args.decode_steps, args.seed, kernel_s, kind,
+                args.temperature)
         finally:
             LlamaModel.fused_decode = fused
+        rows = [("per layer", step, kernel, cpu, gemm)]
+        if not fused:
+            return rows
         ops.llama_decode_layers = counted
         try:
-            step, _, cpu, gemm, _ = _time_decode(llm, n, context, args.decode_steps,
-                                                 args.seed, kernel_s, kind, args.temperature)
+            step1, _, cpu1, _, _ = _time_decode(llm, n, context, args.decode_steps, args.seed,
+                                                kernel_s, kind, args.temperature)
         finally:
             ops.llama_decode_layers = one_call
     finally:
         llm.llm_engine.shutdown()
-    if not calls[0]:  # the layers' own path both times: the second run counts
-        return step, *_kernel_and_host(step, cpu, gemm, layered, same_path=True), False
-    return step, *_kernel_and_host(step, cpu, gemm, layered, same_path=False), True
-
-
-def _kernel_and_host(step: float, cpu: float, gemm: float, layered: tuple[float, ...],
-                     same_path: bool) -> tuple[float, float, float]:
-    """(kernel wall, host CPU, GEMM CPU) of a run, from its own timings where the kernels
-    ran layer by layer (``same_path``), else from ``layered``'s (a run of the same steps
-    layer by layer: its kernel and GEMM times are taken off this run's CPU time)."""
-    _, kernel, _, layered_gemm, kernel_cpu = layered
-    if same_path:
-        return kernel, cpu, gemm
-    return kernel, cpu - kernel_cpu, layered_gemm
+    if calls[0]:
+        rows.append(("one call", step1, kernel, cpu1 - kernel_cpu, gemm))
+    return rows
 
 
 def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
