@@ -834,12 +834,7 @@ class Scheduler:
             seq = seqs[i]
             if seq.status is not running or i in skip:
                 continue
-            status, reason = finish
-            if not SequenceStatus.is_finished(status):
-                raise InternalError(f"status must be a finished status, got {status}")
-            self.block_manager.free(seq)
-            seq.status = status
-            seq.stop_reason = reason
+            self._finish_seq(seq, finish)
             self._retire_if_finished(lane.groups[i])
 
     def _apply_group(self, group: SequenceGroup, update: GroupUpdate) -> None:
@@ -903,13 +898,17 @@ class Scheduler:
         if u.output is not None:
             seq.output = u.output
         if u.finish is not None:
-            status, reason = u.finish
-            if not SequenceStatus.is_finished(status):
-                raise InternalError(f"status must be a finished status, got {status}")
-            if seq.status == SequenceStatus.RUNNING:
-                self.block_manager.free(seq)
-            seq.status = status
-            seq.stop_reason = reason
+            self._finish_seq(seq, u.finish)
+
+    def _finish_seq(self, seq: Sequence, finish: Finish) -> None:
+        """``seq`` ends with ``finish`` (a running sequence frees its blocks)."""
+        status, reason = finish
+        if not SequenceStatus.is_finished(status):
+            raise InternalError(f"status must be a finished status, got {status}")
+        if seq.status == SequenceStatus.RUNNING:
+            self.block_manager.free(seq)
+        seq.status = status
+        seq.stop_reason = reason
 
     def _retire_if_finished(self, group: SequenceGroup) -> bool:
         if not group.is_finished():
