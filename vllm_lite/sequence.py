@@ -226,6 +226,7 @@ class SequenceGroup:
         # (None until its first plain decode).
         self.stop_limits: Any = None
         self._prompt_copy: list[int] | None = None
+        self._prompt_logprobs_copy: list[dict[int, Any] | None] | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -237,6 +238,17 @@ class SequenceGroup:
         if self._prompt_copy is None:
             self._prompt_copy = list(self.prompt_token_ids)
         return self._prompt_copy
+
+    def prompt_logprobs_for_output(self) -> list[dict[int, Any] | None] | None:
+        """prompt_logprobs as a copy that the RequestOutputs share until it grows (a
+        chunked prompt adds to it; once the prompt is computed it is made once)."""
+        logprobs = self.prompt_logprobs
+        if logprobs is None:
+            return None
+        copy = self._prompt_logprobs_copy
+        if copy is None or len(copy) != len(logprobs):
+            copy = self._prompt_logprobs_copy = list(logprobs)
+        return copy
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:

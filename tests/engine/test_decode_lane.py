@@ -20,23 +20,16 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from models.helpers import assert_all_free, make_config, make_tokenizer, save_hf_model  # noqa: E402
+from models.helpers import assert_all_free  # noqa: E402
 from vllm_lite import LLM, SamplingParams  # noqa: E402
 from vllm_lite.sampling_params import RequestOutputKind  # noqa: E402
 
-VOCAB = 320
 MAX_MODEL_LEN = 40
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("decode_lane")
-    config = make_config("llama")
-    config.vocab_size = VOCAB
-    config.eos_token_id = 0
-    save_hf_model(config, folder)
-    make_tokenizer(folder)
-    return folder
+@pytest.fixture
+def folder(tokenized_llama: Path) -> Path:
+    return tokenized_llama  # conftest.py
 
 
 def _llm(folder: Path, lane: bool, **kw: Any) -> LLM:

@@ -31,7 +31,7 @@ from vllm_lite.config.schema import EngineConfig
 from vllm_lite.engine.admission import Admission
 from vllm_lite.engine.output_processor import DeferredText, OutputProcessor
 from vllm_lite.engine.stop_checker import StopChecker
-from vllm_lite.outputs import RequestOutput, request_output
+from vllm_lite.outputs import RequestOutput, request_output, request_outputs
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
 from vllm_lite.sequence import SequenceGroup, SequenceStatus
 from vllm_lite.errors import DistributedError
@@ -291,7 +291,7 @@ class LLMEngine:
         if due is None:
             due = _due(ran)
         if deferred is None:
-            outputs.extend(request_output(g) for g in due)
+            outputs += request_outputs(due)
         elif ran:
             self._pending = _Pending(ran, deferred, due)
         return outputs
@@ -310,7 +310,7 @@ class LLMEngine:
         failed.update(text_failed)
         aborted = pending.aborted
         if not aborted and not text_failed:
-            return [request_output(g) for g in pending.due]
+            return request_outputs(pending.due)
         return [request_output(g) for g in pending.groups
                 if (g.request_id not in aborted or g.request_id in text_failed)
                 and _output_due(g)]

@@ -336,15 +336,15 @@ class ChoiceStream:
             return None
         finished = c.finish_reason is not None
         end = len(c.text) if finished else max(self.sent_chars, len(c.text) - self.holdback)
-        new_tokens = c.token_ids[self.sent_tokens:]
+        new_tokens = c.token_ids_from(self.sent_tokens)
         if end <= self.sent_chars and not new_tokens and not finished:
             return None
         text = c.text[self.sent_chars:end]
         start = self.sent_tokens
         self.sent_chars = max(end, self.sent_chars)
-        self.sent_tokens = len(c.token_ids)
+        self.sent_tokens = start + len(new_tokens)
         self.done = finished
-        return text, list(new_tokens), start
+        return text, new_tokens, start
 
 
 async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
