@@ -23,7 +23,9 @@ class GeneratorHolder:
         self.generator: Any = None
 
 
-@dataclass(slots=True)
+# Identity equality: a row is one sequence's live sampling state, never compared by value
+# (and the runner's ``None in rows`` stays a C-level scan).
+@dataclass(slots=True, eq=False)
 class SamplingRow:
     """One row of logits: the sequence it belongs to and how to sample it.
 

@@ -45,6 +45,9 @@ class ModelInput:
     # sample_indices then prompt_logprob_indices, as one tensor when the runner laid them
     # out so (None: concatenated on demand).
     logits_rows: torch.Tensor | None = None
+    # True when the logits rows are every token of the batch in order (a step of plain
+    # decodes only): the LM head takes the hidden states as they are.
+    logits_all_rows: bool = False
 
     @property
     def logits_index(self) -> torch.Tensor:
@@ -229,6 +232,7 @@ class ModelRunner:
             prompt_logprob_indices=logits_index[len(sample_idx):],
             prompt_logprob_spans=plp_spans,
             logits_rows=logits_index,
+            logits_all_rows=lane is not None and not out.groups,
         )
 
     @staticmethod
@@ -258,7 +262,8 @@ class ModelRunner:
         if self.before_forward is not None:
             self.before_forward(inp, index)
         try:
-            logits = self.run_model(inp.input_ids, inp.positions, inp.attn_metadata, index)
+            logits = self._forward(inp.input_ids, inp.positions, inp.attn_metadata,
+                                   None if inp.logits_all_rows else index)
         except DistributedError:
             raise
         except Exception as e:
@@ -289,6 +294,12 @@ class ModelRunner:
         """The forward, then float32 logits [len(logits_index), vocab] of those rows (no
         rows without running the head: every tensor-parallel rank decides from the same
         index, so their collectives pair; a zero-row result is only ever sliced empty)."""
+        return self._forward(input_ids, positions, meta, logits_index)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata, logits_index: torch.Tensor | None) -> torch.Tensor:
+        """run_model inside the caller's inference mode; ``logits_index`` None: every
+        token's row, in order."""
         graphs = self.graphs
         if (graphs is not None and not meta.is_prompt
                 and graphs.bucket(int(input_ids.shape[0])) is not None):
@@ -296,6 +307,8 @@ class ModelRunner:
         else:
             with attention_metadata(meta):
                 hidden = self.model(input_ids, positions)
+        if logits_index is None:
+            return self.model.compute_logits(hidden)
         if not logits_index.numel():
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, logits_index))
