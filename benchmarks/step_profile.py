@@ -30,12 +30,14 @@ call: on the CPU it runs synchronously). Where the CPU runs the decode layers in
 call (``ops.llama_decode_layers``: the CPU has a packed GEMM), the kernels run inside that
 call and cannot be timed there: each context runs layer by layer first (the model's
 ``fused_decode`` off; every kernel timed in its step), then in one call, whose row takes
-the kernel and GEMM times of the first (the same kernels on the same arguments; where the
-kernel dominates, as at long contexts, its run-to-run spread makes that row's host time
-approximate). It should stay flat as the context grows. Beside
-it, in process CPU time, the model's projections and LM head (``Linear.forward``: their
-GEMMs, the micro model's own compute) and the host CPU time without them: what the
-engine's Python costs. ``--output-kind``: the requests' SamplingParams.output_kind
+the kernel time of the first (the same kernel on the same arguments; where it dominates, as
+at long contexts, its run-to-run spread makes that row's host ms approximate; the row's
+host CPU without the model's compute is exact: the whole call counts as compute, timed in
+the row's own steps). It should stay flat as the context grows. Beside
+it, in process CPU time, the micro model's own compute (its projections and LM head,
+``Linear.forward``'s GEMMs, and the greedy sampling kernel ``ops.greedy_sample``: on a GPU
+all device kernels, on these CPUs 1.5-2 ms of a step) and the host CPU time without it:
+what the engine's Python costs. ``--output-kind``: the requests' SamplingParams.output_kind
 (cumulative: a RequestOutput per request and step, as a streaming server reads them;
 final_only: only finished ones, as LLM.generate reads them). ``--tokenizer bpe``: a
 SentencePiece-style BPE covering the micro model's vocabulary is saved beside it, so every decode
@@ -71,7 +73,7 @@ QUICK = dict(num_requests=8, input_len=64, output_len=16)
 HOST_FULL = dict(contexts=[64, 1500], num_seqs=256, decode_steps=24)
 HOST_QUICK = dict(contexts=[64, 512], num_seqs=64, decode_steps=8)
 # Decode steps run before the timed ones (first-call costs).
-HOST_WARMUP_STEPS = 4
+HOST_WARMUP_STEPS = 16
 OUTPUT_KINDS = ("cumulative", "final_only")
 HOST_TOKENIZERS = ("none", "bpe")
 DECODE_BATCH_SIZES = [1, 32, 256]
@@ -266,10 +268,12 @@ def host_time(args: argparse.Namespace) -> str:
         raise ValueError(f"--output-kind must be one of {', '.join(OUTPUT_KINDS)}, got "
                          f"{args.output_kind!r}")
     set_threads(args.threads)
-    # [kernel wall, kernel CPU, GEMM CPU] seconds of the step being timed.
+    # [kernel wall, kernel CPU, compute CPU] seconds of the step being timed; compute: the
+    # micro model's GEMMs and the greedy sampling kernel (device kernels on a GPU).
     kernel_s = [0.0, 0.0, 0.0]
     paged_attention = ops.paged_attention
     linear_forward = Linear.forward
+    greedy_sample = ops.greedy_sample
 
     def timed_kernel(*a: Any, **kw: Any) -> Any:
         t, c = time.perf_counter(), time.process_time()
@@ -286,8 +290,16 @@ def host_time(args: argparse.Namespace) -> str:
         finally:
             kernel_s[2] += time.process_time() - c
 
+    def timed_greedy(*a: Any, **kw: Any) -> Any:
+        c = time.process_time()
+        try:
+            return greedy_sample(*a, **kw)
+        finally:
+            kernel_s[2] += time.process_time() - c
+
     rows = ["| context | decoder layers | decode step ms | paged-attention kernel ms | host ms "
-            "| host CPU ms | of which GEMMs CPU ms | host CPU without GEMMs ms |",
+            "| host CPU ms | of which model compute CPU ms | host CPU without the model's "
+            "compute ms |",
             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as tmp:
         max_len = max(args.contexts) + HOST_WARMUP_STEPS + args.decode_steps + 16
@@ -297,6 +309,7 @@ def host_time(args: argparse.Namespace) -> str:
             _save_micro_tokenizer(model, vocab=512)
         ops.paged_attention = timed_kernel
         Linear.forward = timed_linear
+        ops.greedy_sample = timed_greedy
         try:
             for context in args.contexts:
                 for layers, step, kernel, cpu, gemm in _host_time_at(args, model, context,
@@ -308,6 +321,7 @@ def host_time(args: argparse.Namespace) -> str:
         finally:
             ops.paged_attention = paged_attention
             Linear.forward = linear_forward
+            ops.greedy_sample = greedy_sample
     header = (f"Decode host time, {time.strftime('%Y-%m-%d %H:%M')}: micro random Llama "
               f"(1 layer, hidden 64, 2/1 heads of 32, vocab 512), {args.num_seqs} sequences "
               f"decoding together, mean of {args.decode_steps} decode steps, "
@@ -316,9 +330,10 @@ def host_time(args: argparse.Namespace) -> str:
               f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}"
               f", output_kind {args.output_kind}; host = step - "
               f"kernel (wall clock); host CPU = the same in process CPU time (less "
-              f"sensitive to a busy machine, but counting every thread's time); GEMMs = "
-              f"the model's projections and LM head (Linear.forward), the micro model's "
-              f"own compute.")
+              f"sensitive to a busy machine, but counting every thread's time); model "
+              f"compute = the micro model's projections and LM head (Linear.forward) and "
+              f"the greedy sampling kernel (ops.greedy_sample): work a GPU does on the "
+              f"device.")
     return "\n".join([header, "", *rows, ""])
 
 
@@ -347,9 +362,11 @@ def _host_time_at(args: argparse.Namespace, model: Path, context: int,
     """Rows (how the decoder layers ran, mean decode step, mean kernel time in it, mean
     host CPU time, mean GEMM CPU time; seconds) at one prompt length, with the micro model
     on the CPU: the layers run layer by layer (every kernel timed in the step), then, where
-    the CPU runs them in one native call, a second row for that way, whose kernel and GEMM
-    times are the first row's (the same kernels on the same arguments: approximate where
-    the kernel's own run-to-run spread is as large as the host time)."""
+    the CPU runs them in one native call, a second row for that way, whose kernel time is
+    the first row's (the same kernel on the same arguments: approximate where its own
+    run-to-run spread is as large as the host time) and whose compute is the call's own
+    CPU time, less that kernel time, plus the LM head and sampling kernel: its host CPU
+    time without the model's compute is measured in its own steps."""
     from vllm_lite import LLM, RequestOutputKind, ops
     from vllm_lite.models.llama import LlamaModel
 
@@ -366,7 +383,11 @@ def _host_time_at(args: argparse.Namespace, model: Path, context: int,
 
     def counted(*a: Any, **kw: Any) -> Any:
         calls[0] += 1
-        return one_call(*a, **kw)
+        c = time.process_time()
+        try:
+            return one_call(*a, **kw)
+        finally:
+            kernel_s[2] += time.process_time() - c  # model compute, kernel included
 
     try:
         fused = LlamaModel.fused_decode
@@ -382,14 +403,17 @@ def _host_time_at(args: argparse.Namespace, model: Path, context: int,
             return rows
         ops.llama_decode_layers = counted
         try:
-            step1, _, cpu1, _, _ = _time_decode(llm, n, context, args.decode_steps, args.seed,
-                                                kernel_s, kind, args.temperature)
+            step1, _, cpu1, compute1, _ = _time_decode(
+                llm, n, context, args.decode_steps, args.seed, kernel_s, kind,
+                args.temperature)
         finally:
             ops.llama_decode_layers = one_call
     finally:
         llm.llm_engine.shutdown()
     if calls[0]:
-        rows.append(("one call", step1, kernel, cpu1 - kernel_cpu, gemm))
+        # The call's compute less the kernel's (the first row's) as the compute column:
+        # the host CPU without the model's compute is then measured in this row's steps.
+        rows.append(("one call", step1, kernel, cpu1 - kernel_cpu, compute1 - kernel_cpu))
     return rows
 
 
@@ -421,8 +445,10 @@ def _time_decode(llm: Any, n: int, context: int, decode_steps: int, seed: int,
 
     def recording() -> Any:
         out = schedule()
+        # The decode lane's rows are never prompts; reading ``groups`` (not
+        # ``scheduled_seq_groups``) keeps the lane's records unbuilt, as the engine does.
         shape[0] = out.num_batched_tokens if not any(
-            g.is_prompt for g in out.scheduled_seq_groups) else -1
+            g.is_prompt for g in out.groups) else -1
         return out
 
     engine.scheduler.schedule = recording
