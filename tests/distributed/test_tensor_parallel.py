@@ -268,7 +268,8 @@ def test_two_nodes_on_one_machine(bias_ckpt, monkeypatch) -> None:
 
 
 _CTRL_C_SCRIPT = """
-import sys
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump if it hangs
 from vllm_lite import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", device="cpu", tensor_parallel_size=2,
           block_size=4, kv_cache_space=0.01, swap_space=0.01)
@@ -285,14 +286,24 @@ def test_ctrl_c_shuts_every_rank_down(bias_ckpt, tmp_path) -> None:
     folder, _ = bias_ckpt
     script = tmp_path / "ctrl_c.py"
     script.write_text(_CTRL_C_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(folder)], env=cli_env(),
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    err = tmp_path / "stderr.log"  # the driver's and its rank's
+    with open(err, "w") as err_file:
+        proc = subprocess.Popen([sys.executable, str(script), str(folder)], env=cli_env(),
+                                stdout=subprocess.PIPE, stderr=err_file, text=True,
+                                start_new_session=True)
     try:
         pids = [int(x) for x in proc.stdout.readline().split()]
         assert len(pids) == 1
         time.sleep(1.0)  # inside generate
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(60)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            # Where each process stands (faulthandler: the script's and the ranks' own).
+            os.killpg(proc.pid, signal.SIGUSR1)
+            time.sleep(3)
+            pytest.fail("the driver still ran 60 s after SIGINT; the processes' stacks "
+                        f"and stderr:\n{err.read_text()[-12000:]}")
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.1)
