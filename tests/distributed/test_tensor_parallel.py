@@ -269,6 +269,9 @@ def test_two_nodes_on_one_machine(bias_ckpt, monkeypatch) -> None:
 
 _CTRL_C_SCRIPT = """
 import faulthandler, signal, sys
+# Ctrl-C as in a terminal: a process started in the background of a non-interactive shell
+# (CI scripts, `cmd &`) inherits SIGINT ignored, and Python then keeps it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump if it hangs
 from vllm_lite import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", device="cpu", tensor_parallel_size=2,
