@@ -12,6 +12,8 @@ built without its CUDA kernels.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -152,3 +154,20 @@ def backend(request: pytest.FixtureRequest):
         yield b
     finally:
         _set_isa(before)
+
+
+@contextlib.contextmanager
+def nan_filled_buffers() -> Iterator[None]:
+    """Every tensor an op allocates on the CPU (its output and scratch) starts as NaN while
+    this is open (torch's deterministic mode fills uninitialized memory), so an element it
+    leaves unwritten shows whatever block the allocator hands out."""
+    mode = torch.are_deterministic_algorithms_enabled()
+    warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(mode, warn_only=warn)
+        torch.utils.deterministic.fill_uninitialized_memory = fill

@@ -8,7 +8,6 @@ same cases where a GPU is visible (tests/cuda_emulation runs the CUDA kernels wi
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 from vllm_lite import ops
 
-from .conftest import cuda_mark
+from .conftest import cuda_mark, nan_filled_buffers
 from .reference import bits
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -113,21 +112,6 @@ def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Non
     scale = float(ref.abs().max()) + 1e-6
     rel = {torch.float32: 2e-5, torch.bfloat16: 4e-2, torch.float16: 5e-3}[dtype]
     torch.testing.assert_close(out.double(), ref, rtol=rel, atol=rel * scale)
-
-
-@contextlib.contextmanager
-def nan_filled_buffers():
-    """Every tensor the op allocates (its output and scratch) starts NaN: an element it
-    forgets to write shows."""
-    was = torch.are_deterministic_algorithms_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def run_case(c: Case, dtype: torch.dtype, renormalize: bool, device: str, packed: bool,

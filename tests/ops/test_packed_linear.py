@@ -12,6 +12,7 @@ import torch
 
 from vllm_lite import ops
 
+from .conftest import nan_filled_buffers
 from .reference import assert_rounded_once_to_bf16
 
 # Relative to the largest |output|: float32 accumulation in another order.
@@ -66,38 +67,22 @@ def test_matches_float64(isa: str, m: int, k: int, n: int, bias: bool, dtype) ->
     _check(y, _reference(x, w, b))
 
 
-@pytest.fixture
-def nan_empty():
-    """Every at::empty on the CPU filled with NaN while the test runs (torch's deterministic
-    mode fills uninitialized memory), so an output element a kernel leaves unwritten is NaN
-    whatever block the allocator hands out."""
-    mode = torch.are_deterministic_algorithms_enabled()
-    warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(mode, warn_only=warn)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-def test_every_output_written(isa: str, dtype, nan_empty) -> None:
-    """The outputs' memory starts as NaN (nan_empty), so a row or column that a tile leaves
-    unwritten shows as NaN: row counts ending mid-tile, N and I mid-vector."""
-    assert torch.empty(5, 7, dtype=dtype).isnan().all(), "nan_empty no longer poisons"
-    for m, k, n in [(1, 64, 1001), (3, 32, 301), (7, 96, 250), (17, 64, 202), (64, 40, 90)]:
-        x, w, b = _case(m, k, n, seed=m + n, bias=True, dtype=dtype)
-        packed = ops.pack_linear_weight(w)
-        i = n // 2
-        gated, gb = _pack_gated(w[: 2 * i], b[: 2 * i])
-        y = ops.packed_linear(x, packed, b, n)
-        assert not y.isnan().any(), f"rows {m}, N {n}: an output left unwritten"
-        _check(y, _reference(x, w, b))
-        y = ops.packed_gated_linear(x, gated, gb, i)
-        assert not y.isnan().any(), f"rows {m}, I {i}: a gated output left unwritten"
+def test_every_output_written(isa: str, dtype) -> None:
+    """The outputs' memory starts as NaN (nan_filled_buffers), so a row or column that a
+    tile leaves unwritten shows as NaN: row counts ending mid-tile, N and I mid-vector."""
+    with nan_filled_buffers():
+        assert torch.empty(5, 7, dtype=dtype).isnan().all(), "nan_filled_buffers no longer poisons"
+        for m, k, n in [(1, 64, 1001), (3, 32, 301), (7, 96, 250), (17, 64, 202), (64, 40, 90)]:
+            x, w, b = _case(m, k, n, seed=m + n, bias=True, dtype=dtype)
+            packed = ops.pack_linear_weight(w)
+            i = n // 2
+            gated, gb = _pack_gated(w[: 2 * i], b[: 2 * i])
+            y = ops.packed_linear(x, packed, b, n)
+            assert not y.isnan().any(), f"rows {m}, N {n}: an output left unwritten"
+            _check(y, _reference(x, w, b))
+            y = ops.packed_gated_linear(x, gated, gb, i)
+            assert not y.isnan().any(), f"rows {m}, I {i}: a gated output left unwritten"
 
 
 @pytest.mark.parametrize("k", [1, 3, 577])
