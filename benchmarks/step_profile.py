@@ -283,19 +283,15 @@ def host_time(args: argparse.Namespace) -> str:
             kernel_s[0] += time.perf_counter() - t
             kernel_s[1] += time.process_time() - c
 
-    def timed_linear(*a: Any, **kw: Any) -> Any:
-        c = time.process_time()
-        try:
-            return linear_forward(*a, **kw)
-        finally:
-            kernel_s[2] += time.process_time() - c
-
-    def timed_greedy(*a: Any, **kw: Any) -> Any:
-        c = time.process_time()
-        try:
-            return greedy_sample(*a, **kw)
-        finally:
-            kernel_s[2] += time.process_time() - c
+    def compute_timed(fn: Any) -> Any:
+        """``fn`` with its process CPU time added to the step's compute."""
+        def timed(*a: Any, **kw: Any) -> Any:
+            c = time.process_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                kernel_s[2] += time.process_time() - c
+        return timed
 
     rows = ["| context | decoder layers | decode step ms | paged-attention kernel ms | host ms "
             "| host CPU ms | of which model compute CPU ms | host CPU without the model's "
@@ -308,8 +304,8 @@ def host_time(args: argparse.Namespace) -> str:
         if args.tokenizer == "bpe":
             _save_micro_tokenizer(model, vocab=512)
         ops.paged_attention = timed_kernel
-        Linear.forward = timed_linear
-        ops.greedy_sample = timed_greedy
+        Linear.forward = compute_timed(linear_forward)
+        ops.greedy_sample = compute_timed(greedy_sample)
         try:
             for context in args.contexts:
                 for layers, step, kernel, cpu, gemm in _host_time_at(args, model, context,
