@@ -144,7 +144,7 @@ def request_outputs(groups: Iterable[SequenceGroup]) -> list[RequestOutput]:
         seqs_dict = group.seqs_dict
         params = group.sampling_params
         if len(seqs_dict) != 1 or params.n != 1:
-            append(request_output(group))
+            append(_forked_output(group))
             continue
         # One sequence (no fork, no beams): CompletionOutput.of_live, inline.
         (seq,) = seqs_dict.values()
@@ -177,9 +177,12 @@ def request_output(group: SequenceGroup) -> RequestOutput:
     """A request's output as it stands: its completions (at most n; beams best first,
     others by cumulative logprob when best_of > n), with their text and logprobs. Its cost
     does not grow with the request's length (a streaming request gets one every step)."""
+    return request_outputs((group,))[0]
+
+
+def _forked_output(group: SequenceGroup) -> RequestOutput:
+    """request_output of a request of several sequences (n / best_of forks, beams)."""
     params = group.sampling_params
-    if len(group.seqs_dict) == 1 and params.n == 1:
-        return request_outputs((group,))[0]
     seqs = group.get_seqs()
     if params.use_beam_search:
         # Best first; the index is the rank.
