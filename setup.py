@@ -15,7 +15,7 @@ Environment:
                      builds the CPU kernels alone. A CUDA build that fails fails the install;
                      it never falls back to CPU silently. (CMake: VLLM_LITE_CUDA=AUTO|ON|OFF.)
   TORCH_CUDA_ARCH_LIST, CUDA_HOME, VLLM_LITE_HEAD_SIZES, VLLM_LITE_KV_CACHE_DTYPES,
-  VLLM_LITE_COMPILER_CACHE
+  VLLM_LITE_COMPILER_CACHE, VLLM_LITE_PRECOMPILED_HEADERS
                      passed to CMake on every build (see CMakeLists.txt), so that a value
                      cached by an earlier build never outlives the environment that set it.
   MAX_JOBS           parallel compile jobs (default: the CPU count).
@@ -41,7 +41,7 @@ logging.basicConfig(level=logging.INFO, format="[vllm_lite setup] %(message)s")
 TARGETS = {"auto": "AUTO", "cuda": "ON", "cpu": "OFF"}
 # Environment variables that CMakeLists.txt reads as cache variables of the same name.
 PASSED_THROUGH = ("TORCH_CUDA_ARCH_LIST", "VLLM_LITE_HEAD_SIZES", "VLLM_LITE_KV_CACHE_DTYPES",
-                  "VLLM_LITE_COMPILER_CACHE")
+                  "VLLM_LITE_COMPILER_CACHE", "VLLM_LITE_PRECOMPILED_HEADERS")
 
 
 def build_dir() -> Path:
