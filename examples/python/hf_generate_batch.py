@@ -13,7 +13,12 @@ Without a folder it uses vllm_lite's default model (SmolLM2-135M-Instruct).
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+)
 
 import vllm_lite.integrations.transformers  # noqa: F401  (registers "vllm_lite", "vllm_lite_flash")
 
@@ -30,8 +35,16 @@ def generate_batch(folder: str, questions: list[str], max_new_tokens: int = 16,
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id or 0)
+    # Unless told, HF sizes its paged cache (and under sdpa a dense mask over it) from the
+    # free memory, which takes seconds to allocate and fill on a CPU: these questions need
+    # only their own pages.
+    page = 32
+    pages = sum(-(-(len(i) + max_new_tokens) // page) for i in inputs)
+    cache = ContinuousBatchingConfig(page_size=page, num_blocks=pages,
+                                     max_batch_tokens=max(256, *map(len, inputs)))
     with torch.no_grad():
-        results = model.generate_batch(inputs, generation_config=config, progress_bar=False)
+        results = model.generate_batch(inputs, generation_config=config,
+                                       continuous_batching_config=cache, progress_bar=False)
     answers = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
     return [tokenizer.decode(answers[tuple(i)], skip_special_tokens=True) for i in inputs]
 

@@ -18,7 +18,11 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+)
 from transformers.generation.continuous_batching.cache_allocators import (  # noqa: E402
     full_attention,
 )
@@ -28,6 +32,10 @@ from models.helpers import make_config, save_hf_model  # noqa: E402
 from vllm_lite import ops  # noqa: E402
 
 MAX_NEW = 12
+# HF sizes continuous batching's cache (and, under sdpa, a dense mask of max_batch_tokens rows
+# over the whole cache) from free memory unless told: seconds of zero-filling per call on a
+# 24 GiB machine. Explicit small sizes; pages of 32 tokens make the longer prompts span pages.
+_CB = ContinuousBatchingConfig(max_batch_tokens=256, num_blocks=16, page_size=32)
 
 
 def _prompts(vocab: int, lens: tuple[int, ...], seed: int) -> list[list[int]]:
@@ -54,7 +62,8 @@ def _generate(model: Any, prompts: list[list[int]], k: int = MAX_NEW) -> list[li
 @torch.no_grad()
 def _generate_batch(model: Any, prompts: list[list[int]], k: int = MAX_NEW) -> list[list[int]]:
     cfg = GenerationConfig(max_new_tokens=k, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    res = model.generate_batch(prompts, generation_config=cfg, progress_bar=False)
+    res = model.generate_batch(prompts, generation_config=cfg, progress_bar=False,
+                               continuous_batching_config=_CB)
     by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in res.values()}
     return [by_prompt[tuple(p)] for p in prompts]
 
