@@ -3,9 +3,10 @@
 A GGUF file (possibly quantized) is converted once into a cache folder holding
 ``config.json``, ``model.safetensors`` (the dequantized weights in HF names, float32)
 and the tokenizer files; later loads read only that folder, through the ordinary
-safetensors path of :mod:`vllm_lite.models.loader`. Dense models are read by transformers'
-GGUF loader; mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) by
-:mod:`vllm_lite.models.gguf_moe`.
+safetensors path of :mod:`vllm_lite.models.loader`. Mixtures of experts (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE) and the dense Llama files it can map (the default model) are converted
+by :mod:`vllm_lite.models.gguf_moe`; the other dense models are read by transformers' GGUF
+loader.
 
 Cache layout::
 
@@ -185,8 +186,9 @@ def _write_folder(config: dict[str, Any], state: dict[str, Any], generation_conf
     tokenizer.save_pretrained(out)
 
 
-def _convert_moe(gguf_file: Path, out: Path) -> None:
-    """A mixture-of-experts file, converted by :mod:`vllm_lite.models.gguf_moe`."""
+def _convert_native(gguf_file: Path, out: Path) -> None:
+    """A mixture-of-experts file, or a dense one gguf_moe.converts_dense takes, converted by
+    :mod:`vllm_lite.models.gguf_moe`."""
     from transformers import GenerationConfig
 
     from vllm_lite.models import gguf_moe
@@ -194,9 +196,10 @@ def _convert_moe(gguf_file: Path, out: Path) -> None:
     header = read_header(gguf_file)
     sizes = check_model(header)
     config = gguf_moe.hf_config(header, sizes)
-    logger.info("converting %s (%s, %d experts, top %d): reading and dequantizing the GGUF "
-                "tensors", gguf_file, config["architectures"][0], sizes.num_experts,
-                sizes.num_experts_per_tok)
+    experts = "" if sizes.num_experts is None else \
+        f", {sizes.num_experts} experts, top {sizes.num_experts_per_tok}"
+    logger.info("converting %s (%s%s): reading and dequantizing the GGUF tensors", gguf_file,
+                config["architectures"][0], experts)
     state = dict(gguf_moe.hf_weights(gguf_file, sizes))
     try:
         tokenizer = gguf_moe.read_tokenizer(gguf_file)
@@ -212,8 +215,11 @@ def _convert_moe(gguf_file: Path, out: Path) -> None:
 def _convert(gguf_file: Path, out: Path) -> None:
     """Converts ``gguf_file`` into the (empty) folder ``out``."""
     t0 = time.perf_counter()
-    if is_moe(read_header(gguf_file)):
-        _convert_moe(gguf_file, out)  # ValueError naming the problem on a bad file
+    from vllm_lite.models.gguf_moe import converts_dense
+
+    header = read_header(gguf_file)
+    if is_moe(header) or converts_dense(header):
+        _convert_native(gguf_file, out)  # ValueError naming the problem on a bad file
     else:
         try:
             model, tokenizer = _read_gguf(gguf_file)

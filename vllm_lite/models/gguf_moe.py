@@ -1,9 +1,13 @@
-"""Mixture-of-experts GGUF files, converted by the engine itself into HF names.
+"""GGUF files the engine converts itself into HF names: mixtures of experts, and dense
+Llama files whose every tensor and setting this mapping carries (the default model).
 
-transformers' GGUF loading, which the dense architectures go through
-(:mod:`vllm_lite.models.gguf`), knows no Mixtral (llama.cpp writes it as architecture
-``llama`` with an ``expert_count``) and no OLMoE, and builds Qwen2-MoE / Qwen3-MoE without
-their expert sizes (``expert_feed_forward_length``, ``expert_shared_feed_forward_length``).
+transformers' GGUF loading, which the other dense files go through
+(:mod:`vllm_lite.models.gguf`), reads a file's header three times (config, weights,
+tokenizer: most of a conversion's time for the default model, where this module gives the
+same weights bit for bit and the same config), and it knows no Mixtral (llama.cpp writes
+it as architecture ``llama`` with an ``expert_count``) and no OLMoE, and builds Qwen2-MoE /
+Qwen3-MoE without their expert sizes (``expert_feed_forward_length``,
+``expert_shared_feed_forward_length``).
 So for these files this module maps llama.cpp's tensors and metadata to the HF checkpoint
 layout itself (the header was checked first: :func:`~vllm_lite.models.gguf_file.check_model`):
 
@@ -51,6 +55,12 @@ _HF = {"llama": ("MixtralForCausalLM", "MixtralConfig"),
        "qwen2moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
        "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
        "olmoe": ("OlmoeForCausalLM", "OlmoeConfig")}
+#: Dense GGUF architectures converted here (see converts_dense): -> (HF architecture, class).
+_HF_DENSE = {"llama": ("LlamaForCausalLM", "LlamaConfig")}
+#: A dense Llama layer's tensors (a file with any other is left to transformers).
+_DENSE_LLAMA_LAYER = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight",
+                      "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
+                      "ffn_down.weight")
 #: Per-layer tensors of every architecture: GGUF suffix -> HF suffix.
 _COMMON = {"attn_norm.weight": "input_layernorm.weight",
            "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -83,16 +93,32 @@ def _token_id(header: GGUFHeader, key: str) -> int | None:
     return None if value is None else int(value)
 
 
+def converts_dense(header: GGUFHeader) -> bool:
+    """Whether this module converts the (checked, dense) file: a Llama without rope
+    scaling whose tensors all have a place in the HF checkpoint (a llama3 file's rope_freqs,
+    say, has none: transformers converts such files)."""
+    arch = header.metadata.get("general.architecture")
+    if arch not in _HF_DENSE or _meta(header, "rope.scaling.type", "none") != "none":
+        return False
+    for name in header.tensors:
+        parts = name.split(".", 2)
+        if name not in _GLOBAL and (len(parts) != 3 or parts[0] != "blk"
+                                    or parts[2] not in _DENSE_LLAMA_LAYER):
+            return False
+    return True
+
+
 def hf_config(header: GGUFHeader, sizes: GGUFModelSizes) -> dict[str, Any]:
-    """config.json of the HF model the (checked) MoE file holds, built by transformers'
-    config class of the architecture (its defaults for what the file cannot state, e.g.
-    the initializer range, which nothing here uses). ValueError naming the key for a
-    setting the conversion cannot carry (rope scaling other than linear, a missing
-    norm epsilon or context length)."""
+    """config.json of the HF model the (checked) MoE file, or dense file converts_dense
+    takes, holds, built by transformers' config class of the architecture (its defaults for
+    what the file cannot state, e.g. the initializer range, which nothing here uses).
+    ValueError naming the key for a setting the conversion cannot carry (rope scaling
+    other than linear, a missing norm epsilon or context length)."""
     import transformers
 
     arch = sizes.architecture
-    hf_arch, config_cls = _HF[arch]
+    dense = sizes.num_experts is None
+    hf_arch, config_cls = (_HF_DENSE if dense else _HF)[arch]
     where = f"GGUF file {header.path}"
     eps = _meta(header, "attention.layer_norm_rms_epsilon")
     if eps is None:
@@ -115,12 +141,17 @@ def hf_config(header: GGUFHeader, sizes: GGUFModelSizes) -> dict[str, Any]:
         num_attention_heads=sizes.num_attention_heads,
         num_key_value_heads=sizes.num_key_value_heads,
         max_position_embeddings=sizes.max_position_embeddings, rms_norm_eps=float(eps),
-        rope_parameters=rope, tie_word_embeddings=sizes.tie_word_embeddings,
-        num_experts_per_tok=sizes.num_experts_per_tok, hidden_act="silu",
+        rope_parameters=rope, tie_word_embeddings=sizes.tie_word_embeddings, hidden_act="silu",
         bos_token_id=_token_id(header, "bos_token_id"),
         eos_token_id=_token_id(header, "eos_token_id"),
-        pad_token_id=_token_id(header, "padding_token_id"))
-    if arch == "llama":
+        pad_token_id=_token_id(header, "padding_token_id"),
+        **({} if dense else {"num_experts_per_tok": sizes.num_experts_per_tok}))
+    if dense:  # as transformers' GGUF loading writes a Llama's config
+        kw.update(head_dim=sizes.head_dim, attention_bias=False, mlp_bias=False,
+                  unk_token_id=_token_id(header, "unknown_token_id"))
+        if header.metadata.get("general.name") is not None:
+            kw.update(_model_name_or_path=header.metadata["general.name"])
+    elif arch == "llama":
         kw.update(num_local_experts=sizes.num_experts, head_dim=sizes.head_dim,
                   intermediate_size=sizes.moe_intermediate_size, sliding_window=None)
     elif arch == "olmoe":
