@@ -181,10 +181,13 @@ def test_group_size_only_with_int4(checkpoint: Path, method, group, message) -> 
         make_llm(checkpoint, quantization=method, quantization_group_size=group)
 
 
-def test_cli_quantization_flag(checkpoint: Path) -> None:
-    """--quantization int8 runs; an unknown value is refused by the parser (exit 2)."""
+def test_cli_quantization_flag(model_dir: Path) -> None:
+    """--quantization int8 runs with int8 projections; an unknown value is refused by the
+    parser (exit 2). Once, not per architecture: the flag becomes the engine option that
+    the tests above check on each."""
     import vllm_lite
 
+    checkpoint = model_dir  # a tiny Llama with a tokenizer (tests/conftest.py)
     # The vllm_lite these tests import (an in-place build is not installed), run from
     # outside the checkout.
     home = str(Path(vllm_lite.__file__).resolve().parent.parent)
@@ -193,6 +196,10 @@ def test_cli_quantization_flag(checkpoint: Path) -> None:
     base = [sys.executable, "-m", "vllm_lite.entrypoints.cli", "generate", "--model",
             str(checkpoint), "--kv-cache-space", "0.01", "--max-tokens", "2", "--dtype",
             "float32"]
+    good = subprocess.run(base + ["--quantization", "int8", "hello"],
+                          capture_output=True, text=True, timeout=300, cwd="/", env=env)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert "projections int8" in good.stderr, good.stderr[-2000:]
     bad = subprocess.run(base + ["--quantization", "fp8", "hello"], capture_output=True,
                          text=True, timeout=120, cwd="/", env=env)
     assert bad.returncode == 2 and "quantization" in bad.stderr
