@@ -63,19 +63,6 @@ def test_user_settings_win() -> None:
     assert got["faults"] > 20 * 2000, got  # the user's small threshold is in force
 
 
-def test_cpu_engine_applies_them(model_dir: Path) -> None:
-    got = _run(f"""
-import json
-from pathlib import Path
-from entrypoints.utils import make_llm
-from vllm_lite.worker import cpu_malloc
-before = cpu_malloc._applied
-make_llm(Path({str(model_dir)!r}))
-print(json.dumps({{"before": before, "after": cpu_malloc._applied}}))
-""")
-    assert got == {"before": False, "after": True}
-
-
 # The VmFlags of the mapping holding an address ("hg": madvised MADV_HUGEPAGE) and its
 # AnonHugePages (kB); a helper for the children below.
 SMAPS = """
@@ -149,21 +136,34 @@ print(json.dumps(out))
         assert odd["huge_kb"] >= 2 << 10, got
 
 
-def test_cpu_engine_keeps_its_kv_pool_in_huge_pages(model_dir: Path) -> None:
-    got = _run(SMAPS + f"""
+@pytest.fixture(scope="module")
+def cpu_engine(model_dir: Path) -> dict:
+    """One fresh process making a CPU engine: whether the allocator settings were applied
+    before and after, and whether each layer's K and V pool starts on a huge-page boundary
+    in memory advised for huge pages."""
+    return _run(SMAPS + f"""
 import json
 from pathlib import Path
 from entrypoints.utils import make_llm
+from vllm_lite.worker import cpu_malloc
 from vllm_lite.worker.cpu_malloc import HUGE_PAGE_BYTES
+before = cpu_malloc._applied
 llm = make_llm(Path({str(model_dir)!r}), kv_cache_space=0.25)
 flags = []
 for k, v in llm.llm_engine.cache_engine.gpu_cache:
     for t in (k, v):
         # Block 0 (the pool's first bytes) is handed out like any other.
         flags.append(t.data_ptr() % HUGE_PAGE_BYTES == 0 and "hg" in mapping_of(t.data_ptr())["flags"])
-print(json.dumps({{"flags": flags}}))
+print(json.dumps({{"before": before, "after": cpu_malloc._applied, "flags": flags}}))
 """)
-    assert got["flags"] and all(got["flags"]), got
+
+
+def test_cpu_engine_applies_them(cpu_engine: dict) -> None:
+    assert (cpu_engine["before"], cpu_engine["after"]) == (False, True)
+
+
+def test_cpu_engine_keeps_its_kv_pool_in_huge_pages(cpu_engine: dict) -> None:
+    assert cpu_engine["flags"] and all(cpu_engine["flags"]), cpu_engine
 
 
 def test_copy_to_huge_pages_copies_into_one_advised_buffer() -> None:
@@ -192,11 +192,13 @@ print(json.dumps({
     assert got["small_kept"], got  # no whole huge page to advise: the tensor itself
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_cpu_worker_relocates_the_packed_weights(model_dir: Path, quantization: str | None) -> None:
-    """The worker hands every packed projection weight (a quantized layer's qweight) to
-    copy_to_huge_pages once and the model runs on what it returns (here clones, recorded)."""
-    got = _run(f"""
+@pytest.fixture(scope="module")
+def relocated(model_dir: Path) -> dict:
+    """For a float and an int8 engine, made one after the other in one fresh process whose
+    worker's copy_to_huge_pages records what it gets and returns clones: how many weights it
+    returned, the packed projection weights (a quantized layer's qweight), whether the model
+    holds exactly the returned tensors, and the tokens a short generate gave."""
+    return _run(f"""
 import json
 from pathlib import Path
 from vllm_lite import SamplingParams
@@ -208,17 +210,32 @@ def copy(ts):
     return list(returned)
 worker.copy_to_huge_pages = copy
 from entrypoints.utils import make_llm
-llm = make_llm(Path({str(model_dir)!r}), quantization={quantization!r})
-model = llm.llm_engine.executor.worker.model
-packed = [m._own_packed for m in model.modules() if isinstance(m, Linear) and m._own_packed is not None]
-qweights = [m.qweight for m in model.modules() if hasattr(m, "qweight")]
-packed += qweights
-out = llm.generate([{{"prompt_token_ids": [5, 6, 7, 8]}}], use_tqdm=False,
-                   sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-print(json.dumps({{"returned": len(returned), "packed": len(packed), "qweights": len(qweights),
-                   "same": all(any(p is r for r in returned) for p in packed),
-                   "tokens": len(out[0].outputs[0].token_ids)}}))
+got = {{}}
+for quantization in (None, "int8"):
+    returned.clear()
+    llm = make_llm(Path({str(model_dir)!r}), quantization=quantization)
+    model = llm.llm_engine.executor.worker.model
+    packed = [m._own_packed for m in model.modules()
+              if isinstance(m, Linear) and m._own_packed is not None]
+    qweights = [m.qweight for m in model.modules() if hasattr(m, "qweight")]
+    packed += qweights
+    out = llm.generate([{{"prompt_token_ids": [5, 6, 7, 8]}}], use_tqdm=False,
+                       sampling_params=SamplingParams(max_tokens=4, temperature=0.0,
+                                                      ignore_eos=True))
+    got[str(quantization)] = {{
+        "returned": len(returned), "packed": len(packed), "qweights": len(qweights),
+        "same": all(any(p is r for r in returned) for p in packed),
+        "tokens": len(out[0].outputs[0].token_ids)}}
+    del llm, model, packed, qweights
+print(json.dumps(got))
 """)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_cpu_worker_relocates_the_packed_weights(relocated: dict, quantization: str | None) -> None:
+    """The worker hands every packed projection weight (a quantized layer's qweight) to
+    copy_to_huge_pages once and the model runs on what it returns."""
+    got = relocated[str(quantization)]
     assert got["returned"] == got["packed"] and got["same"], got
     assert (got["qweights"] > 0) == (quantization is not None), got
     assert got["tokens"] == 4, got
