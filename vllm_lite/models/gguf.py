@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_lite.models.gguf_file import GGUFModelSizes, check_model, is_moe, read_header
+from vllm_lite.models.gguf_file import GGUFHeader, GGUFModelSizes, check_model, is_moe, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -186,21 +186,21 @@ def _write_folder(config: dict[str, Any], state: dict[str, Any], generation_conf
     tokenizer.save_pretrained(out)
 
 
-def _convert_native(gguf_file: Path, out: Path) -> None:
-    """A mixture-of-experts file, or a dense one gguf_moe.converts_dense takes, converted by
-    :mod:`vllm_lite.models.gguf_moe`."""
+def _convert_native(header: GGUFHeader, out: Path) -> None:
+    """A mixture-of-experts file, or a dense one gguf_moe.converts_dense takes (its header
+    given), converted by :mod:`vllm_lite.models.gguf_moe`."""
     from transformers import GenerationConfig
 
     from vllm_lite.models import gguf_moe
 
-    header = read_header(gguf_file)
+    gguf_file = header.path
     sizes = check_model(header)
     config = gguf_moe.hf_config(header, sizes)
     experts = "" if sizes.num_experts is None else \
         f", {sizes.num_experts} experts, top {sizes.num_experts_per_tok}"
     logger.info("converting %s (%s%s): reading and dequantizing the GGUF tensors", gguf_file,
                 config["architectures"][0], experts)
-    state = dict(gguf_moe.hf_weights(gguf_file, sizes))
+    state = dict(gguf_moe.hf_weights(header, sizes))
     try:
         tokenizer = gguf_moe.read_tokenizer(gguf_file)
     except Exception as e:  # noqa: BLE001  (transformers raises many kinds on bad files)
@@ -219,7 +219,7 @@ def _convert(gguf_file: Path, out: Path) -> None:
 
     header = read_header(gguf_file)
     if is_moe(header) or converts_dense(header):
-        _convert_native(gguf_file, out)  # ValueError naming the problem on a bad file
+        _convert_native(header, out)  # ValueError naming the problem on a bad file
     else:
         try:
             model, tokenizer = _read_gguf(gguf_file)

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_lite.models.gguf_file import GGUFHeader, GGUFModelSizes, read_header, tensor_data
+from vllm_lite.models.gguf_file import GGUFHeader, GGUFModelSizes, tensor_data
 
 logger = logging.getLogger(__name__)
 
@@ -183,11 +183,11 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
         .reshape(w.shape)
 
 
-def hf_weights(gguf_file: str | Path, sizes: GGUFModelSizes
+def hf_weights(header: GGUFHeader, sizes: GGUFModelSizes
                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of the MoE file, dequantized; a tensor
-    with no HF place (or a type the gguf package cannot dequantize) is a ValueError naming
-    it."""
+    """(HF name, float32 tensor) for every tensor of the (checked) file the header was read
+    from, dequantized; a tensor with no HF place (or a type the gguf package cannot
+    dequantize) is a ValueError naming it."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -195,7 +195,7 @@ def hf_weights(gguf_file: str | Path, sizes: GGUFModelSizes
     moe_block = "block_sparse_moe" if arch == "llama" else "mlp"
     names = ("w1", "w3", "w2") if arch == "llama" else ("gate_proj", "up_proj", "down_proj")
     kinds: dict[str, int] = {}
-    header = read_header(gguf_file)
+    gguf_file = header.path
     data = tensor_data(header)
     for t in header.tensors.values():
         kind = t.type_name
