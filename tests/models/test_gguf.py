@@ -84,8 +84,8 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         t0 = time.perf_counter()
         model2, config2 = load_model(DEFAULT_MODEL)
         second_s = time.perf_counter() - t0
-        same_as_first = [name for name, t in model2.state_dict().items()
-                         if not torch.equal(t, first_state[name])]
+        differs_from_first = [name for name, t in model2.state_dict().items()
+                              if not torch.equal(t, first_state[name])]
         del model, first_state
         # The package folder (holding the .gguf) and the file itself map to the same cache.
         gguf_file = gguf_mod.alias_gguf_file(DEFAULT_MODEL)
@@ -93,8 +93,9 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         same_via_file = resolve_model(str(gguf_file))
     print(f"\ndefault model: first load (conversion) {first_s:.1f} s, "
           f"second load (cache) {second_s:.2f} s")
-    return dict(model=model2, config=config2, differs_from_first=same_as_first, folder=folder,
-                cache=cache, calls=calls, converted_after_first=converted_after_first,
+    return dict(model=model2, config=config2, differs_from_first=differs_from_first,
+                folder=folder, cache=cache, calls=calls,
+                converted_after_first=converted_after_first,
                 weights_mtime=weights_mtime, first_s=first_s, second_s=second_s,
                 gguf_file=gguf_file, via_folder=same_via_folder, via_file=same_via_file)
 

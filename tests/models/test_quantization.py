@@ -5,7 +5,6 @@ weights (the quantization error is the only difference)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from entrypoints.utils import make_llm  # noqa: E402
+from entrypoints.utils import cli_env, make_llm  # noqa: E402
 from models.helpers import make_config, save_hf_model  # noqa: E402
 from vllm_lite import LLM, SamplingParams, ops  # noqa: E402
 from vllm_lite.layers.quantization import (  # noqa: E402
@@ -184,17 +183,12 @@ def test_group_size_only_with_int4(checkpoint: Path, method, group, message) -> 
 def test_cli_quantization_flag(model_dir: Path) -> None:
     """--quantization int8 runs with int8 projections; an unknown value is refused by the
     parser (exit 2). Once, not per architecture: the flag becomes the engine option that
-    the tests above check on each."""
-    import vllm_lite
-
-    checkpoint = model_dir  # a tiny Llama with a tokenizer (tests/conftest.py)
+    the tests above check on each. model_dir: a tiny Llama with a tokenizer."""
     # The vllm_lite these tests import (an in-place build is not installed), run from
     # outside the checkout.
-    home = str(Path(vllm_lite.__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [home] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    env = cli_env()
     base = [sys.executable, "-m", "vllm_lite.entrypoints.cli", "generate", "--model",
-            str(checkpoint), "--kv-cache-space", "0.01", "--max-tokens", "2", "--dtype",
+            str(model_dir), "--kv-cache-space", "0.01", "--max-tokens", "2", "--dtype",
             "float32"]
     good = subprocess.run(base + ["--quantization", "int8", "hello"],
                           capture_output=True, text=True, timeout=300, cwd="/", env=env)
