@@ -77,6 +77,19 @@ __global__ void global_oob_kernel(const float* in, float* out, int n) {
   out[threadIdx.x] = in[n + static_cast<int>(threadIdx.x)];
 }
 
+// Reads a thread's local array (registers on a GPU, the fiber's stack here) past its end,
+// after a barrier switched the fiber out and back in with the array live: in[] holds
+// 0, 1, 2, ..., so lanes 4 and up index past the 4 elements. Through a pointer whose
+// origin UBSan cannot see (volatile): AddressSanitizer's stack redzones must catch it.
+__global__ void local_oob_kernel(const float* in, float* out) {
+  float acc[4];
+  for (int i = 0; i < 4; ++i) acc[i] = static_cast<float>(threadIdx.x + i);
+  __syncthreads();
+  const float* volatile hidden = acc;
+  const float* p = hidden;
+  out[threadIdx.x] = p[static_cast<int>(in[threadIdx.x])];
+}
+
 // A 16-byte load from an address that is 4 bytes off.
 __global__ void misaligned_kernel(const float* in, float* out) {
   const uint4 c = __ldg(reinterpret_cast<const uint4*>(in + 1));
@@ -215,6 +228,9 @@ void run_selftest(const std::string& name, void* in, int64_t in_bytes, void* out
     cuda_emu::launch(&global_oob_kernel, dim3(1), dim3(32), 0, "global_oob_kernel",
                      static_cast<const float*>(in), static_cast<float*>(out),
                      static_cast<int>(in_bytes / 4) - 31);
+  } else if (name == "local_oob") {
+    cuda_emu::launch(&local_oob_kernel, dim3(1), dim3(32), 0, "local_oob_kernel",
+                     static_cast<const float*>(in), static_cast<float*>(out));
   } else if (name == "misaligned") {
     cuda_emu::launch(&misaligned_kernel, dim3(1), dim3(32), 0, "misaligned_kernel",
                      static_cast<const float*>(in), static_cast<float*>(out));

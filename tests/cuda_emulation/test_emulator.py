@@ -118,6 +118,7 @@ def test_uninitialised_shared_memory_is_nan(tmp_path):
     ("mask_mismatch", "mask 0x"),
     ("smem_oob", "AddressSanitizer"),
     ("global_oob", "heap-buffer-overflow"),
+    ("local_oob", "stack-buffer-overflow"),
     ("misaligned", "misaligned address"),
 ])
 def test_bugs_are_caught(tmp_path, name, expect):
