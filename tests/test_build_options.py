@@ -70,6 +70,21 @@ def test_precompiled_header_reaches_the_files_that_include_torch(tmp_path: Path)
     assert any(want.values()) and not all(want.values())
 
 
+def test_extension_and_cpp_tests_reuse_the_kernels_header(tmp_path: Path) -> None:
+    # The header is compiled once, for the kernels; the extension module and the C++ tests
+    # include that one (GCC stops their build if their flags no longer match it).
+    r = _configure(tmp_path, "-DVLLM_LITE_COMPILER_CACHE=OFF", "-DVLLM_LITE_BUILD_TESTS=ON",
+                   "-DVLLM_LITE_PYTHON_MODULE=ON")
+    assert r.returncode == 0, r.stderr[-3000:]
+    commands = json.loads((tmp_path / "compile_commands.json").read_text())
+    header = str(tmp_path / "CMakeFiles" / "vllm_lite_objects.dir" / "cmake_pch.hxx")
+    reusing = [c for c in commands if Path(c["file"]).name == "python_module.cpp"
+               or (Path(c["file"]).suffix == ".cpp" and "tests/cpp" in c["file"])]
+    assert len(reusing) >= 3, [c["file"] for c in commands]
+    for c in reusing:
+        assert header in c["command"] and "-Werror=invalid-pch" in c["command"], c
+
+
 @pytest.mark.parametrize("options", [
     ("-DVLLM_LITE_PRECOMPILED_HEADERS=off", "-DVLLM_LITE_COMPILER_CACHE=OFF"),
     # AUTO with a compiler cache in front of the compiler (configure never runs it).
