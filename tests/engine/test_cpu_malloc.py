@@ -2,7 +2,7 @@
 blocks of megabytes are reused instead of being faulted in again, measured as the page
 faults of a loop that allocates and frees the way a step does; a user's own glibc settings
 win; an engine on the CPU applies them. Each case runs in a fresh process (the settings
-are process-wide)."""
+are process-wide; the huge-page helpers share one)."""
 
 from __future__ import annotations
 
@@ -90,18 +90,64 @@ def _thp_mode() -> str:
     return text.split("[")[1].split("]")[0]
 
 
-def test_advise_huge_pages_backs_a_fresh_tensor_with_huge_pages() -> None:
-    got = _run(SMAPS + """
+# The three helpers' checks, in one fresh process (they change no process-wide setting).
+HUGE_PAGE_HELPERS = """
 import json, torch
-from vllm_lite.worker.cpu_malloc import HUGE_PAGE_BYTES, advise_huge_pages
-t = torch.empty(64 << 20, dtype=torch.uint8)  # past glibc's mmap threshold: fresh pages
-advised = advise_huge_pages(t)
-small = advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))
-t.fill_(1)  # first touch
-m = mapping_of(t.data_ptr() + (32 << 20))
-print(json.dumps({"advised": advised, "small": small, "unit": HUGE_PAGE_BYTES,
-                  "flags": m["flags"], "huge_kb": m["huge_kb"]}))
-""")
+from vllm_lite.worker.cpu_malloc import (HUGE_PAGE_BYTES, advise_huge_pages,
+                                         copy_to_huge_pages, empty_huge_pages)
+
+def advise():
+    t = torch.empty(64 << 20, dtype=torch.uint8)  # past glibc's mmap threshold: fresh pages
+    advised = advise_huge_pages(t)
+    small = advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))
+    t.fill_(1)  # first touch
+    m = mapping_of(t.data_ptr() + (32 << 20))
+    return {"advised": advised, "small": small, "unit": HUGE_PAGE_BYTES, "flags": m["flags"],
+            "huge_kb": m["huge_kb"]}
+
+def empty():
+    out = {}
+    for name, shape, dtype in (("odd", (3, 1000, 777), torch.bfloat16),
+                               ("tiny", (5,), torch.float32)):
+        t = empty_huge_pages(shape, dtype)
+        t.fill_(1)  # first touch
+        first, last = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size() - 1
+        out[name] = {"shape": list(t.shape), "dtype": str(t.dtype),
+                     "contiguous": t.is_contiguous(), "aligned": first % HUGE_PAGE_BYTES == 0,
+                     "ones": bool((t == 1).all()),
+                     "hg": ["hg" in mapping_of(a)["flags"] for a in (first, last)],
+                     "huge_kb": mapping_of(first)["huge_kb"]}
+    return out
+
+def copy():
+    g = torch.Generator().manual_seed(7)
+    ts = [torch.randn(1000, 1537, generator=g).to(torch.bfloat16),  # 3 MB, odd row length
+          torch.randn(3, 5, generator=g),
+          torch.randn(600, 1200, generator=g)]
+    moved = copy_to_huge_pages(ts)
+    small = [torch.randn(4, 4, generator=g)]
+    kept = copy_to_huge_pages(small)
+    return {
+        "equal": [bool(torch.equal(a, b)) for a, b in zip(ts, moved)],
+        "meta": [[a.dtype == b.dtype, a.shape == b.shape, b.is_contiguous()]
+                 for a, b in zip(ts, moved)],
+        "copies": [a.data_ptr() != b.data_ptr() for a, b in zip(ts, moved)],
+        "storages": len({m.untyped_storage().data_ptr() for m in moved}),
+        "aligned": [m.data_ptr() % 4096 == 0 for m in moved],
+        "hg": "hg" in mapping_of(moved[0].data_ptr() + (2 << 20))["flags"],
+        "small_kept": kept[0] is small[0]}
+
+print(json.dumps({"advise": advise(), "empty": empty(), "copy": copy()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def huge_pages() -> dict:
+    return _run(SMAPS + HUGE_PAGE_HELPERS)
+
+
+def test_advise_huge_pages_backs_a_fresh_tensor_with_huge_pages(huge_pages: dict) -> None:
+    got = huge_pages["advise"]
     # The whole 2 MiB pages inside 64 MiB: 31 or 32 of them, by the tensor's alignment.
     assert got["advised"] in (31 * got["unit"], 32 * got["unit"]), got
     assert got["small"] == 0  # holds no whole huge page
@@ -110,21 +156,8 @@ print(json.dumps({"advised": advised, "small": small, "unit": HUGE_PAGE_BYTES,
         assert got["huge_kb"] >= 16 << 10, got  # most of the 64 MiB is in huge pages
 
 
-def test_empty_huge_pages_is_advised_from_its_first_byte() -> None:
-    got = _run(SMAPS + """
-import json, torch
-from vllm_lite.worker.cpu_malloc import HUGE_PAGE_BYTES, empty_huge_pages
-out = {}
-for name, shape, dtype in (("odd", (3, 1000, 777), torch.bfloat16), ("tiny", (5,), torch.float32)):
-    t = empty_huge_pages(shape, dtype)
-    t.fill_(1)  # first touch
-    first, last = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size() - 1
-    out[name] = {"shape": list(t.shape), "dtype": str(t.dtype), "contiguous": t.is_contiguous(),
-                 "aligned": first % HUGE_PAGE_BYTES == 0, "ones": bool((t == 1).all()),
-                 "hg": ["hg" in mapping_of(a)["flags"] for a in (first, last)],
-                 "huge_kb": mapping_of(first)["huge_kb"]}
-print(json.dumps(out))
-""")
+def test_empty_huge_pages_is_advised_from_its_first_byte(huge_pages: dict) -> None:
+    got = huge_pages["empty"]
     odd, tiny = got["odd"], got["tiny"]
     assert odd["shape"] == [3, 1000, 777] and odd["dtype"] == "torch.bfloat16", got
     assert tiny["shape"] == [5] and tiny["dtype"] == "torch.float32", got
@@ -134,6 +167,14 @@ print(json.dumps(out))
         assert t["contiguous"] and t["aligned"] and t["ones"] and all(t["hg"]), got
     if _thp_mode() in ("always", "madvise"):
         assert odd["huge_kb"] >= 2 << 10, got
+
+
+def test_copy_to_huge_pages_copies_into_one_advised_buffer(huge_pages: dict) -> None:
+    got = huge_pages["copy"]
+    assert all(got["equal"]) and all(all(m) for m in got["meta"]), got
+    assert all(got["copies"]) and got["storages"] == 1 and all(got["aligned"]), got
+    assert got["hg"], got
+    assert got["small_kept"], got  # no whole huge page to advise: the tensor itself
 
 
 @pytest.fixture(scope="module")
@@ -164,32 +205,6 @@ def test_cpu_engine_applies_them(cpu_engine: dict) -> None:
 
 def test_cpu_engine_keeps_its_kv_pool_in_huge_pages(cpu_engine: dict) -> None:
     assert cpu_engine["flags"] and all(cpu_engine["flags"]), cpu_engine
-
-
-def test_copy_to_huge_pages_copies_into_one_advised_buffer() -> None:
-    got = _run(SMAPS + """
-import json, torch
-from vllm_lite.worker.cpu_malloc import copy_to_huge_pages
-g = torch.Generator().manual_seed(7)
-ts = [torch.randn(1000, 1537, generator=g).to(torch.bfloat16),  # 3 MB, odd row length
-      torch.randn(3, 5, generator=g),
-      torch.randn(600, 1200, generator=g)]
-moved = copy_to_huge_pages(ts)
-small = [torch.randn(4, 4, generator=g)]
-kept = copy_to_huge_pages(small)
-print(json.dumps({
-    "equal": [bool(torch.equal(a, b)) for a, b in zip(ts, moved)],
-    "meta": [[a.dtype == b.dtype, a.shape == b.shape, b.is_contiguous()] for a, b in zip(ts, moved)],
-    "copies": [a.data_ptr() != b.data_ptr() for a, b in zip(ts, moved)],
-    "storages": len({m.untyped_storage().data_ptr() for m in moved}),
-    "aligned": [m.data_ptr() % 4096 == 0 for m in moved],
-    "hg": "hg" in mapping_of(moved[0].data_ptr() + (2 << 20))["flags"],
-    "small_kept": kept[0] is small[0]}))
-""")
-    assert all(got["equal"]) and all(all(m) for m in got["meta"]), got
-    assert all(got["copies"]) and got["storages"] == 1 and all(got["aligned"]), got
-    assert got["hg"], got
-    assert got["small_kept"], got  # no whole huge page to advise: the tensor itself
 
 
 @pytest.fixture(scope="module")
