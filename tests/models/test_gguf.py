@@ -126,7 +126,9 @@ def test_default_model_converts_once_and_caches(default_model: dict[str, Any]) -
 
 
 @needs_default_model
-def test_default_model_matches_transformers_gguf(default_model: dict[str, Any]) -> None:
+def test_default_model_matches_transformers_gguf(default_model: dict[str, Any],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import gguf
     from transformers import AutoTokenizer
 
     folder = default_model["folder"]
@@ -139,7 +141,22 @@ def test_default_model_matches_transformers_gguf(default_model: dict[str, Any]) 
     # un-permute): the same weights bit for bit, the same config and tokenizer. Loaded
     # here, not in the fixture, and the written tensors read one at a time: the peak stays
     # near two models.
-    ref_model, ref_tokenizer = gguf_mod._read_gguf(default_model["gguf_file"])
+    # transformers builds a gguf.GGUFReader (a parse of the whole vocabulary) for each of
+    # the config, the weights and the tokenizer: one read-only reader serves the three.
+    readers: dict[str, Any] = {}
+    parse = gguf.GGUFReader
+
+    def one_reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return parse(path, *args, **kwargs)
+        if str(path) not in readers:
+            readers[str(path)] = parse(path)
+        return readers[str(path)]
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "GGUFReader", one_reader)
+        ref_model, ref_tokenizer = gguf_mod._read_gguf(default_model["gguf_file"])
+    assert len(readers) == 1, readers
     assert type(ref_model).__module__.startswith("transformers.")
     from safetensors import safe_open
 
