@@ -91,11 +91,12 @@ def _grid() -> list:
 
 
 def _kv_caches(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-               dtype: torch.dtype, kv_cache_dtype: str, device: str, gen: torch.Generator
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               dtype: torch.dtype, kv_cache_dtype: str, device: str, gen: torch.Generator,
+               used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Random caches in vLLM's layouts, filled as vLLM's create_kv_caches_with_random does
     (uniform in [-scale, scale] with scale = head_size**-0.5; fp8 caches hold those values
-    rounded to fp8)."""
+    rounded to fp8) in the blocks ``used`` names (those that hold some sequence's tokens);
+    every other block is NaN, so a kernel reading past a sequence's blocks shows."""
     scale = head_size ** -0.5
     x = 16 // torch.empty((), dtype=dtype).element_size()
     if kv_cache_dtype == "fp8":
@@ -104,7 +105,9 @@ def _kv_caches(num_blocks: int, block_size: int, num_kv_heads: int, head_size: i
     vshape = (num_blocks, num_kv_heads, head_size, block_size)
     caches = []
     for shape in (kshape, vshape):
-        values = torch.empty(shape, dtype=torch.float32).uniform_(-scale, scale, generator=gen)
+        values = torch.full(shape, float("nan"))
+        values[used] = torch.empty((len(used), *shape[1:])).uniform_(-scale, scale,
+                                                                     generator=gen)
         if kv_cache_dtype == "fp8":
             caches.append(values.to(torch.float8_e4m3fn).view(torch.uint8).to(device))
         else:
@@ -195,8 +198,12 @@ def _check_paged_attention(device, version, num_heads, head_size, block_size, us
     num_blocks = num_seqs * blocks_per_seq
     block_tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * blocks_per_seq]
     block_tables = block_tables.view(num_seqs, blocks_per_seq).to(torch.int32).to(device)
+    # The blocks each sequence's length reaches; the rest of its table (up to the longest
+    # sequence) is NaN in the caches.
+    used = torch.cat([block_tables[i, :(int(n) + block_size - 1) // block_size].cpu().long()
+                      for i, n in enumerate(seq_lens)])
     key_cache, value_cache = _kv_caches(num_blocks, block_size, num_kv_heads, head_size, dtype,
-                                        kv_cache_dtype, device, gen)
+                                        kv_cache_dtype, device, gen, used)
     # vLLM passes the scales as 1-element float32 tensors.
     k_scale_t = torch.tensor(k_scale, dtype=torch.float32, device=device)
     v_scale_t = torch.tensor(v_scale, dtype=torch.float32, device=device)
