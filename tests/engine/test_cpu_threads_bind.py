@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from entrypoints.utils import make_llm, run_python_json  # noqa: E402
+from vllm_lite import SamplingParams  # noqa: E402
 from vllm_lite.config import parse_cpu_ids  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux")
@@ -69,21 +71,23 @@ print(json.dumps({{"lines": lines, "affinity": sorted(os.sched_getaffinity(0)),
     assert "cpu_ids 'not-a-cpu'" in got["err"]
 
 
-def test_bound_engine_generates_as_unbound(model_dir: Path) -> None:
+def test_bound_engine_generates_as_unbound(model_dir: Path, offline: Any) -> None:
+    # The bound engine in a fresh process (binding is process-wide); the unbound one is the
+    # tests' own offline engine on the same checkpoint.
+    prompts = [[1, 5, 9, 2], [3, 4]]
     code = """
-import json, os, sys, torch
+import json, os, torch
 from entrypoints.utils import make_llm
 from vllm_lite import SamplingParams
 from pathlib import Path
-bind = sys.argv[1] if len(sys.argv) > 1 else None
-llm = make_llm(Path({folder!r}), cpu_threads_bind={bind!r})
-outs = llm.generate([[1, 5, 9, 2], [3, 4]], SamplingParams(temperature=0.0, max_tokens=8),
-                    use_tqdm=False)
+llm = make_llm(Path({folder!r}), cpu_threads_bind="auto")
+outs = llm.generate({prompts!r}, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs],
                   "affinity": sorted(os.sched_getaffinity(0)),
                   "threads": torch.get_num_threads()}}))
 """
-    bound = run_python_json(code.format(folder=str(model_dir), bind="auto"))
-    plain = run_python_json(code.format(folder=str(model_dir), bind=None))
-    assert bound["tokens"] == plain["tokens"]
+    bound = run_python_json(code.format(folder=str(model_dir), prompts=prompts))
+    plain = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8),
+                             use_tqdm=False)
+    assert bound["tokens"] == [o.outputs[0].token_ids for o in plain]
     assert bound["affinity"] == [ALLOWED[0]] and bound["threads"] == len(ALLOWED)
