@@ -347,6 +347,7 @@ def load_model(
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
     tp: Any = None,
+    hf_config: Any = None,
 ) -> tuple[nn.Module, Any]:
     """Builds the model named by ``path``/config.json and loads its weights.
 
@@ -354,7 +355,9 @@ def load_model(
     such as ``"smollm2-135m"`` (:data:`DEFAULT_MODEL`); GGUF checkpoints are converted
     once into a cache folder (:func:`resolve_model`), which later loads read directly.
     ``tp``: a :class:`~vllm_lite.distributed.group.TensorParallelGroup` to build and load
-    only this rank's shards. Returns ``(model, hf_config)``, the model in eval mode on
+    only this rank's shards. ``hf_config``: the config the engine already read and checked
+    from that folder (a tensor-parallel rank gets it as plain values and so never imports
+    transformers); None reads config.json. Returns ``(model, hf_config)``, the model in eval mode on
     ``device`` in ``dtype``
     (the rotary table stays float32). Local files only: nothing is downloaded.
     Raises ValueError for an unknown alias or missing path, a missing package, a bad
@@ -364,7 +367,7 @@ def load_model(
     mis-shaped weights.
     """
     path = resolve_model(path)
-    config = read_hf_config(path)
+    config = read_hf_config(path) if hf_config is None else hf_config
     model_cls = get_model_class(getattr(config, "architectures", None))
     # The architecture's own settings (MoE routing, GLM's rotary) before sizes are used.
     model_cls.check_config(config)

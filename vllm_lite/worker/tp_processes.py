@@ -14,7 +14,9 @@ or disconnected) and, for local ranks, when its parent process is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
+import io
 import logging
 import os
 import pickle
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +42,69 @@ logger = logging.getLogger(__name__)
 _PARENT_ENV = "VLLM_LITE_DRIVER_PID"
 # How often the driver looks at its ranks while waiting for them to join.
 _POLL_S = 0.05
+
+
+class HFConfigValues:
+    """A transformers config as the ranks receive it: its attributes' values, no class.
+    Unpickling transformers' own config class imports transformers, about 3 CPU-s in each
+    rank; the model code reads attributes only."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__.update(values)
+
+    def __repr__(self) -> str:
+        return f"HFConfigValues({self.__dict__!r})"
+
+
+def _config_values(hf_config: Any) -> HFConfigValues | None:
+    """Every attribute of ``hf_config`` that reading gives (instance values, class
+    defaults, properties, attribute_map's aliases) as plain data; None where a value the
+    model might read is a transformers object (sent as it is then)."""
+    names = [n for n in dir(hf_config) if not n.startswith("__")]
+    names += list(getattr(hf_config, "attribute_map", {}) or {})
+    values: dict[str, Any] = {}
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # deprecated aliases (torch_dtype, ...) warn when read
+    try:
+        for name in names:
+            try:
+                value = getattr(hf_config, name)
+            except Exception:  # noqa: BLE001  (a property that does not apply: absent here too)
+                continue
+            if callable(value) and not isinstance(value, torch.dtype):
+                continue
+            if type(value).__module__.startswith("transformers"):
+                value = _config_values(value) if hasattr(value, "to_dict") else None
+                if value is None:
+                    continue  # a view object (per-layer configs) the models do not read
+            values[name] = value
+    finally:
+        quiet.setLevel(level)
+    try:
+        _WithoutTransformers(io.BytesIO(pickle.dumps(values))).load()
+    except Exception:  # noqa: BLE001  (unpicklable, or it would import transformers)
+        return None
+    return HFConfigValues(values)
+
+
+class _WithoutTransformers(pickle.Unpickler):
+    """Unpickles what needs no transformers class (what a rank could load cheaply)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.split(".")[0] == "transformers":
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def config_for_ranks(config: EngineConfig) -> EngineConfig:
+    """``config`` with its transformers config as plain values (HFConfigValues) where that
+    is possible, else unchanged."""
+    values = _config_values(config.model_config.hf_config)
+    if values is None:
+        return config
+    model_config = dataclasses.replace(config.model_config, hf_config=values)
+    return dataclasses.replace(config, model_config=model_config)
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -64,7 +129,7 @@ class LocalRanks:
         rdv = Rendezvous.from_env(self.world_size)
         self.store = rdv.store(self.timeout_s)
         port = self.store.port
-        self.store.set(CONFIG_KEY, pickle.dumps(config))
+        self.store.set(CONFIG_KEY, pickle.dumps(config_for_ranks(config)))
         if config.device.type == "cpu":
             torch.set_num_threads(threads_per_rank(rdv.local_world_size))
         self.procs: dict[int, subprocess.Popen] = {}

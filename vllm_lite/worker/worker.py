@@ -53,7 +53,8 @@ class Worker:
             keep_freed_memory()
         torch.manual_seed(mc.seed)
         if model is None:
-            model, _ = load_model(mc.model, mc.dtype, self.device, mc.max_model_len, tp=tp)
+            model, _ = load_model(mc.model, mc.dtype, self.device, mc.max_model_len, tp=tp,
+                                  hf_config=mc.hf_config)
         if mc.quantization is not None:
             from vllm_lite.layers.quantization import quantize_model
 
