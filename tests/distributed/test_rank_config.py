@@ -88,6 +88,16 @@ def test_a_value_that_needs_transformers_sends_the_config_itself(tmp_path: Path)
 
     save_hf_model(make_config("llama"), tmp_path)
     config = _engine_config(tmp_path)
-    # A plain list holding a transformers object: the values would import transformers.
-    config.model_config.hf_config.odd_setting = [PaddingStrategy.LONGEST]
+    hf = config.model_config.hf_config
+    # A nested config becomes plain values too.
+    hf.text_config = make_config("llama")
+    nested = config_for_ranks(config).model_config.hf_config.text_config
+    assert isinstance(nested, HFConfigValues)
+    assert nested.num_attention_heads == hf.text_config.num_attention_heads
+    # A plain list holding a transformers object, at the top or nested: the values would
+    # import transformers, so the config itself is sent (never a config missing a value).
+    hf.text_config.odd_setting = [PaddingStrategy.LONGEST]
+    assert config_for_ranks(config) is config
+    del hf.text_config
+    hf.odd_setting = [PaddingStrategy.LONGEST]
     assert config_for_ranks(config) is config

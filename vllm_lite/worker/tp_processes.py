@@ -75,9 +75,11 @@ def _config_values(hf_config: Any) -> HFConfigValues | None:
             if callable(value) and not isinstance(value, torch.dtype):
                 continue
             if type(value).__module__.startswith("transformers"):
-                value = _config_values(value) if hasattr(value, "to_dict") else None
-                if value is None:
+                if not hasattr(value, "to_dict"):
                     continue  # a view object (per-layer configs) the models do not read
+                value = _config_values(value)  # a nested config (text_config, ...)
+                if value is None:
+                    return None
             values[name] = value
     finally:
         quiet.setLevel(level)
