@@ -357,9 +357,9 @@ def load_model(
     ``tp``: a :class:`~vllm_lite.distributed.group.TensorParallelGroup` to build and load
     only this rank's shards. ``hf_config``: the config the engine already read and checked
     from that folder (a tensor-parallel rank gets it as plain values and so never imports
-    transformers); None reads config.json. Returns ``(model, hf_config)``, the model in eval mode on
-    ``device`` in ``dtype``
-    (the rotary table stays float32). Local files only: nothing is downloaded.
+    transformers); None reads config.json. Returns ``(model, hf_config)``, the model in
+    eval mode on ``device`` in ``dtype`` (the rotary table stays float32). Local files
+    only: nothing is downloaded.
     Raises ValueError for an unknown alias or missing path, a missing package, a bad
     config.json (see :func:`read_hf_config`), a model too big for the free memory of
     ``device`` (checked before allocating), an unsupported architecture, an index naming
