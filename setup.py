@@ -91,11 +91,16 @@ class CMakeBuild(build_ext):
         dest = Path(self.get_ext_fullpath(ext.name))
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(built[0], dest)
-        # Beside _C (in the checkout for --inplace): whether this build promised CUDA
-        # kernels, for the tests.
+        # Beside _C: whether this build promised CUDA kernels, for the tests.
         info = folder / "vllm_lite_build_info.py"
         shutil.copyfile(info, dest.parent / "_build_info.py")
         log.info("built %s (%s)", dest, info.read_text().splitlines()[-2])
+
+    def copy_extensions_to_source(self) -> None:
+        """--inplace: setuptools copies _C into the checkout; _build_info.py goes with it."""
+        super().copy_extensions_to_source()
+        shutil.copyfile(build_dir() / "vllm_lite_build_info.py",
+                        ROOT / "vllm_lite" / "_build_info.py")
 
 
 setup(
