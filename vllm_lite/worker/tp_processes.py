@@ -56,10 +56,10 @@ class HFConfigValues:
         return f"HFConfigValues({self.__dict__!r})"
 
 
-def _config_values(hf_config: Any) -> HFConfigValues | None:
+def _config_values(hf_config: Any) -> HFConfigValues:
     """Every attribute of ``hf_config`` that reading gives (instance values, class
-    defaults, properties, attribute_map's aliases) as plain data; None where a value the
-    model might read is a transformers object (sent as it is then)."""
+    defaults, properties, attribute_map's aliases), nested configs converted too.
+    config_for_ranks checks the result needs no transformers class."""
     names = [n for n in dir(hf_config) if not n.startswith("__")]
     names += list(getattr(hf_config, "attribute_map", {}) or {})
     values: dict[str, Any] = {}
@@ -78,15 +78,9 @@ def _config_values(hf_config: Any) -> HFConfigValues | None:
                 if not hasattr(value, "to_dict"):
                     continue  # a view object (per-layer configs) the models do not read
                 value = _config_values(value)  # a nested config (text_config, ...)
-                if value is None:
-                    return None
             values[name] = value
     finally:
         quiet.setLevel(level)
-    try:
-        _WithoutTransformers(io.BytesIO(pickle.dumps(values))).load()
-    except Exception:  # noqa: BLE001  (unpicklable, or it would import transformers)
-        return None
     return HFConfigValues(values)
 
 
@@ -103,7 +97,9 @@ def config_for_ranks(config: EngineConfig) -> EngineConfig:
     """``config`` with its transformers config as plain values (HFConfigValues) where that
     is possible, else unchanged."""
     values = _config_values(config.model_config.hf_config)
-    if values is None:
+    try:  # once, for the whole tree: nested configs are HFConfigValues inside it
+        _WithoutTransformers(io.BytesIO(pickle.dumps(values))).load()
+    except Exception:  # noqa: BLE001  (unpicklable, or it would import transformers)
         return config
     model_config = dataclasses.replace(config.model_config, hf_config=values)
     return dataclasses.replace(config, model_config=model_config)
