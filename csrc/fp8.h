@@ -1,4 +1,4 @@
-// fp8 <-> float32 conversions of the fp8 KV cache (kv_cache_dtype "fp8" = "fp8_e4m3",
+// float32 -> fp8 encoding of the fp8 KV cache (kv_cache_dtype "fp8" = "fp8_e4m3",
 // "fp8_e5m2"), one definition for the CPU kernels, the CUDA kernels and the SIMT emulator:
 // plain C++ with no includes beyond <cstdint>/<cstring>, host + device under nvcc.
 //
@@ -7,9 +7,10 @@
 // nearest even, bit for bit as torch's float8_e4m3fn / float8_e5m2 casts (torch 2.14):
 // NaN stays NaN (S.111..1 in both); e4m3fn saturates (magnitudes that round past 448,
 // infinity included, become +-448); e5m2 turns magnitudes >= 61440 into infinity.
-// Decoding is exact. (The per-ISA CPU attention builds decode with their own vectorized
-// copies in cpu/attention_kernel.h: an inline function of a shared header compiled under
-// several targets could be merged by the linker into the wrong one.)
+// Decoding is exact and vectorized where it runs: the per-ISA CPU attention builds in
+// cpu/attention_kernel.h (an inline function of a shared header compiled under several
+// targets could be merged by the linker into the wrong one), the CUDA kernels through the
+// half conversion in cuda/dtype.cuh.
 #pragma once
 
 #include <cstdint>
@@ -73,21 +74,5 @@ VLLM_LITE_HD uint8_t from_float(float f) {
   return sign | static_cast<uint8_t>(rounded - (static_cast<uint32_t>(127 - BIAS) << M));
 }
 
-// Exact decoding. e4m3fn: exponent field 0 is subnormal (m * 2^-9), S.1111.111 is NaN,
-// else 2^(e - 7) * (1 + m / 8). e5m2: the high byte of an IEEE half.
-template <typename F>
-VLLM_LITE_HD float to_float(uint8_t v) {
-  const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24;
-  if (F::kMantissa == 3) {
-    const uint32_t em = v & 0x7fu;
-    if (em == 0x7fu) return bits_float(sign | 0x7fc00000u);
-    if (em < 0x8u) return bits_float(sign | float_bits(static_cast<float>(em) * 0.001953125f));
-    return bits_float(sign | ((em << 20) + ((127u - 7u) << 23)));
-  }
-  const uint32_t em = v & 0x7fu;  // 5 exponent + 2 mantissa bits
-  if (em >= 0x7cu) return bits_float(sign | 0x7f800000u | ((em & 3u) << 21));  // inf / NaN
-  if (em < 0x4u) return bits_float(sign | float_bits(static_cast<float>(em) * 1.52587890625e-05f));
-  return bits_float(sign | ((em << 21) + ((127u - 15u) << 23)));
-}
 
 }  // namespace vllm_lite::fp8

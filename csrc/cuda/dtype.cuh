@@ -14,8 +14,8 @@
 //
 // Cache element types: the kernels take the query / output type T and the cache element
 // type CT separately; CT = T for kv_cache_dtype "auto", fp8_e4m3 / fp8_e5m2 (one byte of
-// a uint8 cache, decoded and encoded by csrc/fp8.h, the CPU kernels' conversions) for
-// "fp8" / "fp8_e4m3" / "fp8_e5m2".
+// a uint8 cache, encoded by csrc/fp8.h as the CPU kernels encode, decoded exactly through
+// the half conversion below) for "fp8" / "fp8_e4m3" / "fp8_e5m2".
 #pragma once
 
 #include <cstdint>
@@ -70,7 +70,14 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 template <typename F>
-__device__ __forceinline__ float to_float(fp8_t<F> v) { return fp8::to_float<F>(v.bits); }
+__device__ __forceinline__ void fp8_word_to_float(uint32_t w, float* out);
+
+template <typename F>
+__device__ __forceinline__ float to_float(fp8_t<F> v) {
+  float out[4];
+  fp8_word_to_float<F>(v.bits, out);
+  return out[0];
+}
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
@@ -143,11 +150,39 @@ __device__ __forceinline__ void chunk_to_float<__nv_bfloat16>(const uint4& c, fl
   }
 }
 
-// fp8: 4 bytes of a word (byte 0 = lowest address) -> 4 floats.
+// fp8: 4 bytes of a word (byte 0 = lowest address) -> 4 floats. Each byte is moved into
+// the bit pattern of a half and widened by the half -> float conversion, two at a time:
+// e5m2 is the high byte of a half; e4m3fn's sign, exponent and mantissa land in a half's
+// fields with a bias 8 too high, which the exact multiply by 2^8 undoes (subnormals
+// included: the half conversion gives normal floats, so flush-to-zero never applies).
+// Only e4m3fn's S.1111.111 (NaN; as a half it reads 480) needs a select.
+__device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
+  __half2 h;
+  memcpy(&h, &bits, sizeof(h));
+  return __half22float2(h);  // .x: the low 16 bits
+}
+
 template <typename F>
 __device__ __forceinline__ void fp8_word_to_float(uint32_t w, float* out) {
+  if constexpr (F::kMantissa == 2) {
+    const float2 lo = half2_bits_to_float2(((w & 0xffu) << 8) | ((w & 0xff00u) << 16));
+    const float2 hi = half2_bits_to_float2(((w >> 8) & 0xff00u) | (w & 0xff000000u));
+    out[0] = lo.x;
+    out[1] = lo.y;
+    out[2] = hi.x;
+    out[3] = hi.y;
+  } else {
+    const uint32_t s = w & 0x80808080u, m = w & 0x7f7f7f7fu;
+    const float2 lo = half2_bits_to_float2(((s & 0xffu) << 8) | ((m & 0xffu) << 7) |
+                                           ((s & 0xff00u) << 16) | ((m & 0xff00u) << 15));
+    const float2 hi = half2_bits_to_float2(((s >> 8) & 0xff00u) | ((m >> 9) & 0x7f80u) |
+                                           (s & 0xff000000u) | ((m & 0x7f000000u) >> 1));
+    const float v[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = fp8::to_float<F>(static_cast<uint8_t>(w >> (8 * i)));
+    for (int i = 0; i < 4; ++i) {
+      out[i] = ((m >> (8 * i)) & 0x7fu) == 0x7fu ? __uint_as_float(0x7fc00000u) : v[i] * 256.0f;
+    }
+  }
 }
 
 template <>

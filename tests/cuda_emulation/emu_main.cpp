@@ -302,6 +302,22 @@ void run_swap_blocks(const Case& c) {
 
 // float32 -> half / bfloat16 bits (the shim's conversions) and every half / bfloat16 bit
 // pattern -> float32.
+template <typename CT>
+void decode_fp8(const Case& c, const std::string& format) {
+  auto* scalar = static_cast<float*>(c.p("from_fp8_" + format));
+  auto* chunked = static_cast<float*>(c.p("chunks_fp8_" + format));
+  uint8_t bytes[256];
+  for (int b = 0; b < 256; ++b) {
+    bytes[b] = static_cast<uint8_t>(b);
+    scalar[b] = vllm_lite::cuda::to_float(CT{bytes[b]});
+  }
+  for (int k = 0; k < 16; ++k) {
+    uint4 chunk;
+    memcpy(&chunk, bytes + 16 * k, sizeof(chunk));
+    vllm_lite::cuda::chunk_to_float<CT>(chunk, chunked + 16 * k);
+  }
+}
+
 void run_convert(const Case& c) {
   const auto* in = static_cast<const float*>(c.p("floats"));
   const int64_t n = c.bytes("floats") / 4;
@@ -317,6 +333,10 @@ void run_convert(const Case& c) {
     hf[u] = __half2float(__half{static_cast<unsigned short>(u)});
     bf[u] = __bfloat162float(__nv_bfloat16{static_cast<unsigned short>(u)});
   }
+  // Every fp8 byte through the kernels' decoders: to_float, and chunk_to_float on the 16
+  // chunks holding bytes 0..255 in order.
+  decode_fp8<vllm_lite::cuda::fp8_e4m3>(c, "e4m3");
+  decode_fp8<vllm_lite::cuda::fp8_e5m2>(c, "e5m2");
 }
 
 // rms_norm / fused_add_rms_norm / silu_and_mul: rows, hidden (silu: the output width d),

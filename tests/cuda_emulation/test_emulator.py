@@ -53,6 +53,9 @@ def test_conversions_match_torch(tmp_path):
     c.buf("to_bf16", np.zeros(2 * n, np.uint8), out=True)
     c.buf("from_half", np.zeros(4 * 65536, np.uint8), out=True)
     c.buf("from_bf16", np.zeros(4 * 65536, np.uint8), out=True)
+    for fmt in ("e4m3", "e5m2"):
+        for kind in ("from", "chunks"):
+            c.buf(f"{kind}_fp8_{fmt}", np.full(4 * 256, 0xFF, np.uint8), out=True)
     c.write()
     res = harness.run_cases([c.path], [0])[c.path]
     assert res.ok, res.message
@@ -71,6 +74,15 @@ def test_conversions_match_torch(tmp_path):
         want = allbits.view(dt).float()
         same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
         assert bool(same.all()), name
+    # Every fp8 byte through the kernels' decoders: exact (NaNs: both NaN).
+    for fmt, dt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        want = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).float()
+        for kind in ("from", "chunks"):
+            got = c.read(f"{kind}_fp8_{fmt}", 0, torch.empty(256, dtype=torch.float32))
+            same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+            bad = (~same).nonzero()
+            assert bad.numel() == 0, (f"{kind} fp8_{fmt}: byte {bad[0].item():#x} -> "
+                                      f"{got[bad[0]].item()!r}, torch {want[bad[0]].item()!r}")
 
 
 def test_shuffles(tmp_path):

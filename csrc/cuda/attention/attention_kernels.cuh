@@ -11,7 +11,7 @@
 //                by element (load_unit_strided); the rest is the same.
 //                Elements: the query dtype (kv_cache_dtype "auto") or fp8 bytes (uint8,
 //                "fp8" = "fp8_e4m3" / "fp8_e5m2", x = 16, head_size % 16 == 0), decoded
-//                exactly by csrc/fp8.h; k_scale / v_scale are folded into qk_scale and the
+//                exactly (cuda/dtype.cuh); k_scale / v_scale are folded into qk_scale and the
 //                output scale, so the kernel reads cache * scale as the CPU kernels do.
 //   block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 //   out          [num_seqs, num_heads, head_size] (contiguous)

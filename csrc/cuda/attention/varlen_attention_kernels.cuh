@@ -10,7 +10,7 @@
 //                head_size] (p.flash_layout): V tiles are then read as K tiles are, a
 //                token's 16-byte chunks from its row.
 //                Elements: the query dtype ("auto") or fp8 bytes (uint8, "fp8" =
-//                "fp8_e4m3" / "fp8_e5m2", x = 16), decoded exactly by csrc/fp8.h.
+//                "fp8_e4m3" / "fp8_e5m2", x = 16), decoded exactly (cuda/dtype.cuh).
 //   block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 //   query_start_loc int32 [num_seqs + 1]: sequence s's query rows are
 //                qsl[s] .. qsl[s + 1]
