@@ -396,9 +396,12 @@ void run_rotary(const Case& c) {
 }
 
 // fused_moe: tokens, hidden, experts, inter, top_k, renormalize (0 / 1), logits f32 | same
-// (router_logits float32 or the dtype); buffers hidden, router_logits, w13, w2, out.
+// (router_logits float32 or the dtype), cc (default 75: the SIMT GEMMs); buffers hidden,
+// router_logits, w13, w2, out, optionally path (int32: the MoePath taken).
 void run_moe(const Case& c) {
   emu_ops::MoeArgs a{};
+  a.cc = c.i("cc", 75);
+  a.path_out = static_cast<int32_t*>(c.p_or_null("path"));
   a.tokens = c.i("tokens");
   a.hidden = c.i("hidden");
   a.experts = c.i("experts");

@@ -3,7 +3,9 @@
 // memory here. The argument checks are the Python tests' job (validate.cpp).
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "emu_runtime.h"  // cuda_shim.h: the CUDA names, before the kernels
@@ -29,6 +31,7 @@ void fused_moe(const MoeArgs& d) {
   }
   std::vector<float> topk_w(pairs);
   std::vector<int> topk_id(pairs), sorted_pair(pairs), row_of_pair(pairs);
+  std::vector<int> tiles(moe::moe_tile_table_ints(pairs, d.experts));
   std::vector<T> act(pairs * d.inter), ys(pairs * d.hidden);
   const int T_ = static_cast<int>(d.tokens), E = static_cast<int>(d.experts);
   const int k = static_cast<int>(d.top_k), H = static_cast<int>(d.hidden);
@@ -39,15 +42,40 @@ void fused_moe(const MoeArgs& d) {
                    d.renormalize, topk_w.data(), topk_id.data());
   cuda_emu::launch(&moe::moe_sort_kernel, dim3(1), dim3(moe::kMoeSortThreads), 0,
                    "moe_sort_kernel", static_cast<const int*>(topk_id.data()), P, E,
-                   sorted_pair.data(), row_of_pair.data());
-  cuda_emu::launch(&moe::moe_gate_up_kernel<T>, dim3(P, blocks(I)), dim3(moe::kMoeThreads), 0,
-                   "moe_gate_up_kernel", static_cast<const T*>(d.hidden_states),
-                   static_cast<const T*>(d.w13), static_cast<const int*>(sorted_pair.data()),
-                   static_cast<const int*>(topk_id.data()), k, H, I, act.data());
-  cuda_emu::launch(&moe::moe_down_kernel<T>, dim3(P, blocks(H)), dim3(moe::kMoeThreads), 0,
-                   "moe_down_kernel", static_cast<const T*>(act.data()),
-                   static_cast<const T*>(d.w2), static_cast<const int*>(sorted_pair.data()),
-                   static_cast<const int*>(topk_id.data()), H, I, ys.data());
+                   sorted_pair.data(), row_of_pair.data(), tiles.data());
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const moe::MoePath path =
+      moe::moe_path(static_cast<int>(d.cc), !std::is_same_v<T, float>, H, I,
+                    aligned(d.hidden_states) && aligned(d.w13) && aligned(d.w2));
+  if (d.path_out != nullptr) *d.path_out = static_cast<int32_t>(path);
+  bool gemms_done = false;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (path == moe::MoePath::kTensorCore) {
+      const auto tiles_n = static_cast<unsigned>(moe::moe_tc_max_tiles(P, E));
+      const auto cols = [](int n) { return static_cast<unsigned>((n + moe::kMoeTcCols - 1) / moe::kMoeTcCols); };
+      cuda_emu::launch(&moe::moe_tc_gemm_kernel<T, true>, dim3(tiles_n, cols(I)),
+                       dim3(moe::kMoeTcWarps * 32), 0, "moe_tc_gemm_kernel<gate_up>",
+                       static_cast<const T*>(d.hidden_states), static_cast<const T*>(d.w13),
+                       static_cast<const int*>(tiles.data()),
+                       static_cast<const int*>(sorted_pair.data()), k, H, I, act.data());
+      cuda_emu::launch(&moe::moe_tc_gemm_kernel<T, false>, dim3(tiles_n, cols(H)),
+                       dim3(moe::kMoeTcWarps * 32), 0, "moe_tc_gemm_kernel<down>",
+                       static_cast<const T*>(act.data()), static_cast<const T*>(d.w2),
+                       static_cast<const int*>(tiles.data()),
+                       static_cast<const int*>(sorted_pair.data()), k, I, H, ys.data());
+      gemms_done = true;
+    }
+  }
+  if (!gemms_done) {
+    cuda_emu::launch(&moe::moe_gate_up_kernel<T>, dim3(P, blocks(I)), dim3(moe::kMoeThreads), 0,
+                     "moe_gate_up_kernel", static_cast<const T*>(d.hidden_states),
+                     static_cast<const T*>(d.w13), static_cast<const int*>(sorted_pair.data()),
+                     static_cast<const int*>(topk_id.data()), k, H, I, act.data());
+    cuda_emu::launch(&moe::moe_down_kernel<T>, dim3(P, blocks(H)), dim3(moe::kMoeThreads), 0,
+                     "moe_down_kernel", static_cast<const T*>(act.data()),
+                     static_cast<const T*>(d.w2), static_cast<const int*>(sorted_pair.data()),
+                     static_cast<const int*>(topk_id.data()), H, I, ys.data());
+  }
   cuda_emu::launch(&moe::moe_combine_kernel<T>, dim3(T_, blocks(H)), dim3(moe::kMoeThreads), 0,
                    "moe_combine_kernel", static_cast<const T*>(ys.data()),
                    static_cast<const float*>(topk_w.data()),

@@ -106,6 +106,8 @@ void rotary_embedding(const RotaryArgs& a);
 // T), w13 [experts, 2 inter, hidden], w2 [experts, hidden, inter], out [tokens, hidden].
 struct MoeArgs {
   int64_t tokens, hidden, experts, inter, top_k;
+  int64_t cc;         // compute capability the launcher plans for (major * 10 + minor)
+  int32_t* path_out;  // or nullptr: receives the MoePath the launch took
   bool renormalize;
   const void* hidden_states;
   const void* router_logits;

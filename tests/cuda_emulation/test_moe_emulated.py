@@ -3,6 +3,11 @@ the float64 reference of tests/ops/test_fused_moe.py with its tolerances: float3
 float16 and bfloat16, router logits float32 or in the dtype, renormalised or not, expert
 counts 4-64, top-k 1-8, experts no token chose (their weights NaN: never read), H and I
 past one block of threads, router logits with exact ties (broken to the lower expert id).
+Both GEMM paths: the SIMT kernels (planned for an sm_75 GPU) and, planned for sm_90, the
+tensor-core kernels for float16 / bfloat16 (several 16-row tiles per expert, partial
+tiles, K past a 32-wide step, N past a block's 64 columns); the cases they do not take
+(float32, H or I not a multiple of 8, a misaligned hidden) on the SIMT kernels, the path
+each took checked.
 The output starts NaN (every element must be written); the inputs must come back
 unchanged. Each case runs under every schedule seed of harness.seeds() (the first by
 default, the others with --full-grid)."""
@@ -25,17 +30,24 @@ pytestmark = pytest.mark.cuda_emulated
 CODE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
+SIMT, TENSOR_CORES = 0, 1  # csrc/cuda/moe/fused_moe_path.h's MoePath
+
+
 @dataclass(frozen=True)
 class EmuCase:
     moe: Case
     dtype: torch.dtype
     renormalize: bool
     f32_logits: bool
+    cc: int = 75  # the GPU the launcher plans for
+    path: int = SIMT  # the GEMM path it must take
+    misaligned: bool = False  # hidden 2 bytes past a 16-byte boundary
 
     @property
     def id(self) -> str:
         return (f"{self.moe.id}-{CODE[self.dtype]}-{'renorm' if self.renormalize else 'plain'}"
-                f"-logits_{'f32' if self.f32_logits else 'same'}")
+                f"-logits_{'f32' if self.f32_logits else 'same'}-sm{self.cc}"
+                + ("-misaligned" if self.misaligned else ""))
 
 
 CASES = [
@@ -45,6 +57,17 @@ CASES = [
     EmuCase(Case(16, 4, 33, 130, 136), torch.float32, False, False),  # H, I > one block
     EmuCase(Case(32, 2, 20, 64, 48), torch.bfloat16, False, True),
     EmuCase(Case(8, 3, 9, 32, 24, tied=True), torch.float32, True, False),  # ties: lower id
+    # Tensor cores: 80 rows over 4 experts (two tiles each), K = 72 (a step and a chunk),
+    # I = 40 (part of a block's columns).
+    EmuCase(Case(4, 2, 40, 72, 40), torch.float16, True, True, 90, TENSOR_CORES),
+    EmuCase(Case(64, 8, 3, 32, 16), torch.bfloat16, True, False, 80, TENSOR_CORES),
+    EmuCase(Case(16, 4, 33, 136, 200), torch.bfloat16, False, True, 90, TENSOR_CORES),
+    EmuCase(Case(8, 3, 9, 64, 24, tied=True), torch.float16, False, False, 90, TENSOR_CORES),
+    # ... and what they leave to the SIMT kernels on the same GPU.
+    EmuCase(Case(8, 2, 7, 50, 40), torch.float16, False, False, 90),  # H % 8 != 0
+    EmuCase(Case(4, 2, 9, 64, 36), torch.bfloat16, True, False, 90),  # I % 8 != 0
+    EmuCase(Case(16, 4, 33, 64, 48), torch.float32, False, False, 90),
+    EmuCase(Case(4, 2, 9, 64, 40), torch.float16, True, False, 90, misaligned=True),
 ]
 
 
@@ -58,11 +81,12 @@ def _prepare(c: EmuCase, root):
     m = c.moe
     cd.set(op="fused_moe", dtype=CODE[c.dtype], tokens=m.tokens, hidden=m.hidden,
            experts=m.experts, inter=m.inter, top_k=m.top_k, renormalize=int(c.renormalize),
-           logits="f32" if c.f32_logits else "same")
+           logits="f32" if c.f32_logits else "same", cc=c.cc)
     inputs = {"hidden": x, "router_logits": logits, "w13": w13, "w2": w2}
     for name, t in inputs.items():
-        cd.buf(name, t, out=True)
+        cd.buf(name, t, offset=2 if c.misaligned and name == "hidden" else 0, out=True)
     cd.buf("out", out, out=True)
+    cd.buf("path", torch.full((1,), -1, dtype=torch.int32), out=True)
     cd.write()
     return cd, (inputs, out, ref, idle)
 
@@ -84,6 +108,7 @@ def test_fused_moe_emulated(runs, case: EmuCase, seed: int) -> None:
     cd, (inputs, out, ref, idle) = prepared[case.id]
     res = results[cd.path]
     assert res.ok, res.message
+    assert int(cd.read("path", seed, torch.empty(1, dtype=torch.int32))) == case.path
     check_close(cd.read("out", seed, out), ref, case.dtype)
     for name, t in inputs.items():
         assert_bitwise_equal(cd.read(name, seed, t), t, f"{name} must not be modified")

@@ -7,11 +7,19 @@
 //                           renormalised if asked: topk_w float [T, k], topk_id int [T, k]
 //   moe_sort_kernel         one block, one thread per expert: a stable counting sort of the
 //                           P = T * k (token, slot) pairs by expert: sorted_pair[r] = the
-//                           pair at row r of the grouped order, row_of_pair[p] its inverse
+//                           pair at row r of the grouped order, row_of_pair[p] its inverse;
+//                           and the tile table (fused_moe_path.h) of the tensor-core GEMMs
+//   then the two grouped GEMMs, on the path moe_path() picks:
+//   SIMT (every dtype and GPU):
 //   moe_gate_up_kernel<T>   the grouped gate_up GEMM over the sorted rows, SiLU-and-mul in
 //                           its epilogue: grid (P, ceil(I / threads)), one thread per (row,
 //                           output feature), act [P, I]
 //   moe_down_kernel<T>      the grouped down GEMM: grid (P, ceil(H / threads)), ys [P, H]
+//   tensor cores (sm_80+, f16 / bf16; moe_tc_gemm_kernel<T, GATE_UP>, see below):
+//                           grid (moe_tc_max_tiles, ceil(N / kMoeTcCols)), kMoeTcWarps warps:
+//                           a block multiplies one tile's 16 rows (one expert's) by
+//                           kMoeTcCols of that expert's weight rows, so each weight element
+//                           is read once per tile instead of once per row
 //   moe_combine_kernel<T>   per (token, feature): the sum of its k rows times their
 //                           routing weights in float32, rounded once: out [T, H]
 // Rounding as the CPU op and the unfused layers: the gate and up projections, the silu,
@@ -23,6 +31,8 @@
 
 #include "cuda/dtype.cuh"
 #include "cuda/elementwise/elementwise_kernels.cuh"  // ew::silu_f32, ew::round_to
+#include "cuda/mma.cuh"
+#include "cuda/moe/fused_moe_path.h"
 #include "moe_limits.h"
 
 namespace vllm_lite {
@@ -70,10 +80,12 @@ __global__ void moe_route_kernel(const L* __restrict__ logits, int tokens, int e
   }
 }
 
-// Launch with one block of kMoeSortThreads threads.
+// Launch with one block of kMoeSortThreads threads. tiles: moe_tile_table_ints(P, E) ints.
 __global__ void moe_sort_kernel(const int* __restrict__ topk_id, int pairs, int experts,
-                                int* __restrict__ sorted_pair, int* __restrict__ row_of_pair) {
+                                int* __restrict__ sorted_pair, int* __restrict__ row_of_pair,
+                                int* __restrict__ tiles) {
   __shared__ int start[kMoeSortThreads + 1];
+  __shared__ int first_tile[kMoeSortThreads + 1];
   const int e = threadIdx.x;
   int count = 0;
   if (e < experts) {
@@ -83,10 +95,20 @@ __global__ void moe_sort_kernel(const int* __restrict__ topk_id, int pairs, int 
   __syncthreads();
   if (e == 0) {
     start[0] = 0;
-    for (int i = 0; i < kMoeSortThreads; ++i) start[i + 1] += start[i];
+    first_tile[0] = 0;
+    for (int i = 0; i < kMoeSortThreads; ++i) {
+      first_tile[i + 1] = first_tile[i] + (start[i + 1] + kMoeTcRows - 1) / kMoeTcRows;
+      start[i + 1] += start[i];
+    }
+    tiles[0] = first_tile[kMoeSortThreads];
   }
   __syncthreads();
   if (e < experts) {
+    for (int j = first_tile[e], row = start[e]; j < first_tile[e + 1]; ++j, row += kMoeTcRows) {
+      tiles[1 + 3 * j] = e;
+      tiles[2 + 3 * j] = row;
+      tiles[3 + 3 * j] = min(kMoeTcRows, start[e + 1] - row);
+    }
     int r = start[e];
     for (int p = 0; p < pairs; ++p) {
       if (topk_id[p] == e) {
@@ -138,6 +160,128 @@ __global__ void moe_down_kernel(const T* __restrict__ act, const T* __restrict__
   float acc = 0.0f;
   for (int i = 0; i < inter; ++i) acc += to_float(a[i]) * to_float(w[i]);
   ys[static_cast<int64_t>(r) * hid + c] = from_float<T>(acc);
+}
+
+// The tensor-core GEMMs' block: kMoeTcWarps warps, each owning kMoeTcColsPerWarp output
+// columns (two n8 MMA tiles), kMoeTcCols columns in all.
+constexpr int kMoeTcWarps = 4;
+constexpr int kMoeTcColsPerWarp = 16;
+constexpr int kMoeTcCols = kMoeTcWarps * kMoeTcColsPerWarp;
+// K consumed per step: each lane loads one 16-byte chunk (kMoeTcChunk elements) of each of
+// its rows, four lanes cover 32 consecutive k.
+constexpr int kMoeTcK = 4 * kMoeTcChunk;
+
+__device__ __forceinline__ uint32_t chunk_word(const uint4& c, int i) {
+  return i == 0 ? c.x : i == 1 ? c.y : i == 2 ? c.z : c.w;
+}
+
+// One tile (tiles[1 + 3 * blockIdx.x ...]: expert e, first grouped row, rows <= 16) times
+// columns blockIdx.y * kMoeTcCols ... of e's weights, K = the rows' length, N = the
+// output's width; f32 accumulation in mma.m16n8k16.
+//   GATE_UP: A row i = hidden[token of sorted_pair[first + i]] (K = H), B = w13[e]'s gate
+//            rows n and up rows N + n (N = I); epilogue silu(gate) * up rounded as the SIMT
+//            kernel rounds, into act[first + i, n].
+//   down:    A row i = act[first + i] (K = I), B = w2[e]'s rows n (N = H), into
+//            ys[first + i, n].
+// The k order: within each 32-wide step lane t holds elements 8t .. 8t+7 of its rows
+// (one 16-byte load) and feeds 8t .. 8t+3 to the first k16 MMA and 8t+4 .. 8t+7 to the
+// second, in the fragment slots of k 2t, 2t+1, 2t+8, 2t+9. A and B use the same order, so
+// each MMA pair sums the same 32 products, only in another order. Rows past the tile's
+// and columns past N read zeros and are not stored; K % kMoeTcChunk == 0 (moe_path), so a
+// chunk lies wholly inside K or wholly past it.
+template <typename T, bool GATE_UP>
+__global__ void __launch_bounds__(kMoeTcWarps * 32)
+    moe_tc_gemm_kernel(const T* __restrict__ a_src, const T* __restrict__ w,
+                       const int* __restrict__ tiles, const int* __restrict__ sorted_pair,
+                       int top_k, int K, int N, T* __restrict__ out) {
+#if VLLM_LITE_TC_AVAILABLE
+  const int tile = blockIdx.x;
+  if (tile >= tiles[0]) return;  // the grid is sized for the most tiles P rows can need
+  const int e = tiles[1 + 3 * tile], first = tiles[2 + 3 * tile], rows = tiles[3 + 3 * tile];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int n_warp = blockIdx.y * kMoeTcCols + warp * kMoeTcColsPerWarp;
+  if (n_warp >= N) return;  // a whole warp past N (no block-wide barrier follows)
+  constexpr int NT = kMoeTcColsPerWarp / 8;  // n8 tiles per warp
+  constexpr int NB = GATE_UP ? 2 : 1;         // weight row sets: gate and up, or down
+  const T* arow[2];                           // rows g and g + 8 of the tile
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = g + 8 * h;
+    const int64_t src = i >= rows ? -1
+                        : GATE_UP ? sorted_pair[first + i] / top_k
+                                  : static_cast<int64_t>(first + i);
+    arow[h] = src < 0 ? nullptr : a_src + src * K;
+  }
+  const T* brow[NB][NT];
+  const T* wexp = w + static_cast<int64_t>(e) * NB * N * K;
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int n = n_warp + 8 * j + g;
+      brow[b][j] = n < N ? wexp + (static_cast<int64_t>(b) * N + n) * K : nullptr;
+    }
+  }
+  float acc[NB][NT][4];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[b][j][q] = 0.0f;
+    }
+  }
+  for (int k0 = 0; k0 < K; k0 += kMoeTcK) {
+    const int k = k0 + kMoeTcChunk * t;
+    const bool in_k = k < K;
+    uint4 ac[2], bc[NB][NT];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ac[h] = in_k && arow[h] != nullptr ? load_chunk(arow[h] + k) : zero_chunk();
+    }
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        bc[b][j] = in_k && brow[b][j] != nullptr ? load_chunk(brow[b][j] + k) : zero_chunk();
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const uint32_t a[4] = {chunk_word(ac[0], 2 * s), chunk_word(ac[1], 2 * s),
+                             chunk_word(ac[0], 2 * s + 1), chunk_word(ac[1], 2 * s + 1)};
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const uint32_t bb[2] = {chunk_word(bc[b][j], 2 * s), chunk_word(bc[b][j], 2 * s + 1)};
+          tc::mma_m16n8k16<T>(acc[b][j], a, bb, acc[b][j]);
+        }
+      }
+    }
+  }
+  // C fragment: acc[.][j][2h + q] is row g + 8h, column n_warp + 8j + 2t + q.
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = g + 8 * h;
+      if (i >= rows) continue;
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int n = n_warp + 8 * j + 2 * t + q;
+        if (n >= N) continue;
+        T* dst = out + static_cast<int64_t>(first + i) * N + n;
+        if constexpr (GATE_UP) {
+          const float a = ew::round_to<T>(ew::silu_f32(ew::round_to<T>(acc[0][j][2 * h + q])));
+          *dst = from_float<T>(__fmul_rn(a, ew::round_to<T>(acc[1][j][2 * h + q])));
+        } else {
+          *dst = from_float<T>(acc[0][j][2 * h + q]);
+        }
+      }
+    }
+  }
+#endif
 }
 
 // out[t, c] = sum over j < top_k of topk_w[t, j] * ys[row_of_pair[t * top_k + j], c].

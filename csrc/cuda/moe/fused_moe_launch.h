@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/launch_types.h"
+#include "cuda/moe/fused_moe_path.h"
 
 namespace vllm_lite {
 namespace cuda {
@@ -30,6 +31,8 @@ struct MoeLaunchArgs {
   int32_t* row_of_pair;
   void* act;
   void* ys;
+  int32_t* tiles;  // moe_tile_table_ints(P, E) ints (fused_moe_path.h)
+  int cc;          // the device's compute capability, major * 10 + minor
   int tokens;
   int experts;
   int top_k;

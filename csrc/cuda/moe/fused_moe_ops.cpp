@@ -39,6 +39,7 @@ at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& router_logits,
   at::Tensor topk_id = at::empty({pairs}, i32);
   at::Tensor sorted_pair = at::empty({pairs}, i32);
   at::Tensor row_of_pair = at::empty({pairs}, i32);
+  at::Tensor tiles = at::empty({moe::moe_tile_table_ints(pairs, d.experts)}, i32);
   at::Tensor act = at::empty({pairs, d.intermediate}, hidden.options());
   at::Tensor ys = at::empty({pairs, d.hidden}, hidden.options());
   a.hidden = hidden.data_ptr();
@@ -52,6 +53,9 @@ at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& router_logits,
   a.row_of_pair = row_of_pair.data_ptr<int32_t>();
   a.act = act.data_ptr();
   a.ys = ys.data_ptr();
+  a.tiles = tiles.data_ptr<int32_t>();
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  a.cc = props->major * 10 + props->minor;
   a.tokens = static_cast<int>(d.tokens);
   a.experts = static_cast<int>(d.experts);
   a.top_k = static_cast<int>(d.top_k);
