@@ -4,7 +4,9 @@
 #   2. runs the CUDA kernel tests and the check that _C shares torch's C++ runtime
 #      (pytest tests/ops -k "cuda or cpp_runtime"; after a test that kills the process,
 #      the tests after it still run),
-#   3. runs the kernel benchmarks (benchmarks/kernels.py --device cuda: decode, then --prefill),
+#   3. runs the kernel benchmarks (benchmarks/kernels.py --device cuda: decode, then --prefill;
+#      then benchmarks/moe.py --device cuda: fused_moe against the torch block, an
+#      OLMoE-sized layer: 64 experts, top-8, hidden 2048, intermediate 1024, bf16 / fp16),
 #   4. times decode steps on CUDA (benchmarks/step_profile.py --decode-time: ms per step at 1,
 #      32 and 256 sequences, eager and with CUDA graphs, bfloat16), then runs the engine
 #      benchmark: benchmarks/throughput.py on 256 requests (prompts 32-512 tokens, 128 output
@@ -21,7 +23,8 @@
 # Files in OUTDIR (9, what the device tool brings back): summary.md, build.log, tests.log,
 # bench.log, engine.log, two kernels_cuda_<stamp>.md (the GQA goals run, the grid),
 # prefill_kernels_cuda_<stamp>.md, and
-# details.tar.gz (env.log, kernels_cuda_<stamp>.json and engine/: the engine reports
+# details.tar.gz (env.log, kernels_cuda_<stamp>.json, moe.md (its table is also in
+# summary.md) and engine/: the engine reports
 # step_profile.md (decode step times), throughput_cuda_*.md/.json/.png,
 # latency_cuda_*.md/.json/.png).
 # Stage limits (seconds) can be changed with BUILD_S, TESTS_S, BENCH_S, ENGINE_S (decode
@@ -36,7 +39,8 @@ OUTDIR="${1:-${OUT:-$ROOT/benchmarks/results/device}}"
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 # A rerun replaces the previous run's files (keeps OUTDIR at 8 files).
-rm -f "$OUTDIR"/kernels_cuda_*.md "$OUTDIR"/kernels_cuda_*.json "$OUTDIR"/prefill_kernels_cuda_*.md
+rm -f "$OUTDIR"/kernels_cuda_*.md "$OUTDIR"/kernels_cuda_*.json "$OUTDIR"/prefill_kernels_cuda_*.md \
+  "$OUTDIR"/moe.md
 rm -rf "$OUTDIR/engine" "$OUTDIR/details.tar.gz"
 PY="${PYTHON:-python}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
@@ -201,9 +205,10 @@ else
   # the tensor-core kernel on sm_80+, vs gather + SDPA, SDPA flash on contiguous K/V and
   # flash_attn's varlen kernel; 8 x 512 and 8 x 2048 new tokens, prefix 0 and 1024, with
   # the project's goal of <= 0.9x SDPA flash's time) gets PREFILL_S of it, after the decode
-  # runs.
+  # runs, and the fused MoE benchmark MOE_S after that.
   PREFILL_S="${PREFILL_S:-60}"
-  LD=$(( L - PREFILL_S )); (( LD < 30 )) && LD=30
+  MOE_S="${MOE_S:-45}"
+  LD=$(( L - PREFILL_S - MOE_S )); (( LD < 30 )) && LD=30
   LG=$(( LD * 3 / 5 )); (( LG < 30 )) && LG=30
   LD=$(( LD - LG )); (( LD < 30 )) && LD=30
   DEADLINE_G=$(awk -v l="$LG" 'BEGIN { d = (l - 30) / 60; if (d < 0.2) d = 0.2; printf "%.2f", d }')
@@ -224,7 +229,12 @@ else
       --heads 32/8x128 9/3x64 --dtypes bf16 fp16 --prefill-new-tokens 512 2048 \
       --goal-vs-sdpa 0.9 --out "$OUTDIR"
     RC2=$?
-    exit $(( RC1 != 0 ? RC1 : RC2 ))
+    (( RC2 == 0 )) && RC2=$RC1
+    MOE="--no-quantized --experts 64 --top-k 8 --hidden 2048 --intermediate 1024 --tokens 1 16 256 2048 --dtypes bfloat16 float16 --target-s 0.3"
+    echo "$PY benchmarks/moe.py --device cuda $MOE --out $OUTDIR   (limit ${MOE_S} s)"
+    timeout -s INT -k 10 "$MOE_S" "$PY" benchmarks/moe.py --device cuda $MOE --out "$OUTDIR"
+    RC3=$?
+    exit $(( RC2 != 0 ? RC2 : RC3 ))
   ) > "$OUTDIR/bench.log" 2>&1
   RC=$?
   DT=$(( $(date +%s) - T0 ))
@@ -344,6 +354,12 @@ engine_table() {  # engine_table KIND FROM TO LINES: a table and the goal lines 
     echo
     sed -n '/^### Goals/,$p' "$PMD" | tail -n +2
   fi
+  if [[ -f "$OUTDIR/moe.md" ]]; then
+    echo
+    echo "Fused MoE on the GPU (from moe.md; torch / op above 1: the op is faster):"
+    echo
+    grep -E '^\|' "$OUTDIR/moe.md"
+  fi
   DMD="$OUTDIR/engine/step_profile.md"
   if [[ -f "$DMD" ]]; then
     echo
@@ -364,8 +380,8 @@ engine_table() {  # engine_table KIND FROM TO LINES: a table and the goal lines 
 } > "$SUMMARY"
 cat "$SUMMARY"
 # The device tool brings back 8 files at most: the rest travel as one archive.
-( cd "$OUTDIR" && tar czf details.tar.gz --ignore-failed-read env.log kernels_cuda_*.json engine \
-    2>/dev/null; rm -rf env.log kernels_cuda_*.json engine )
+( cd "$OUTDIR" && tar czf details.tar.gz --ignore-failed-read env.log kernels_cuda_*.json moe.md \
+    engine 2>/dev/null; rm -rf env.log kernels_cuda_*.json moe.md engine )
 # Exit status: 0 only when every stage passed.
 for s in "${STAGES[@]}"; do [[ "$s" == *"| ok |"* ]] || exit 1; done
 exit 0

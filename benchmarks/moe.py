@@ -1,7 +1,9 @@
 """Fused MoE benchmark: the native op (``ops.fused_moe``) against the same block in torch ops.
 
 For a mixture-of-experts block of a small real MoE's shape (default: 16 experts, top-2,
-hidden 1024, intermediate 1408) and each token count, one run times on the CPU:
+hidden 1024, intermediate 1408) and each token count, one run times on the CPU (or, with
+``--device cuda``, on the GPU: the op's CUDA kernels, tensor cores for 16-bit dtypes on
+sm_80+, against the same torch block on cuBLAS; no quantized columns there):
 
 - ``op``: ``FusedMoE`` after ``prepare_for_cpu``, i.e. ``torch.ops.vllm_lite.fused_moe`` on
   the weights packed per expert where the selected CPU build has packed_linear's kernels for
@@ -17,9 +19,11 @@ hidden 1024, intermediate 1408) and each token count, one run times on the CPU:
   --quantized (default on). Their error columns are against float64 on their own
   dequantized weights.
 
-Each cell is the median of timed calls after a warm-up, with the weights in the caches
-they fit. The error columns compare both with a float64 computation on the same (rounded)
-inputs, relative to the largest output. Writes ``moe.md`` to --out and prints it.
+Each cell is the median of timed calls after a warm-up (on the GPU each call synchronised),
+with the weights in the caches they fit. The error columns compare both with a float64
+computation on the CPU on the same (rounded) inputs, relative to the largest output, over
+the first ERROR_ROWS tokens (routing is per token, so those rows are the whole check for
+them). Writes ``moe.md`` to --out and prints it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ from vllm_lite.config import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, THREADS_
 log = logging.getLogger(__name__)
 
 DEFAULT_TOKENS = (1, 16, 256)
+# Tokens whose outputs the error columns check against float64 (the CPU's float64 block
+# for thousands of tokens of a large shape would take longer than the timing).
+ERROR_ROWS = 256
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,8 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-s", type=float, default=1.0,
                    help="seconds of timed calls per cell (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    p.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the int8 / int4 quantized experts (default: %(default)s)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the block runs (default: %(default)s)")
+    p.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the int8 / int4 quantized experts (default: on the CPU; "
+                        "refused with --device cuda)")
     p.add_argument("--int4-group", type=int, default=DEFAULT_INT4_GROUP_SIZE,
                    choices=INT4_GROUP_SIZES, help="int4 group size (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
@@ -113,13 +123,28 @@ def run(args: argparse.Namespace) -> str:
         raise ValueError(f"--hidden and --intermediate must be >= 1, got {h} and {i}")
     if args.target_s <= 0:
         raise ValueError(f"--target-s must be > 0, got {args.target_s}")
+    cuda = args.device == "cuda"
+    if cuda and args.quantized:
+        raise ValueError("--quantized: the quantized experts run on the CPU only; use "
+                         "--no-quantized with --device cuda")
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: torch {torch.__version__} sees no GPU "
+                         "(torch.cuda.is_available() is False)")
+    if args.quantized is None:
+        args.quantized = not cuda
     if args.quantized and (h % args.int4_group or i % args.int4_group):
         raise ValueError(f"--int4-group {args.int4_group} must divide --hidden ({h}) and "
                          f"--intermediate ({i}) for the int4 column (or --no-quantized)")
     gen = torch.Generator().manual_seed(args.seed)
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        where = (f"on {props.name} (sm_{props.major}{props.minor}, torch {torch.__version__}, "
+                 f"CUDA {torch.version.cuda})")
+    else:
+        where = (f"on the CPU ({cpu_name()}, {torch.get_num_threads()} threads, CPU ISA "
+                 f"{ops.cpu_isa()}, torch {torch.__version__})")
     lines = [
-        f"# Fused MoE block on the CPU ({cpu_name()}, {torch.get_num_threads()} threads, CPU "
-        f"ISA {ops.cpu_isa()}, torch {torch.__version__})",
+        f"# Fused MoE block {where}",
         "",
         f"{e} experts, top-{k} (renormalised), hidden {h}, intermediate {i}; weights in cache "
         f"as far as they fit ({e * 3 * h * i * 4 / 2**20:.0f} MiB in float32).",
@@ -141,10 +166,14 @@ def run(args: argparse.Namespace) -> str:
             layer = FusedMoE(h, e, k, i, renormalize=True).to(dtype)
             layer.w13_weight.copy_(w13)
             layer.w2_weight.copy_(w2)
-            layer.prepare_for_cpu()
-            gemms = ("packed_linear" if layer._packed is not None
-                     else "AVX2 few-rows / ATen" if ops.cpu_isa() != "generic"
-                     and dtype != torch.float16 else "ATen")
+            if cuda:
+                layer.to("cuda")
+                gemms = "CUDA"
+            else:
+                layer.prepare_for_cpu()
+                gemms = ("packed_linear" if layer._packed is not None
+                         else "AVX2 few-rows / ATen" if ops.cpu_isa() != "generic"
+                         and dtype != torch.float16 else "ATen")
             p13, p2 = layer.w13_weight, layer.w2_weight
             quantized = {}
             for m in methods:
@@ -163,20 +192,27 @@ def run(args: argparse.Namespace) -> str:
                 # Distinct logits (multiples of 1/4, exact in every dtype): no tie for the
                 # op and the float64 reference to break differently.
                 logits = (torch.argsort(torch.rand(t, e, generator=gen), dim=-1) * 0.25).to(dtype)
-                ours = time_us(lambda: layer(x, logits), args.target_s)
-                theirs = time_us(lambda: fused_moe_torch(x, logits, p13, p2, k, True),
-                                 args.target_s)
-                ref = _float64_moe(x, logits, p13, p2, k, True)
+                x, logits = x.to(args.device), logits.to(args.device)
+
+                def timed(fn):
+                    if not cuda:
+                        return time_us(fn, args.target_s)
+                    return time_us(lambda: (fn(), torch.cuda.synchronize()), args.target_s)
+
+                ours = timed(lambda: layer(x, logits))
+                theirs = timed(lambda: fused_moe_torch(x, logits, p13, p2, k, True))
+                n = min(t, ERROR_ROWS)
+                ref = _float64_moe(x[:n].cpu(), logits[:n].cpu(), p13.cpu(), p2.cpu(), k, True)
                 scale = ref.abs().max().clamp_min(1e-30)
-                err = float((layer(x, logits).double() - ref).abs().max() / scale)
-                err_t = float((fused_moe_torch(x, logits, p13, p2, k, True).double() - ref)
-                              .abs().max() / scale)
+                err = float((layer(x, logits)[:n].cpu().double() - ref).abs().max() / scale)
+                err_t = float((fused_moe_torch(x, logits, p13, p2, k, True)[:n].cpu().double()
+                               - ref).abs().max() / scale)
                 row = (f"| {name} | {gemms} | {t} | {ours:.0f} | {theirs:.0f} | "
                        f"{theirs / ours:.2f} | {err:.1e} | {err_t:.1e} |")
                 for m, (split, d13, d2) in quantized.items():
                     q_us = time_us(lambda: split(x, logits), args.target_s)
-                    q_ref = _float64_moe(x, logits, d13, d2, k, True)
-                    q_err = float((split(x, logits).double() - q_ref).abs().max()
+                    q_ref = _float64_moe(x[:n], logits[:n], d13, d2, k, True)
+                    q_err = float((split(x, logits)[:n].double() - q_ref).abs().max()
                                   / q_ref.abs().max().clamp_min(1e-30))
                     row += f" {q_us:.0f} | {q_us / ours:.2f} | {q_err:.1e} |"
                 lines.append(row)

@@ -31,13 +31,14 @@ def _checkout_benchmarks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_every_cell_timed_and_close(tmp_path: Path) -> None:
-    rc = cli.main(["bench", "moe", *TINY, "--tokens", "1", "5", "40", "--dtypes", "float32",
+    # 300 tokens: past ERROR_ROWS, so the errors cover its first rows.
+    rc = cli.main(["bench", "moe", *TINY, "--tokens", "1", "5", "300", "--dtypes", "float32",
                    "bfloat16", "--out", str(tmp_path)])
     assert rc == 0
     report = (tmp_path / "moe.md").read_text()
     rows = ROW.findall(report)
     assert [(r[0], int(r[2])) for r in rows] == [
-        (d, t) for d in ("float32", "bfloat16") for t in (1, 5, 40)], report
+        (d, t) for d in ("float32", "bfloat16") for t in (1, 5, 300)], report
     for dtype, gemms, _, ours, theirs, ratio, err, err_torch in rows:
         assert int(ours) >= 0 and int(theirs) >= 0 and float(ratio) > 0
         tol = 1e-5 if dtype == "float32" else 2e-2
@@ -47,6 +48,9 @@ def test_every_cell_timed_and_close(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("extra,flag", [
+    (["--device", "cuda", "--quantized"], "--quantized"),  # the quantized experts: CPU only
+    pytest.param(["--device", "cuda"], "--device cuda",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
     (["--tokens", "0"], "--tokens"),
     (["--experts", "0"], "--experts"),
     (["--top-k", "5"], "--top-k"),
