@@ -1,6 +1,7 @@
-// The CUDA kernels of fused_moe (SIMT), launched in this order on one stream by
-// fused_moe.cu (and by the emulator, tests/cuda_emulation/emu_moe.cpp), with no host
-// round trip between them (so the op needs no device sync):
+// The CUDA kernels of fused_moe (SIMT, and tensor-core GEMMs on sm_80+), launched in this
+// order on one stream by fused_moe.cu (and by the emulator,
+// tests/cuda_emulation/emu_moe.cpp), with no host round trip between them (so the op needs
+// no device sync):
 //   moe_route_kernel<L>     one thread per token: softmax of its E logits (L: the logits'
 //                           type) in float32, the top_k largest (ties to the lower expert
 //                           id; a NaN never wins, so the ids stay distinct and in range),
