@@ -3,7 +3,6 @@
 // memory here. The argument checks are the Python tests' job (validate.cpp).
 #include <climits>
 #include <cmath>
-#include <cstdint>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -43,10 +42,10 @@ void fused_moe(const MoeArgs& d) {
   cuda_emu::launch(&moe::moe_sort_kernel, dim3(1), dim3(moe::kMoeSortThreads), 0,
                    "moe_sort_kernel", static_cast<const int*>(topk_id.data()), P, E,
                    sorted_pair.data(), row_of_pair.data(), tiles.data());
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  using vllm_lite::cuda::is_aligned16;
   const moe::MoePath path =
       moe::moe_path(static_cast<int>(d.cc), !std::is_same_v<T, float>, H, I,
-                    aligned(d.hidden_states) && aligned(d.w13) && aligned(d.w2));
+                    is_aligned16(d.hidden_states) && is_aligned16(d.w13) && is_aligned16(d.w2));
   if (d.path_out != nullptr) *d.path_out = static_cast<int32_t>(path);
   bool gemms_done = false;
   if constexpr (!std::is_same_v<T, float>) {
