@@ -222,8 +222,9 @@ def auto_dtype(device_type: str, ckpt_dtype: str | None,
                native_bf16: bool | None = None) -> str:
     """What ``dtype="auto"`` means: on a CPU, bfloat16 where it computes bf16 natively
     (``native_bf16``, detected when None) and float32 elsewhere, whatever the checkpoint
-    holds (float16 is emulated on CPUs, and bf16 without hardware support is slower than
-    float32); on a GPU, the checkpoint's dtype (float32 when it names none)."""
+    holds (float16 is emulated on CPUs, and bf16 without hardware support is no faster than
+    float32 even on the AVX2 bf16 kernels: slower with GGUF weights, about even with dense
+    ones); on a GPU, the checkpoint's dtype (float32 when it names none)."""
     if device_type == "cpu":
         if native_bf16 is None:
             native_bf16 = host.cpu_has_native_bf16()
