@@ -158,6 +158,11 @@ def run(args: argparse.Namespace) -> str:
         head += f" {m} (us) | {m} / op | {m} max rel err |"
         rule += "---|---|---|"
     lines += [head, rule]
+    def timed(fn):  # a GPU call is timed to its end
+        if not cuda:
+            return time_us(fn, args.target_s)
+        return time_us(lambda: (fn(), torch.cuda.synchronize()), args.target_s)
+
     w13 = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
     w2 = torch.randn(e, h, i, generator=gen) / i**0.5
     with torch.inference_mode():
@@ -193,12 +198,6 @@ def run(args: argparse.Namespace) -> str:
                 # op and the float64 reference to break differently.
                 logits = (torch.argsort(torch.rand(t, e, generator=gen), dim=-1) * 0.25).to(dtype)
                 x, logits = x.to(args.device), logits.to(args.device)
-
-                def timed(fn):
-                    if not cuda:
-                        return time_us(fn, args.target_s)
-                    return time_us(lambda: (fn(), torch.cuda.synchronize()), args.target_s)
-
                 ours = timed(lambda: layer(x, logits))
                 theirs = timed(lambda: fused_moe_torch(x, logits, p13, p2, k, True))
                 n = min(t, ERROR_ROWS)

@@ -300,8 +300,8 @@ void run_swap_blocks(const Case& c) {
   }
 }
 
-// float32 -> half / bfloat16 bits (the shim's conversions) and every half / bfloat16 bit
-// pattern -> float32.
+// Every byte of fp8 format CT through the kernels' decoders into from_fp8_<format> (to_float)
+// and chunks_fp8_<format> (chunk_to_float on the 16 chunks holding bytes 0..255 in order).
 template <typename CT>
 void decode_fp8(const Case& c, const std::string& format) {
   auto* scalar = static_cast<float*>(c.p("from_fp8_" + format));
@@ -318,6 +318,8 @@ void decode_fp8(const Case& c, const std::string& format) {
   }
 }
 
+// float32 -> half / bfloat16 bits (the shim's conversions), every half / bfloat16 bit
+// pattern -> float32, and every fp8 byte -> float32 (decode_fp8).
 void run_convert(const Case& c) {
   const auto* in = static_cast<const float*>(c.p("floats"));
   const int64_t n = c.bytes("floats") / 4;
@@ -333,8 +335,6 @@ void run_convert(const Case& c) {
     hf[u] = __half2float(__half{static_cast<unsigned short>(u)});
     bf[u] = __bfloat162float(__nv_bfloat16{static_cast<unsigned short>(u)});
   }
-  // Every fp8 byte through the kernels' decoders: to_float, and chunk_to_float on the 16
-  // chunks holding bytes 0..255 in order.
   decode_fp8<vllm_lite::cuda::fp8_e4m3>(c, "e4m3");
   decode_fp8<vllm_lite::cuda::fp8_e5m2>(c, "e5m2");
 }

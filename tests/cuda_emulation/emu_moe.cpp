@@ -42,16 +42,16 @@ void fused_moe(const MoeArgs& d) {
   cuda_emu::launch(&moe::moe_sort_kernel, dim3(1), dim3(moe::kMoeSortThreads), 0,
                    "moe_sort_kernel", static_cast<const int*>(topk_id.data()), P, E,
                    sorted_pair.data(), row_of_pair.data(), tiles.data());
-  using vllm_lite::cuda::is_aligned16;
-  const moe::MoePath path =
-      moe::moe_path(static_cast<int>(d.cc), !std::is_same_v<T, float>, H, I,
-                    is_aligned16(d.hidden_states) && is_aligned16(d.w13) && is_aligned16(d.w2));
+  const moe::MoePath path = moe::moe_path(static_cast<int>(d.cc), !std::is_same_v<T, float>, H,
+                                          I, d.hidden_states, d.w13, d.w2);
   if (d.path_out != nullptr) *d.path_out = static_cast<int32_t>(path);
   bool gemms_done = false;
   if constexpr (!std::is_same_v<T, float>) {
     if (path == moe::MoePath::kTensorCore) {
       const auto tiles_n = static_cast<unsigned>(moe::moe_tc_max_tiles(P, E));
-      const auto cols = [](int n) { return static_cast<unsigned>((n + moe::kMoeTcCols - 1) / moe::kMoeTcCols); };
+      const auto cols = [](int n) {
+        return static_cast<unsigned>(vllm_lite::cuda::ceil_div(n, moe::kMoeTcCols));
+      };
       cuda_emu::launch(&moe::moe_tc_gemm_kernel<T, true>, dim3(tiles_n, cols(I)),
                        dim3(moe::kMoeTcWarps * 32), 0, "moe_tc_gemm_kernel<gate_up>",
                        static_cast<const T*>(d.hidden_states), static_cast<const T*>(d.w13),

@@ -15,15 +15,6 @@ namespace vllm_lite {
 namespace cuda {
 namespace moe {
 
-namespace {
-
-MoePath fused_moe_path(const MoeLaunchArgs& a) {
-  return moe_path(a.cc, a.dtype != FloatType::kFloat32, a.hidden_size, a.intermediate,
-                  is_aligned16(a.hidden) && is_aligned16(a.w13) && is_aligned16(a.w2));
-}
-
-}  // namespace
-
 cudaError_t launch_fused_moe(const MoeLaunchArgs& a, cudaStream_t stream) {
   const int T = a.tokens, E = a.experts, k = a.top_k, H = a.hidden_size, I = a.intermediate;
   const int P = T * k;
@@ -40,7 +31,8 @@ cudaError_t launch_fused_moe(const MoeLaunchArgs& a, cudaStream_t stream) {
                                                      a.row_of_pair, a.tiles);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const bool tensor_cores = fused_moe_path(a) == MoePath::kTensorCore;
+  const bool tensor_cores = moe_path(a.cc, a.dtype != FloatType::kFloat32, H, I, a.hidden,
+                                     a.w13, a.w2) == MoePath::kTensorCore;
   dispatch_float_type(a.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
     const auto* x = static_cast<const scalar_t*>(a.hidden);

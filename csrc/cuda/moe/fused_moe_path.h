@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "cuda/launch_types.h"  // is_aligned16
+
 namespace vllm_lite {
 namespace cuda {
 namespace moe {
@@ -34,9 +36,11 @@ inline int64_t moe_tile_table_ints(int64_t pairs, int64_t experts) {
 // hidden / w13 / w2 (the lanes' 16-byte loads; every row start is then aligned too).
 // float32, older GPUs and odd shapes take the SIMT kernels.
 inline MoePath moe_path(int compute_capability, bool dtype_is_16bit, int64_t hidden,
-                        int64_t intermediate, bool aligned_16) {
+                        int64_t intermediate, const void* hidden_states, const void* w13,
+                        const void* w2) {
   const bool tc = compute_capability >= 80 && dtype_is_16bit && hidden % kMoeTcChunk == 0 &&
-                  intermediate % kMoeTcChunk == 0 && aligned_16;
+                  intermediate % kMoeTcChunk == 0 && is_aligned16(hidden_states) &&
+                  is_aligned16(w13) && is_aligned16(w2);
   return tc ? MoePath::kTensorCore : MoePath::kSimt;
 }
 
