@@ -15,6 +15,7 @@
 //   threadIdx / blockIdx / blockDim / gridDim: the running fiber's / block's values.
 //   __syncthreads, __syncwarp, __shfl_*_sync: real barriers / warp exchanges between the
 //     fibers (emu_runtime.cpp), with divergence and deadlock detection.
+//   atomicAdd (integers): an atomic add, landing in the order the schedule runs the fibers.
 //   half / bfloat16: 16-bit structs without implicit conversions (as torch compiles CUDA,
 //     __CUDA_NO_HALF_CONVERSIONS__), converted bit-exactly like CUDA (round to nearest
 //     even; NaN -> 0x7fff).
@@ -29,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #define __host__
 #define __device__
@@ -111,6 +113,17 @@ using std::fminf;
 template <typename T>
 inline T __ldg(const T* p) {
   return *p;
+}
+
+// atomicAdd on integers (shared or global memory): returns the old value. A block's fibers
+// switch only at barriers and warp exchanges, so among them any read-modify-write is
+// atomic; blocks on other worker threads share global memory, hence a real atomic. The
+// fibers' order between barriers follows the schedule seed, and with it the order in
+// which the adds land.
+template <typename T>
+inline T atomicAdd(T* address, T value) {
+  static_assert(std::is_integral_v<T>, "the emulator's atomicAdd takes integers");
+  return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
 }
 
 // ---- half and bfloat16

@@ -8,6 +8,8 @@ tensor-core kernels for float16 / bfloat16 (several 16-row tiles per expert, par
 tiles, K past a 32-wide step, N past a block's 64 columns); the cases they do not take
 (float32, H or I not a multiple of 8, a misaligned hidden) on the SIMT kernels, the path
 each took checked.
+More pairs than the sort kernel's threads; under several schedule seeds (--full-grid), the
+same output bit for bit whatever order the sort's atomics land in.
 The output starts NaN (every element must be written); the inputs must come back
 unchanged. Each case runs under every schedule seed of harness.seeds() (the first by
 default, the others with --full-grid)."""
@@ -68,6 +70,9 @@ CASES = [
     EmuCase(Case(4, 2, 9, 64, 36), torch.bfloat16, True, False, 90),  # I % 8 != 0
     EmuCase(Case(16, 4, 33, 64, 48), torch.float32, False, False, 90),
     EmuCase(Case(4, 2, 9, 64, 40), torch.float16, True, False, 90, misaligned=True),
+    # More pairs than the sort kernel's threads (each takes two or three), on both paths.
+    EmuCase(Case(16, 8, 130, 32, 16), torch.bfloat16, True, False, 90, TENSOR_CORES),
+    EmuCase(Case(64, 2, 300, 24, 16), torch.float32, False, True),
 ]
 
 
@@ -114,3 +119,19 @@ def test_fused_moe_emulated(runs, case: EmuCase, seed: int) -> None:
         assert_bitwise_equal(cd.read(name, seed, t), t, f"{name} must not be modified")
     if case.moe.experts > case.moe.top_k * case.moe.tokens:
         assert idle.any()
+
+
+@pytest.mark.full_grid  # it needs the other schedule seeds, which only the full grid runs
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_output_does_not_depend_on_the_schedule(request, runs, case: EmuCase) -> None:
+    """The sort kernel's atomics group an expert's rows in the order the threads run, which
+    the schedule seed changes; the output must not change with it, bit for bit."""
+    seeds = sorted(harness.selected(request, "seed"))
+    if len(seeds) < 2:
+        pytest.skip("one schedule seed ran (the others run with --full-grid)")
+    prepared, results = runs
+    cd, (_, out, _, _) = prepared[case.id]
+    assert results[cd.path].ok, results[cd.path].message
+    first = cd.read("out", seeds[0], out)
+    for seed in seeds[1:]:
+        assert_bitwise_equal(cd.read("out", seed, out), first, f"schedule seed {seed}")

@@ -6,10 +6,11 @@
 //                           type) in float32, the top_k largest (ties to the lower expert
 //                           id; a NaN never wins, so the ids stay distinct and in range),
 //                           renormalised if asked: topk_w float [T, k], topk_id int [T, k]
-//   moe_sort_kernel         one block, one thread per expert: a stable counting sort of the
-//                           P = T * k (token, slot) pairs by expert: sorted_pair[r] = the
-//                           pair at row r of the grouped order, row_of_pair[p] its inverse;
-//                           and the tile table (fused_moe_path.h) of the tensor-core GEMMs
+//   moe_sort_kernel         one block of kMoeSortThreads: a counting sort of the P = T * k
+//                           (token, slot) pairs by expert (not stable: see the kernel):
+//                           sorted_pair[r] = the pair at row r of the grouped order,
+//                           row_of_pair[p] its inverse; and the tile table
+//                           (fused_moe_path.h) of the tensor-core GEMMs
 //   then the two grouped GEMMs, on the path moe_path() picks:
 //   SIMT (every dtype and GPU):
 //   moe_gate_up_kernel<T>   the grouped gate_up GEMM over the sorted rows, SiLU-and-mul in
@@ -42,7 +43,7 @@ namespace moe {
 
 // Threads per block of the GEMM and combine kernels, and of the routing kernel.
 constexpr int kMoeThreads = 128;
-// The sort kernel's block: one thread per expert.
+// The sort kernel's block: one thread per expert (its count and prefix sums).
 constexpr int kMoeSortThreads = kMoeMaxNumExperts;
 static_assert(kMoeSortThreads <= 1024, "one thread per expert must fit a block");
 
@@ -82,42 +83,76 @@ __global__ void moe_route_kernel(const L* __restrict__ logits, int tokens, int e
 }
 
 // Launch with one block of kMoeSortThreads threads. tiles: moe_tile_table_ints(P, E) ints.
+// The threads stride over the pairs (each touches P / kMoeSortThreads of them, twice), so
+// a prefill's thousands of pairs cost a few passes, not one thread per expert reading all
+// of them: the counts are shared-memory atomics, their prefix sums (rows and tiles) a
+// warp-shuffle scan, and each pair takes the next free row of its expert by an atomic
+// too. An expert's rows are therefore in no particular token order; nothing depends on
+// it (each grouped row's products are computed alone, and the combine kernel finds a
+// pair's row through row_of_pair), so the op's output does not change with it.
 __global__ void moe_sort_kernel(const int* __restrict__ topk_id, int pairs, int experts,
                                 int* __restrict__ sorted_pair, int* __restrict__ row_of_pair,
                                 int* __restrict__ tiles) {
-  __shared__ int start[kMoeSortThreads + 1];
-  __shared__ int first_tile[kMoeSortThreads + 1];
-  const int e = threadIdx.x;
-  int count = 0;
-  if (e < experts) {
-    for (int p = 0; p < pairs; ++p) count += topk_id[p] == e ? 1 : 0;
-  }
-  start[e + 1] = count;
+  constexpr int kWarps = kMoeSortThreads / 32;
+  static_assert(kMoeSortThreads % 32 == 0 && kWarps <= 32, "the scan's warp sums fit a warp");
+  __shared__ int next_row[kMoeSortThreads];  // an expert's count, then its next free row
+  __shared__ int warp_rows[kWarps], warp_tiles[kWarps];
+  const int e = threadIdx.x, lane = e % 32, warp = e / 32;
+  next_row[e] = 0;
   __syncthreads();
-  if (e == 0) {
-    start[0] = 0;
-    first_tile[0] = 0;
-    for (int i = 0; i < kMoeSortThreads; ++i) {
-      first_tile[i + 1] = first_tile[i] + (start[i + 1] + kMoeTcRows - 1) / kMoeTcRows;
-      start[i + 1] += start[i];
+  // The routing kernel wrote every id in [0, experts).
+  for (int p = e; p < pairs; p += kMoeSortThreads) atomicAdd(&next_row[topk_id[p]], 1);
+  __syncthreads();
+  const int rows = next_row[e];  // 0 past `experts`
+  const int n_tiles = (rows + kMoeTcRows - 1) / kMoeTcRows;
+  // Inclusive prefix sums over the experts: within each warp, then the warps' totals.
+  int row_end = rows, tile_end = n_tiles;
+  for (int d = 1; d < 32; d *= 2) {
+    const int r = __shfl_up_sync(0xffffffffu, row_end, d);
+    const int t = __shfl_up_sync(0xffffffffu, tile_end, d);
+    if (lane >= d) {
+      row_end += r;
+      tile_end += t;
     }
-    tiles[0] = first_tile[kMoeSortThreads];
+  }
+  if (lane == 31) {
+    warp_rows[warp] = row_end;
+    warp_tiles[warp] = tile_end;
   }
   __syncthreads();
-  if (e < experts) {
-    for (int j = first_tile[e], row = start[e]; j < first_tile[e + 1]; ++j, row += kMoeTcRows) {
-      tiles[1 + 3 * j] = e;
-      tiles[2 + 3 * j] = row;
-      tiles[3 + 3 * j] = min(kMoeTcRows, start[e + 1] - row);
-    }
-    int r = start[e];
-    for (int p = 0; p < pairs; ++p) {
-      if (topk_id[p] == e) {
-        sorted_pair[r] = p;
-        row_of_pair[p] = r;
-        ++r;
+  if (warp == 0) {
+    int r = lane < kWarps ? warp_rows[lane] : 0;
+    int t = lane < kWarps ? warp_tiles[lane] : 0;
+    for (int d = 1; d < 32; d *= 2) {
+      const int ru = __shfl_up_sync(0xffffffffu, r, d);
+      const int tu = __shfl_up_sync(0xffffffffu, t, d);
+      if (lane >= d) {
+        r += ru;
+        t += tu;
       }
     }
+    if (lane < kWarps) {  // exclusive: the warps before this one
+      warp_rows[lane] = r - warp_rows[lane];
+      warp_tiles[lane] = t - warp_tiles[lane];
+    }
+  }
+  __syncthreads();
+  const int start = warp_rows[warp] + row_end - rows;
+  const int first_tile = warp_tiles[warp] + tile_end - n_tiles;
+  if (e == kMoeSortThreads - 1) tiles[0] = first_tile + n_tiles;
+  if (e < experts) {
+    for (int j = 0, row = start; j < n_tiles; ++j, row += kMoeTcRows) {
+      tiles[1 + 3 * (first_tile + j)] = e;
+      tiles[2 + 3 * (first_tile + j)] = row;
+      tiles[3 + 3 * (first_tile + j)] = min(kMoeTcRows, start + rows - row);
+    }
+  }
+  next_row[e] = start;
+  __syncthreads();
+  for (int p = e; p < pairs; p += kMoeSortThreads) {
+    const int r = atomicAdd(&next_row[topk_id[p]], 1);
+    sorted_pair[r] = p;
+    row_of_pair[p] = r;
   }
 }
 
