@@ -10,8 +10,9 @@
 namespace vllm_lite {
 
 // Experts per layer (the largest released MoE checkpoints have 256). The CUDA routing
-// kernel holds one token's probabilities in shared memory and sorts with one thread per
-// expert, so this must not pass its block size.
+// kernel holds one token's probabilities in a warp's registers (this / 32 a lane) and the
+// sort kernel's block has a thread per expert, so this stays a multiple of 32, at most
+// 1024 (static_asserts in cuda/moe/fused_moe_kernels.cuh).
 constexpr int kMoeMaxNumExperts = 512;
 
 // Experts one token is routed to (each routing thread keeps its top-k in registers).

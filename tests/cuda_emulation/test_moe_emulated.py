@@ -8,7 +8,8 @@ tensor-core kernels for float16 / bfloat16 (several 16-row tiles per expert, par
 tiles, K past a 32-wide step, N past a block's 64 columns); the cases they do not take
 (float32, H or I not a multiple of 8, a misaligned hidden) on the SIMT kernels, the path
 each took checked.
-More pairs than the sort kernel's threads; under several schedule seeds (--full-grid), the
+Router logits with a NaN or an infinity (NaN rows for those tokens only). More pairs than
+the sort kernel's threads; under several schedule seeds (--full-grid), the
 same output bit for bit whatever order the sort's atomics land in.
 The output starts NaN (every element must be written); the inputs must come back
 unchanged. Each case runs under every schedule seed of harness.seeds() (the first by
@@ -22,7 +23,8 @@ import pytest
 import torch
 
 from ops.reference import assert_bitwise_equal  # tests/ is on sys.path
-from ops.test_fused_moe import Case, check_close, make_case, reference
+from ops.test_fused_moe import (Case, check_close, check_non_finite, make_case,
+                                non_finite_case, reference)
 
 from . import harness
 from .conftest import case_dir
@@ -44,12 +46,14 @@ class EmuCase:
     cc: int = 75  # the GPU the launcher plans for
     path: int = SIMT  # the GEMM path it must take
     misaligned: bool = False  # hidden 2 bytes past a 16-byte boundary
+    non_finite: bool = False  # tokens 0-2's logits NaN / inf (test_fused_moe.non_finite_case)
 
     @property
     def id(self) -> str:
         return (f"{self.moe.id}-{CODE[self.dtype]}-{'renorm' if self.renormalize else 'plain'}"
                 f"-logits_{'f32' if self.f32_logits else 'same'}-sm{self.cc}"
-                + ("-misaligned" if self.misaligned else ""))
+                + ("-misaligned" if self.misaligned else "")
+                + ("-non_finite" if self.non_finite else ""))
 
 
 CASES = [
@@ -73,14 +77,28 @@ CASES = [
     # More pairs than the sort kernel's threads (each takes two or three), on both paths.
     EmuCase(Case(16, 8, 130, 32, 16), torch.bfloat16, True, False, 90, TENSOR_CORES),
     EmuCase(Case(64, 2, 300, 24, 16), torch.float32, False, True),
+    # The routing warp: every lane holding 16 experts (the most), and ties across lanes with
+    # an expert count that is not a multiple of 32.
+    EmuCase(Case(512, 8, 12, 32, 16), torch.float16, True, True, 90, TENSOR_CORES),
+    EmuCase(Case(100, 6, 25, 24, 16, tied=True), torch.float32, False, False),
+    # Non-finite logits: NaN rows for those tokens only, every expert id still in range.
+    EmuCase(Case(64, 8, 20, 32, 24), torch.bfloat16, True, True, 90, TENSOR_CORES,
+            non_finite=True),
+    EmuCase(Case(16, 3, 9, 24, 16), torch.float32, False, False, non_finite=True),
 ]
 
 
 def _prepare(c: EmuCase, root):
-    x, logits, w13, w2, idle = make_case(c.moe, c.dtype, seed=c.moe.tokens * 13 + c.moe.experts)
+    seed = c.moe.tokens * 13 + c.moe.experts
+    if c.non_finite:
+        x, logits, w13, w2, ref = non_finite_case(c.moe, c.dtype, seed, c.renormalize)
+        idle = None
+    else:
+        x, logits, w13, w2, idle = make_case(c.moe, c.dtype, seed)
     if c.f32_logits:
         logits = logits.float()
-    ref = reference(x, logits, w13, w2, c.moe.top_k, c.renormalize)
+    if not c.non_finite:
+        ref = reference(x, logits, w13, w2, c.moe.top_k, c.renormalize)
     out = torch.full((c.moe.tokens, c.moe.hidden), float("nan"), dtype=c.dtype)
     cd = case_dir(root, c.id)
     m = c.moe
@@ -114,10 +132,11 @@ def test_fused_moe_emulated(runs, case: EmuCase, seed: int) -> None:
     res = results[cd.path]
     assert res.ok, res.message
     assert int(cd.read("path", seed, torch.empty(1, dtype=torch.int32))) == case.path
-    check_close(cd.read("out", seed, out), ref, case.dtype)
+    (check_non_finite if case.non_finite else check_close)(cd.read("out", seed, out), ref,
+                                                             case.dtype)
     for name, t in inputs.items():
         assert_bitwise_equal(cd.read(name, seed, t), t, f"{name} must not be modified")
-    if case.moe.experts > case.moe.top_k * case.moe.tokens:
+    if idle is not None and case.moe.experts > case.moe.top_k * case.moe.tokens:
         assert idle.any()
 
 

@@ -103,6 +103,24 @@ def reference(x, logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor
     return out
 
 
+def non_finite_case(c: Case, dtype: torch.dtype, seed: int, renormalize: bool):
+    """make_case's inputs with tokens 0-2's router logits non-finite (one NaN; one +inf;
+    all -inf): each makes its token's softmax NaN throughout, so the token still takes
+    top_k distinct experts in range and its output row is NaN. Returns (x, logits, w13, w2,
+    the float64 reference of tokens 3 on, which nothing of tokens 0-2 may touch)."""
+    assert c.tokens > 3
+    x, logits, w13, w2, _ = make_case(c, dtype, seed)
+    logits[0, c.experts // 2] = float("nan")
+    logits[1, 1] = float("inf")
+    logits[2] = float("-inf")
+    return x, logits, w13, w2, reference(x[3:], logits[3:], w13, w2, c.top_k, renormalize)
+
+
+def check_non_finite(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isnan(out[:3]).all(), out[:3]
+    check_close(out[3:], ref, dtype)
+
+
 def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     """float32: accumulation order only; bfloat16 / float16: the op rounds the gate and up
     projections, the activation and each expert's output to the dtype (as the unfused
@@ -162,6 +180,14 @@ def test_threads_agree() -> None:
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(one, many, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_non_finite_logits_poison_only_their_tokens(device: str, dtype: torch.dtype) -> None:
+    c = Case(64, 8, 20, 32, 24)
+    x, logits, w13, w2, ref = non_finite_case(c, dtype, seed=9, renormalize=True)
+    out = ops.fused_moe(*(t.to(device) for t in (x, logits, w13, w2)), c.top_k, True)
+    check_non_finite(out.cpu(), ref, dtype)
 
 
 def test_empty_and_layer_form() -> None:

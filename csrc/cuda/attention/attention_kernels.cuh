@@ -90,6 +90,7 @@
 
 #include "../../attention_limits.h"
 #include "../dtype.cuh"
+#include "../warp.cuh"
 
 namespace vllm_lite {
 namespace cuda {
@@ -144,18 +145,6 @@ struct ReduceParams {
   int head_size;
   int num_partitions;
 };
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
 
 // Block-wide reductions for kThreads threads; `red` holds kWarps floats. Every thread
 // must call them; they return the result to all threads.

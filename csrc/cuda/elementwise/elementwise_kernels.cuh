@@ -68,6 +68,7 @@
 #include <type_traits>
 
 #include "cuda/dtype.cuh"
+#include "cuda/warp.cuh"
 
 namespace vllm_lite {
 namespace cuda {
@@ -105,12 +106,6 @@ __device__ __forceinline__ void store_chunk_f(T* p, const float* f) {
   uint4 c;
   memcpy(&c, v, sizeof(c));
   *reinterpret_cast<uint4*>(p) = c;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 // Sum of v over the CTA (blockDim.x a multiple of 32, at most 1024); every thread gets it.

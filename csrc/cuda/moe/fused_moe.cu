@@ -21,7 +21,7 @@ cudaError_t launch_fused_moe(const MoeLaunchArgs& a, cudaStream_t stream) {
   dispatch_float_type(a.logits_dtype, [&](auto tag) {
     using logits_t = decltype(tag);
     moe_route_kernel<logits_t>
-        <<<static_cast<unsigned>(ceil_div(T, kMoeThreads)), kMoeThreads, 0, stream>>>(
+        <<<static_cast<unsigned>(ceil_div(T, kMoeRouteTokens)), kMoeThreads, 0, stream>>>(
             static_cast<const logits_t*>(a.router_logits), T, E, k, a.renormalize, a.topk_w,
             a.topk_id);
   });

@@ -2,9 +2,9 @@
 // order on one stream by fused_moe.cu (and by the emulator,
 // tests/cuda_emulation/emu_moe.cpp), with no host round trip between them (so the op needs
 // no device sync):
-//   moe_route_kernel<L>     one thread per token: softmax of its E logits (L: the logits'
+//   moe_route_kernel<L>     one warp per token: softmax of its E logits (L: the logits'
 //                           type) in float32, the top_k largest (ties to the lower expert
-//                           id; a NaN never wins, so the ids stay distinct and in range),
+//                           id; the ids stay distinct and in range whatever the values),
 //                           renormalised if asked: topk_w float [T, k], topk_id int [T, k]
 //   moe_sort_kernel         one block of kMoeSortThreads: a counting sort of the P = T * k
 //                           (token, slot) pairs by expert (not stable: see the kernel):
@@ -34,6 +34,7 @@
 #include "cuda/dtype.cuh"
 #include "cuda/elementwise/elementwise_kernels.cuh"  // ew::silu_f32, ew::round_to
 #include "cuda/mma.cuh"
+#include "cuda/warp.cuh"
 #include "cuda/moe/fused_moe_path.h"
 #include "moe_limits.h"
 
@@ -41,44 +42,92 @@ namespace vllm_lite {
 namespace cuda {
 namespace moe {
 
-// Threads per block of the GEMM and combine kernels, and of the routing kernel.
+// Threads per block of the GEMM and combine kernels, and of the routing kernel (a warp
+// per token).
 constexpr int kMoeThreads = 128;
 // The sort kernel's block: one thread per expert (its count and prefix sums).
 constexpr int kMoeSortThreads = kMoeMaxNumExperts;
 static_assert(kMoeSortThreads <= 1024, "one thread per expert must fit a block");
 
+// Whether candidate (p, e) of the routing's top-k beats (bp, be): the larger probability,
+// the lower expert id on a tie; kMoeNoExpert loses to any expert. A softmax with a NaN is
+// NaN everywhere (fmaxf skips a NaN logit, which then makes the sum NaN; an infinite one
+// makes inf - inf), so NaNs tie among themselves and the lowest unchosen ids win, as the
+// CPU op's sequential scan picks them.
+constexpr int kMoeNoExpert = kMoeMaxNumExperts;
+__device__ __forceinline__ bool route_beats(float p, int e, float bp, int be) {
+  if (e == kMoeNoExpert) return false;
+  if (be == kMoeNoExpert || p > bp) return true;
+  const bool tie = p == bp || (p != p && bp != bp);
+  return tie && e < be;
+}
+
+// One warp per token, kMoeRouteTokens tokens a block of kMoeThreads: lane l keeps the
+// probabilities of experts l, l + 32, ... in registers (coalesced loads of the logits);
+// the max and the sum are warp reductions, and each of the top_k picks is a warp argmax
+// (route_beats) over the lanes' best unchosen experts.
+constexpr int kMoeRouteTokens = kMoeThreads / 32;
 template <typename L>
 __global__ void moe_route_kernel(const L* __restrict__ logits, int tokens, int experts,
                                  int top_k, bool renormalize, float* __restrict__ topk_w,
                                  int* __restrict__ topk_id) {
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= tokens) return;
+  constexpr int kPerLane = kMoeMaxNumExperts / 32;
+  static_assert(kMoeMaxNumExperts % 32 == 0 && kPerLane <= 32, "a lane's chosen bits fit");
+  const int lane = threadIdx.x % 32;
+  const int t = blockIdx.x * kMoeRouteTokens + threadIdx.x / 32;
+  if (t >= tokens) return;  // the whole warp: t is the warp's
   const L* row = logits + static_cast<int64_t>(t) * experts;
+  float p[kPerLane];
   float m = -INFINITY;
-  for (int e = 0; e < experts; ++e) m = fmaxf(m, to_float(row[e]));
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int e = lane + 32 * j;
+    p[j] = e < experts ? to_float(row[e]) : -INFINITY;
+    m = fmaxf(m, p[j]);
+  }
+  m = warp_max(m);
   float sum = 0.0f;
-  for (int e = 0; e < experts; ++e) sum += expf(to_float(row[e]) - m);
-  unsigned chosen[kMoeMaxNumExperts / 32];
-  for (int i = 0; i < kMoeMaxNumExperts / 32; ++i) chosen[i] = 0u;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    if (lane + 32 * j < experts) {
+      p[j] = expf(p[j] - m);
+      sum += p[j];
+    }
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) p[j] /= sum;
+  unsigned chosen = 0u;  // bit j: expert lane + 32 j is taken
   float total = 0.0f;
-  for (int j = 0; j < top_k; ++j) {
-    int best = -1;
-    float best_p = 0.0f;
-    for (int e = 0; e < experts; ++e) {
-      if ((chosen[e / 32] >> (e % 32)) & 1u) continue;
-      const float p = expf(to_float(row[e]) - m) / sum;
-      if (best < 0 || p > best_p) {
-        best = e;
-        best_p = p;
+  for (int s = 0; s < top_k; ++s) {
+    float bp = 0.0f;
+    int be = kMoeNoExpert;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int e = lane + 32 * j;
+      if (e < experts && !((chosen >> j) & 1u) && route_beats(p[j], e, bp, be)) {
+        bp = p[j];
+        be = e;
       }
     }
-    chosen[best / 32] |= 1u << (best % 32);
-    topk_w[static_cast<int64_t>(t) * top_k + j] = best_p;
-    topk_id[static_cast<int64_t>(t) * top_k + j] = best;
-    total += best_p;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float op = __shfl_xor_sync(0xffffffffu, bp, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (route_beats(op, oe, bp, be)) {
+        bp = op;
+        be = oe;
+      }
+    }
+    if (be % 32 == lane) chosen |= 1u << (be / 32);
+    if (lane == 0) {
+      topk_w[static_cast<int64_t>(t) * top_k + s] = bp;
+      topk_id[static_cast<int64_t>(t) * top_k + s] = be;
+    }
+    total += bp;
   }
-  if (renormalize) {
-    for (int j = 0; j < top_k; ++j) topk_w[static_cast<int64_t>(t) * top_k + j] /= total;
+  if (renormalize && lane == 0) {
+    for (int s = 0; s < top_k; ++s) topk_w[static_cast<int64_t>(t) * top_k + s] /= total;
   }
 }
 
