@@ -1,5 +1,5 @@
-// Warp-wide reductions over the 32 lanes of a full warp (every lane must call them; each
-// gets the result), shared by the attention, element-wise and MoE kernels.
+// Warp-wide reductions and scans over the 32 lanes of a full warp (every lane must call
+// them), shared by the attention, element-wise and MoE kernels.
 #pragma once
 
 namespace vllm_lite {
@@ -14,6 +14,17 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+// Inclusive prefix sum over the lanes (lane l gets the sum of lanes 0..l), in a 1-D block.
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += u;
+  }
   return v;
 }
 

@@ -155,31 +155,15 @@ __global__ void moe_sort_kernel(const int* __restrict__ topk_id, int pairs, int 
   const int rows = next_row[e];  // 0 past `experts`
   const int n_tiles = (rows + kMoeTcRows - 1) / kMoeTcRows;
   // Inclusive prefix sums over the experts: within each warp, then the warps' totals.
-  int row_end = rows, tile_end = n_tiles;
-  for (int d = 1; d < 32; d *= 2) {
-    const int r = __shfl_up_sync(0xffffffffu, row_end, d);
-    const int t = __shfl_up_sync(0xffffffffu, tile_end, d);
-    if (lane >= d) {
-      row_end += r;
-      tile_end += t;
-    }
-  }
+  const int row_end = warp_inclusive_sum(rows), tile_end = warp_inclusive_sum(n_tiles);
   if (lane == 31) {
     warp_rows[warp] = row_end;
     warp_tiles[warp] = tile_end;
   }
   __syncthreads();
   if (warp == 0) {
-    int r = lane < kWarps ? warp_rows[lane] : 0;
-    int t = lane < kWarps ? warp_tiles[lane] : 0;
-    for (int d = 1; d < 32; d *= 2) {
-      const int ru = __shfl_up_sync(0xffffffffu, r, d);
-      const int tu = __shfl_up_sync(0xffffffffu, t, d);
-      if (lane >= d) {
-        r += ru;
-        t += tu;
-      }
-    }
+    const int r = warp_inclusive_sum(lane < kWarps ? warp_rows[lane] : 0);
+    const int t = warp_inclusive_sum(lane < kWarps ? warp_tiles[lane] : 0);
     if (lane < kWarps) {  // exclusive: the warps before this one
       warp_rows[lane] = r - warp_rows[lane];
       warp_tiles[lane] = t - warp_tiles[lane];
