@@ -200,6 +200,50 @@ def test_an_expert_no_token_chose_costs_nothing(monkeypatch: pytest.MonkeyPatch)
     assert calls == [2, 5]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_dequantized_at_load_run_fused(monkeypatch: pytest.MonkeyPatch,
+                                               dtype: torch.dtype) -> None:
+    """Where int4 has no kernel (off the CPU; here the check patched so the CPU is such a
+    device), each expert projection dequantizes at load and the layer becomes one FusedMoE
+    again on exactly those weights, answering as the per-expert layers do; with the kernel
+    (the CPU) the experts stay int4."""
+    from vllm_lite.layers import quantization
+
+    torch.manual_seed(5)
+    experts, top_k, hidden, inter = 8, 2, 64, 32
+    base = FusedMoE(hidden, experts, top_k, inter, renormalize=True).to(dtype)
+    with torch.no_grad():
+        base.w13_weight.copy_(torch.randn(experts, 2 * inter, hidden) * 0.2)
+        base.w2_weight.copy_(torch.randn(experts, hidden, inter) * 0.2)
+
+    def quantized(fuse: bool) -> torch.nn.Module:
+        holder = torch.nn.Module()
+        holder.experts = FusedMoE(hidden, experts, top_k, inter, renormalize=True).to(dtype)
+        holder.experts.load_state_dict(base.state_dict())
+        with monkeypatch.context() as m:
+            m.setattr(quantization, "_int4_kernel_on", lambda device: False)
+            if not fuse:
+                m.setattr(quantization, "_fuse_dequantized_experts", lambda model: None)
+            quantize_model(holder, "int4", group_size=32)
+        return holder.experts
+
+    fused, split = quantized(fuse=True), quantized(fuse=False)
+    assert isinstance(fused, FusedMoE) and isinstance(split, SplitExperts)
+    for e in range(experts):
+        assert torch.equal(fused.w13_weight[e], split.expert(e).gate_up_proj._dequantized)
+        assert torch.equal(fused.w2_weight[e], split.expert(e).down_proj._dequantized)
+    x, logits = torch.randn(40, hidden).to(dtype), torch.randn(40, experts)
+    with torch.no_grad():
+        got, want = fused(x, logits).double(), split(x, logits).double()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert float((got - want).abs().max()) <= tol * float(want.abs().max())
+
+    holder = torch.nn.Module()
+    holder.experts = FusedMoE(hidden, experts, top_k, inter, renormalize=True).to(dtype)
+    quantize_model(holder, "int4", group_size=32)
+    assert isinstance(holder.experts, SplitExperts)  # the CPU keeps its int4 experts
+
+
 # -- GPTQ / AWQ checkpoints in HF's per-expert layout ----------------------------------------
 def expert_names(name: str, layer: int, e: int) -> tuple[str, str, str]:
     """HF checkpoint names of an expert's gate, up and down projections."""

@@ -53,6 +53,7 @@ from torch import nn
 from vllm_lite import ops
 from vllm_lite.distributed.group import TensorParallelGroup
 from vllm_lite.distributed.layers import Shard, all_reduce
+from vllm_lite.errors import InternalError
 
 #: The most experts a layer may have (the kernels' limit, csrc/moe_limits.h).
 MAX_NUM_EXPERTS = ops.MOE_MAX_NUM_EXPERTS
@@ -260,6 +261,24 @@ class SplitExperts(nn.Module):
 
     def expert(self, e: int) -> ExpertMLP:
         return self._by_index[e]
+
+    def fused(self, w13: torch.Tensor, w2: torch.Tensor) -> FusedMoE:
+        """These experts as one :class:`FusedMoE` again, on plain weights w13 [E, 2I, H] and
+        w2 [E, H, I] (what a quantization that dequantizes at load left of each expert's
+        projections), so that the fused op runs them instead of a GEMM per expert."""
+        with torch.device("meta"):  # no allocation: the weights are given
+            moe = FusedMoE(self.hidden_size, self.num_experts, self.top_k,
+                           self.full_intermediate_size, self.renormalize)
+        moe.intermediate_start, moe.intermediate_size = (self.intermediate_start,
+                                                         self.intermediate_size)
+        want13 = (self.num_experts, 2 * self.intermediate_size, self.hidden_size)
+        want2 = (self.num_experts, self.hidden_size, self.intermediate_size)
+        if tuple(w13.shape) != want13 or tuple(w2.shape) != want2:
+            raise InternalError(f"fused experts' weights {tuple(w13.shape)}, "
+                                f"{tuple(w2.shape)}: expected {want13}, {want2}")
+        moe.w13_weight = nn.Parameter(w13, requires_grad=False)
+        moe.w2_weight = nn.Parameter(w2, requires_grad=False)
+        return moe
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         experts = self._by_index

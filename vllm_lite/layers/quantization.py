@@ -28,7 +28,8 @@ act-order as a column permutation of x). The GEMM:
   like int8_linear; the bf16 kernel rounds each weight q * scale + zero to bfloat16, the
   weight of the dequantized bfloat16 model).
 - other devices: dequantized once at load into the engine's dtype, with a warning
-  (correct, no memory saving; torch's int4 GEMMs want other layouts).
+  (correct, no memory saving; torch's int4 GEMMs want other layouts); a mixture of
+  experts' dequantized experts then run as one fused op again (FusedMoE).
 
 GGUF Q8_0 projections (32 int8 weights per fp16 scale) keep their per-32 scales in
 Int8GroupLinear (rescaling to one per row would round). On the CPU its GEMM is
@@ -39,6 +40,7 @@ dequantizes the weight (exactly) in row chunks of a few MB at each call.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +51,16 @@ from vllm_lite.errors import InternalError
 from vllm_lite.models.gguf_quant import Int4Weight, Int8GroupWeight, pack_nibbles
 
 logger = logging.getLogger(__name__)
+
+_WARNED: set[tuple[Any, ...]] = set()
+
+
+def _warn_once(key: tuple[Any, ...], msg: str, *args: Any) -> None:
+    """logger.warning once per process and key: a model's every projection (a mixture of
+    experts has thousands) would repeat the same line."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(msg, *args)
 
 _INT8_MAX = 127
 
@@ -116,8 +128,9 @@ class Int8Linear(nn.Module):
         # Set when the device has no int8 GEMM: the dequantized weight, used by F.linear.
         self._dequantized: torch.Tensor | None = None
         if not self.on_cpu and not _int8_mm_works(device, dtype):
-            logger.warning("no int8 weight-only GEMM for %s %s in this torch: dequantizing the "
-                           "weights at load (correct, no memory saving)", device, dtype)
+            _warn_once(("int8", device, dtype), "no int8 weight-only GEMM for %s %s in this "
+                       "torch: dequantizing the weights at load (correct, no memory saving)",
+                       device, dtype)
             self._dequantized = dequantize_int8(q, scale).to(device=device, dtype=dtype)
 
     def decode_form(self, dtype: torch.dtype) -> ops.DecodeForm | None:
@@ -162,6 +175,12 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
                       group_size)
 
 
+def _int4_kernel_on(device: torch.device) -> bool:
+    """Whether int4 weights stay int4 on ``device`` (vllm_lite's CPU op); elsewhere they
+    dequantize at load."""
+    return device.type == "cpu"
+
+
 class Int4Linear(nn.Module):
     """A linear layer with a group-wise int4 weight (:class:`Int4Weight`); ``forward``
     takes [..., K] in the engine's dtype and returns [..., N] in that dtype."""
@@ -175,15 +194,15 @@ class Int4Linear(nn.Module):
                                 f"{self.out_features}x{self.in_features} linear layer")
         dtype, device = linear.weight.dtype, linear.weight.device
         self.group_size = weight.group_size
-        self.on_cpu = device.type == "cpu"
+        self.on_cpu = _int4_kernel_on(device)
         self.bias = linear.bias
         self._dequantized: torch.Tensor | None = None
         # GPTQ act-order: the stored columns are x's in this order (groups contiguous);
         # None off the CPU, where dequantize() has already put them back in x's order.
         self.perm = weight.perm if self.on_cpu else None
         if not self.on_cpu:
-            logger.warning("int4 on %s: no int4 GEMM for this device yet; dequantizing the "
-                           "weights at load (correct, no memory saving)", device)
+            _warn_once(("int4", device), "int4 on %s: no int4 GEMM for this device yet; "
+                       "dequantizing the weights at load (correct, no memory saving)", device)
             self._dequantized = weight.dequantize().to(device=device, dtype=dtype)
             return
         self.register_buffer("qweight", cpu_qweight(weight.qweight.contiguous()))
@@ -239,7 +258,7 @@ class Int8GroupLinear(nn.Module):
                                 f"a {self.out_features}x{self.in_features} linear layer")
         device = linear.weight.device
         self.group_size = weight.group_size
-        self.on_cpu = device.type == "cpu"
+        self.on_cpu = _int4_kernel_on(device)
         q = weight.qweight.to(device).contiguous()
         self.register_buffer("qweight", cpu_qweight(q) if self.on_cpu else q)
         self.register_buffer("scales", weight.scales.to(device=device,
@@ -345,4 +364,35 @@ def quantize_model(model: nn.Module, method: str | None, skip: tuple[nn.Module, 
             layer = (Int8GroupLinear(child, kept) if isinstance(kept, Int8GroupWeight)
                      else Int4Linear(child, kept))
         setattr(parent, name, layer)
+    _fuse_dequantized_experts(model)
     return len(targets)
+
+
+def _fuse_dequantized_experts(model: nn.Module) -> None:
+    """Off the CPU the int4 formats (and int8 where torch has no int8 GEMM for the device)
+    dequantize each projection at load: a mixture of experts whose experts all did is one
+    FusedMoE again, so the fused op runs it rather than a GEMM per expert (the same weights,
+    no memory lost: they were dense already)."""
+    from vllm_lite.layers.moe import SplitExperts
+
+    def dense(layer: nn.Module) -> torch.Tensor | None:
+        if not isinstance(layer, (Int8Linear, Int4Linear)) or layer.bias is not None:
+            return None
+        return layer._dequantized
+
+    layers = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, SplitExperts):
+                continue
+            experts = [child.expert(e) for e in range(child.num_experts)]
+            up = [dense(ex.gate_up_proj) for ex in experts]
+            down = [dense(ex.down_proj) for ex in experts]
+            if any(w is None for w in up + down):
+                continue
+            fused = child.fused(torch.stack(up), torch.stack(down))  # type: ignore[arg-type]
+            setattr(parent, name, fused)
+            layers += 1
+    if layers:
+        logger.info("%d mixture-of-experts layers: their experts, dequantized at load, run "
+                    "as one fused op each", layers)
