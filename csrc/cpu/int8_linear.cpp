@@ -6,7 +6,8 @@
 //   (float32: AVX-512; bfloat16: AVX512-BF16, else float32 on a copy of x), each panel of 48
 //   output columns dequantized once per block of rows into a per-thread buffer in the
 //   packed float layout (packed_dequant.h, packed_quant_linear in packed_linear.cpp), any
-//   number of rows. Builds without those kernels unpack it per call and run the paths
+//   number of rows; a decode's few rows (kQuantFusedRows; float32 with int8 weights
+//   kQuantFusedRowsF32) take the panel's rows dequantized in registers instead, no buffer. Builds without those kernels unpack it per call and run the paths
 //   below.
 // - A qweight [N, K] / [N, K / 2]: decode-sized float32 inputs (<= kInt8KernelMaxRows rows)
 //   run the block kernels of int8_linear_kernel.h (the AVX2 build where the CPU ISA switch,

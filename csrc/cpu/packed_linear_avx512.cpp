@@ -81,8 +81,51 @@ void dequant_f32_panel(const PackedQuantWeight& qw, int64_t K, int64_t N, int64_
   });
 }
 
+// Rows [0, R) of x (R <= kQuantFusedRows) times panel p of a quantized weight, each packed
+// row dequantized in registers and used at once, as the bf16 kernel's Bf16QuantTile: the
+// same FMAs in the same k order as F32Tile on the dequantized buffer, so the same bits,
+// without the buffer's store and reload (most of the work at so few rows).
+struct F32QuantTile {
+  template <int64_t R>
+  static void tile(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p,
+                   bool prefetch_next) {
+    const float* x = static_cast<const float*>(a.x);
+    const PanelOut o = panel_out(a, p);  // a quantized weight is never gated
+    const int64_t K = a.K;
+    __m512 acc[R][NV];
+    init_acc(acc, o.scale, o.bias, o.cols);
+    dequant_panel(qw, p, a.N, K, prefetch_next,
+                  [&](int64_t b, int64_t k, __m512 v0, __m512 v1) {
+                    for (int64_t r = 0; r < R; ++r) {
+                      const float* xr = x + r * a.x_row_stride + k;
+                      acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), v0, acc[r][b]);
+                      // an odd K's last step has no k + 1 (in x or the weight)
+                      if (k + 1 < K) {
+                        acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), v1, acc[r][b]);
+                      }
+                    }
+                  });
+    float* y = static_cast<float*>(a.y) + o.y0;
+    store_acc(acc, o.scale, o.bias, o.cols, [&](int64_t r, int64_t c0, __mmask16 m, __m512 v) {
+      _mm512_mask_storeu_ps(y + r * a.N + c0, m, v);
+    });
+  }
+};
+
 void f32_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p0,
                              int64_t p1) {
+  if (a.M <= (qw.int4 ? kQuantFusedRows : kQuantFusedRowsF32)) {
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t m0 = 0; m0 < a.M; m0 += kQuantFusedRows) {  // the panel's bytes stay in L1/L2
+        PackedLinearArgs rows = a;
+        rows.M = std::min(kQuantFusedRows, a.M - m0);
+        rows.x = static_cast<const float*>(a.x) + m0 * a.x_row_stride;
+        rows.y = static_cast<float*>(a.y) + m0 * a.N;
+        quant_tile_of<F32QuantTile, kQuantFusedRows>(rows.M, rows, qw, p, m0 == 0 && p + 1 < p1);
+      }
+    }
+    return;
+  }
   float* buf = panel_buffer<float>((a.K + 1) * kPackedPanelCols);
   run_panels<F32Tile, float>(a, p0, p1, [&](int64_t p) {
     dequant_f32_panel(qw, a.K, a.N, p, buf, p + 1 < p1);

@@ -67,37 +67,33 @@ void bf16_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
 // Rows [0, R) of x (R <= kQuantFusedRows) times panel p of a quantized weight, each packed
 // row dequantized in registers and used at once: with so few rows, the buffer's store and
 // reload were a fifth of the work.
-template <int64_t R>
-void quant_tile(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p,
-                bool prefetch_next) {
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  const PanelOut o = panel_out(a, p);  // a quantized weight is never gated
-  const __m512i interleave = pair_interleave();
-  __m512 acc[R][NV];
-  init_acc(acc, o.scale, o.bias, o.cols);
-  dequant_panel(qw, p, a.N, a.K, prefetch_next, [&](int64_t b, int64_t k, __m512 v0, __m512 v1) {
-    const __m512bh w = bf16_pairs(v0, v1, interleave);
-    for (int64_t r = 0; r < R; ++r) {
-      acc[r][b] = _mm512_dpbf16_ps(acc[r][b], bcast_pair(x + r * a.x_row_stride + k), w);
-    }
-  });
-  store_bf16(acc, o.scale, o.bias, static_cast<uint16_t*>(a.y) + o.y0, a.N, o.cols);
-}
-
-// quant_tile<rows> for 1 <= rows <= R.
-template <int64_t R>
-void quant_tile_of(int64_t rows, const PackedLinearArgs& a, const PackedQuantWeight& qw,
-                   int64_t p, bool prefetch_next) {
-  if constexpr (R > 0) {
-    if (rows == R) return quant_tile<R>(a, qw, p, prefetch_next);
-    quant_tile_of<R - 1>(rows, a, qw, p, prefetch_next);
+struct Bf16QuantTile {
+  template <int64_t R>
+  static void tile(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p,
+                   bool prefetch_next) {
+    const uint16_t* x = static_cast<const uint16_t*>(a.x);
+    const PanelOut o = panel_out(a, p);  // a quantized weight is never gated
+    const __m512i interleave = pair_interleave();
+    __m512 acc[R][NV];
+    init_acc(acc, o.scale, o.bias, o.cols);
+    dequant_panel(qw, p, a.N, a.K, prefetch_next,
+                  [&](int64_t b, int64_t k, __m512 v0, __m512 v1) {
+                    const __m512bh w = bf16_pairs(v0, v1, interleave);
+                    for (int64_t r = 0; r < R; ++r) {
+                      acc[r][b] = _mm512_dpbf16_ps(acc[r][b],
+                                                   bcast_pair(x + r * a.x_row_stride + k), w);
+                    }
+                  });
+    store_bf16(acc, o.scale, o.bias, static_cast<uint16_t*>(a.y) + o.y0, a.N, o.cols);
   }
-}
+};
 
 void bf16_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw,
                               int64_t p0, int64_t p1) {
   if (a.M <= kQuantFusedRows) {
-    for (int64_t p = p0; p < p1; ++p) quant_tile_of<kQuantFusedRows>(a.M, a, qw, p, p + 1 < p1);
+    for (int64_t p = p0; p < p1; ++p) {
+      quant_tile_of<Bf16QuantTile, kQuantFusedRows>(a.M, a, qw, p, p + 1 < p1);
+    }
     return;
   }
   uint16_t* buf = panel_buffer<uint16_t>((a.K / 2) * kPairStride);

@@ -71,7 +71,8 @@ struct PackedLinearArgs {
 // byte per k of a column for int8, per pair of k for int4: [panels, K or K / 2, 48] bytes),
 // which the quantized entry points dequantize one panel at a time (packed_dequant.h) into a
 // per-thread buffer in the float layout above, then run the same tiles on (up to
-// kQuantFusedRows rows of x: straight into the tiles' accumulators, no buffer).
+// kQuantFusedRows rows of x, kQuantFusedRowsF32 in float32: straight into the tiles'
+// accumulators, no buffer).
 struct PackedQuantWeight {
   const void* q;         // int8 [panels, K, cols] or uint8 [panels, K / 2, cols] (byte j of a
                          // column: k = 2j in its low nibble, 2j + 1 in its high one)
@@ -210,6 +211,24 @@ inline void run_packed_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1,
 // registers), so 4.
 constexpr int64_t kQuantFusedRows = 4;
 static_assert(kQuantFusedRows * kPackedPanelVecs + kPackedPanelVecs + 4 <= 32);
+// The float32 kernel goes on in registers up to this many rows of an int8 weight, in
+// passes of kQuantFusedRows that each dequantize the panel again: there its buffer costs
+// more than a second pass (5-8 rows about 1.2x faster so). An int4 panel's dequantizing
+// (a scale and a zero per group) costs more than the buffer by the second pass, and the
+// bfloat16 kernel's passes gained nothing.
+constexpr int64_t kQuantFusedRowsF32 = 2 * kQuantFusedRows;
+
+// Kernel::tile<rows>(a, qw, p, prefetch_next) for 1 <= rows <= R: the quantized entry
+// points' registers-only tiles (up to kQuantFusedRows rows of x times panel p, each packed
+// row of the panel dequantized and used at once).
+template <typename Kernel, int64_t R>
+inline void quant_tile_of(int64_t rows, const PackedLinearArgs& a, const PackedQuantWeight& qw,
+                          int64_t p, bool prefetch_next) {
+  if constexpr (R > 0) {
+    if (rows == R) return Kernel::template tile<R>(a, qw, p, prefetch_next);
+    quant_tile_of<Kernel, R - 1>(rows, a, qw, p, prefetch_next);
+  }
+}
 
 // Computes the panels [p0, p1) for every row of x.
 using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t p0, int64_t p1);

@@ -114,6 +114,23 @@ def test_leading_dims_and_strided_rows(isa: str, in_panels: bool) -> None:
     torch.testing.assert_close(y.double(), ref, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_packed_few_rows_equal_the_buffered_tiles(isa: str, dtype: torch.dtype) -> None:
+    """1-4 rows: each row of a panel dequantized in registers; more: a dequantized panel
+    buffer. The same products in the same k order, so the same bits (3 panels, the last
+    partial; NaN right after each row of x)."""
+    if not ops.packed_quant_linear_kernel_selected():
+        pytest.skip(f"the {isa} build has no packed quantized kernel")
+    x, packed, scales, zeros, _ = _case(9, 128, 130, 32, seed=6, bias=False)
+    wide = torch.full((9, 136), float("nan"), dtype=dtype)
+    wide[:, :128] = x
+    x, packed = wide[:, :128], _weight(packed, True)
+    many = ops.int4_linear(x, packed, scales, zeros, 32, None)
+    assert not torch.isnan(many).any()
+    for m in range(1, 5):
+        assert torch.equal(ops.int4_linear(x[:m], packed, scales, zeros, 32, None), many[:m]), m
+
+
 def test_packed_layout() -> None:
     """pack_linear_weight on int4_linear's nibbles: [panels, K / 2, 48], element (n // 48,
     j, n % 48) = byte j of row n, zero past N."""
