@@ -429,7 +429,8 @@ def packed_linear_kernel_selected(dtype: torch.dtype) -> bool:
 def packed_quant_linear_kernel_selected() -> bool:
     """Whether :func:`int8_linear` / :func:`int4_linear` run a qweight packed by
     :func:`pack_linear_weight` on packed_linear's tiles in the selected CPU build (builds
-    with AVX-512); elsewhere they unpack it per call, so layers keep the row layout."""
+    with AVX2 or wider); elsewhere (generic) they unpack it per call, so layers keep the
+    row layout."""
     return bool(vllm_lite._C.packed_quant_linear_kernel())
 
 

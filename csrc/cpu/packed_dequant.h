@@ -28,19 +28,6 @@
 namespace vllm_lite::cpu {
 namespace {
 
-// This thread's buffer of at least n elements, 64-byte aligned (so each 16-column vector of
-// a panel row is one cache line), kept for the thread's next calls: no allocation (and no
-// page faults of a fresh mapping) per call. Slot: another buffer of the same type, used
-// alongside (packed_linear_amx.cpp's copy of x's last rows).
-template <typename T, int Slot = 0>
-T* panel_buffer(int64_t n) {
-  thread_local std::vector<T> buf;
-  constexpr int64_t kAlign = 64 / sizeof(T);
-  if (static_cast<int64_t>(buf.size()) < n + kAlign) buf.resize(static_cast<size_t>(n + kAlign));
-  const auto addr = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<T*>((addr + 63) & ~uintptr_t{63});
-}
-
 // The 16 lanes' row offsets (lane c: c * row elements), for the scale / zero gathers.
 inline __m512i lane_rows(int64_t row) {
   return _mm512_mullo_epi32(

@@ -38,12 +38,12 @@ PackedLinearFn selected_kernel(at::ScalarType dtype) {
                     packed_linear_f32_avx2());
 }
 
-// The quantized entry points: AVX-512 builds only (the AVX2 build keeps int8 / int4 weights
-// in their row layout, int8_linear_avx2.cpp).
+// The quantized entry points: float32 on AVX2 too (bfloat16 x runs it on a float32 copy);
+// the generic build keeps int8 / int4 weights in their row layout (int8_linear.cpp).
 PackedQuantLinearFn selected_quant_kernel(at::ScalarType dtype) {
   return select_for<PackedQuantLinearFn>(
       dtype, packed_quant_linear_bf16_amx(), packed_quant_linear_bf16_avx512bf16(),
-      packed_quant_linear_f32_avx512(), nullptr, nullptr);
+      packed_quant_linear_f32_avx512(), nullptr, packed_quant_linear_f32_avx2());
 }
 
 }  // namespace

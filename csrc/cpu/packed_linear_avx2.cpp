@@ -20,13 +20,16 @@
 // each k pair as two passes over the 6 vectors (the even k, then the odd k), so only two
 // broadcasts are live, not four: the pair's 192 bytes are read twice from L1 instead.
 // Limits: as the AVX-512 kernels (rows of x contiguous within themselves, bf16 K even, any
-// M and N; the last panel's columns past N are zero in the weight and not stored). No
-// quantized entry points (packed_quant_linear): int8 / int4 weights stay in their row
-// layout on this build (int8_linear_avx2.cpp).
+// M and N; the last panel's columns past N are zero in the weight and not stored).
+// Quantized weights (packed_quant_linear, float32 x): int8 / int4 panels dequantized a
+// vector at a time (dequant_panel) straight into the accumulators for up to
+// kQuantFusedRowsAvx2 rows, into a panel buffer for the float32 tiles past that.
 // Standard headers come before the target pragma, under the default target.
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "cpu/packed_linear_params.h"
 
@@ -144,6 +147,19 @@ VLLM_LITE_INLINE void store_tile(const float (&sums)[R][NV][kLanes], T* y, int64
   }
 }
 
+// sums = sums * scale + bias over the panel's `cols` columns (int8's per-channel scales,
+// one FMA each as the AVX-512 kernels' store_acc).
+template <int64_t R>
+VLLM_LITE_INLINE void scale_sums(float (&sums)[R][NV][kLanes], const float* scale,
+                                 const float* bias, int64_t cols) {
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      float& v = sums[r][c / kLanes][c % kLanes];
+      v = std::fma(v, scale[c], bias != nullptr ? bias[c] : 0.f);
+    }
+  }
+}
+
 // Rows [0, R) of x (row stride xs) times one panel w; y's rows have stride N and this
 // panel's columns start at y. next: the panel to prefetch into L2 meanwhile.
 struct F32Tile {
@@ -152,9 +168,10 @@ struct F32Tile {
   static void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* scale,
                    const float* bias, float* y, int64_t N, int64_t cols, PanelPrefetch next,
                    int64_t gated_cols) {
-    (void)scale;  // only the quantized entry points pass one; this build has none
     __m256 acc[R][NV];
-    init_acc(acc, bias, cols);
+    // int8's per-channel scales (the quantized entry point) multiply the sums at the end,
+    // so the bias is added there too.
+    init_acc(acc, scale != nullptr ? nullptr : bias, cols);
     PanelPrefetcher<kPackedRowBytes> pf(next);
     for (int64_t k = 0; k < K; ++k) {
       const float* wk = w + k * kPackedPanelCols;
@@ -171,6 +188,7 @@ struct F32Tile {
     }
     alignas(32) float sums[R][NV][kLanes];
     spill_acc(acc, sums);
+    if (scale != nullptr) scale_sums(sums, scale, bias, cols);
     store_tile(sums, y, N, cols, gated_cols);
   }
 };
@@ -227,10 +245,103 @@ void bf16_linear_panels(const PackedLinearArgs& a, int64_t p0, int64_t p1) {
   run_packed_panels<Bf16Tile, uint16_t>(a, p0, p1, (a.K / 2) * kPairStride);
 }
 
+// Calls emit(b, k, v) for every k of panel p of a packed int8 / int4 weight
+// (PackedQuantWeight) and its vectors b = 0 .. NV - 1: v = the float32 weights W[n, k] of
+// vector b's 8 columns, as packed_dequant.h gives them on AVX-512: int8 per channel q (the
+// tiles apply the scale to the sums), int8 groups q * scale, int4 q * scale + zero (one
+// FMA); columns past N come out zero (zero bytes, zero scales). A group's scales and zeros
+// of the panel's columns are gathered once into a small array.
+template <typename Emit>
+VLLM_LITE_INLINE void dequant_panel(const PackedQuantWeight& qw, int64_t N, int64_t p,
+                                    Emit&& emit) {
+  constexpr int64_t W = kPackedPanelCols;
+  const int64_t K = qw.K, G = qw.group_size, groups = G > 0 ? K / G : 0;
+  const int64_t rows = qw.int4 ? K / 2 : K, n0 = p * W, cols = std::min(W, N - n0);
+  const uint8_t* q = static_cast<const uint8_t*>(qw.q) + p * rows * W;
+  alignas(32) float s[W] = {}, z[W] = {};
+  const auto load_group = [&](int64_t g) {
+    for (int64_t c = 0; c < cols; ++c) {
+      s[c] = qw.scales[(n0 + c) * groups + g];
+      if (qw.zeros != nullptr) z[c] = qw.zeros[(n0 + c) * groups + g];
+    }
+  };
+  const auto bytes8 = [&](int64_t row, int64_t b) {
+    return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + row * W + b * kLanes));
+  };
+  if (qw.int4) {
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int64_t j = 0; j < rows; ++j) {
+      const int64_t k = 2 * j;
+      if (k % G == 0) load_group(k / G);
+#pragma GCC unroll 8
+      for (int64_t b = 0; b < NV; ++b) {
+        const __m256i v = _mm256_cvtepu8_epi32(bytes8(j, b));
+        const __m256 sv = _mm256_load_ps(s + b * kLanes), zv = _mm256_load_ps(z + b * kLanes);
+        emit(b, k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), sv, zv));
+        emit(b, k + 1, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sv, zv));
+      }
+    }
+    return;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    if (G > 0 && k % G == 0) load_group(k / G);
+#pragma GCC unroll 8
+    for (int64_t b = 0; b < NV; ++b) {
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(k, b)));
+      emit(b, k, G > 0 ? _mm256_mul_ps(v, _mm256_load_ps(s + b * kLanes)) : v);
+    }
+  }
+}
+
+// Up to kTileRows rows of x times panel p of a quantized weight, each dequantized vector
+// used at once (no buffer): the FMAs of F32Tile on the buffer, in the same k order.
+struct F32QuantTile {
+  template <int64_t R>
+  static void tile(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p,
+                   bool /*prefetch_next*/) {
+    const float* x = static_cast<const float*>(a.x);
+    const PanelOut o = panel_out(a, p);  // a quantized weight is never gated
+    __m256 acc[R][NV];
+    init_acc(acc, o.scale != nullptr ? nullptr : o.bias, o.cols);
+    dequant_panel(qw, a.N, p, [&](int64_t b, int64_t k, __m256 v) {
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {
+        acc[r][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * a.x_row_stride + k), v,
+                                    acc[r][b]);
+      }
+    });
+    alignas(32) float sums[R][NV][kLanes];
+    spill_acc(acc, sums);
+    if (o.scale != nullptr) scale_sums(sums, o.scale, o.bias, o.cols);
+    store_tile(sums, static_cast<float*>(a.y) + o.y0, a.N, o.cols, 0);
+  }
+};
+
+// Rows up to which the quantized entry point stays in registers, in passes of kTileRows
+// rows that each dequantize the panel again; past them a panel buffer is cheaper.
+constexpr int64_t kQuantFusedRowsAvx2 = 2 * kTileRows;
+
+// The quantized entry point (packed_quant_linear): a few rows F32QuantTile, more each panel
+// dequantized into this thread's buffer and the float32 tiles run on it.
+void f32_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p0,
+                             int64_t p1) {
+  if (a.M <= kQuantFusedRowsAvx2) {
+    return quant_tile_passes<F32QuantTile, kTileRows, float>(a, qw, p0, p1);
+  }
+  float* buf = panel_buffer<float>(a.K * kPackedPanelCols);
+  run_panels<F32Tile, float>(a, p0, p1, [&](int64_t p) {
+    dequant_panel(qw, a.N, p, [&](int64_t b, int64_t k, __m256 v) {
+      _mm256_store_ps(buf + k * kPackedPanelCols + b * kLanes, v);
+    });
+    return PanelRef<float>{buf, nullptr};
+  });
+}
+
 }  // namespace
 
 PackedLinearFn packed_linear_f32_avx2() { return &f32_linear_panels; }
 PackedLinearFn packed_linear_bf16_avx2() { return &bf16_linear_panels; }
+PackedQuantLinearFn packed_quant_linear_f32_avx2() { return &f32_quant_linear_panels; }
 
 }  // namespace vllm_lite::cpu
 
@@ -240,4 +351,7 @@ PackedLinearFn packed_linear_bf16_avx2() { return &bf16_linear_panels; }
 #else
 vllm_lite::cpu::PackedLinearFn vllm_lite::cpu::packed_linear_f32_avx2() { return nullptr; }
 vllm_lite::cpu::PackedLinearFn vllm_lite::cpu::packed_linear_bf16_avx2() { return nullptr; }
+vllm_lite::cpu::PackedQuantLinearFn vllm_lite::cpu::packed_quant_linear_f32_avx2() {
+  return nullptr;
+}
 #endif

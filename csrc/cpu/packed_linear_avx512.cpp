@@ -115,16 +115,7 @@ struct F32QuantTile {
 void f32_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p0,
                              int64_t p1) {
   if (a.M <= (qw.int4 ? kQuantFusedRows : kQuantFusedRowsF32)) {
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t m0 = 0; m0 < a.M; m0 += kQuantFusedRows) {  // the panel's bytes stay in L1/L2
-        PackedLinearArgs rows = a;
-        rows.M = std::min(kQuantFusedRows, a.M - m0);
-        rows.x = static_cast<const float*>(a.x) + m0 * a.x_row_stride;
-        rows.y = static_cast<float*>(a.y) + m0 * a.N;
-        quant_tile_of<F32QuantTile, kQuantFusedRows>(rows.M, rows, qw, p, m0 == 0 && p + 1 < p1);
-      }
-    }
-    return;
+    return quant_tile_passes<F32QuantTile, kQuantFusedRows, float>(a, qw, p0, p1);
   }
   float* buf = panel_buffer<float>((a.K + 1) * kPackedPanelCols);
   run_panels<F32Tile, float>(a, p0, p1, [&](int64_t p) {

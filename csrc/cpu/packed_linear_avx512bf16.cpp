@@ -91,10 +91,7 @@ struct Bf16QuantTile {
 void bf16_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw,
                               int64_t p0, int64_t p1) {
   if (a.M <= kQuantFusedRows) {
-    for (int64_t p = p0; p < p1; ++p) {
-      quant_tile_of<Bf16QuantTile, kQuantFusedRows>(a.M, a, qw, p, p + 1 < p1);
-    }
-    return;
+    return quant_tile_passes<Bf16QuantTile, kQuantFusedRows, uint16_t>(a, qw, p0, p1);
   }
   uint16_t* buf = panel_buffer<uint16_t>((a.K / 2) * kPairStride);
   run_panels<Bf16Tile, uint16_t>(a, p0, p1, [&](int64_t p) {

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace vllm_lite::cpu {
 
@@ -230,6 +231,38 @@ inline void quant_tile_of(int64_t rows, const PackedLinearArgs& a, const PackedQ
   }
 }
 
+// The panels [p0, p1) for every row of x (elements T) by quant_tile_of, in passes of R rows
+// that each dequantize the panel again (its bytes then in L1 / L2); the first pass
+// prefetches the next panel.
+template <typename Kernel, int64_t R, typename T>
+inline void quant_tile_passes(const PackedLinearArgs& a, const PackedQuantWeight& qw,
+                              int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t m0 = 0; m0 < a.M; m0 += R) {
+      PackedLinearArgs rows = a;
+      rows.M = std::min(R, a.M - m0);
+      rows.x = static_cast<const T*>(a.x) + m0 * a.x_row_stride;
+      rows.y = static_cast<T*>(a.y) + m0 * a.N;
+      quant_tile_of<Kernel, R>(rows.M, rows, qw, p, m0 == 0 && p + 1 < p1);
+    }
+  }
+}
+
+// This thread's buffer of at least n elements, 64-byte aligned (so each 16-column vector of
+// a panel row is one cache line), kept for the thread's next calls: no allocation (and no
+// page faults of a fresh mapping) per call. Slot: another buffer of the same type, used
+// alongside (packed_linear_amx.cpp's copy of x's last rows). Defined here, under the default
+// target: GCC 13 refuses std::vector's always_inline members parsed under a kernel file's
+// target pragma.
+template <typename T, int Slot = 0>
+T* panel_buffer(int64_t n) {
+  thread_local std::vector<T> buf;
+  constexpr int64_t kAlign = 64 / sizeof(T);
+  if (static_cast<int64_t>(buf.size()) < n + kAlign) buf.resize(static_cast<size_t>(n + kAlign));
+  const auto addr = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<T*>((addr + 63) & ~uintptr_t{63});
+}
+
 // Computes the panels [p0, p1) for every row of x.
 using PackedLinearFn = void (*)(const PackedLinearArgs&, int64_t p0, int64_t p1);
 // The same on a quantized weight (args.w unused).
@@ -245,5 +278,6 @@ PackedLinearFn packed_linear_f32_avx2();
 PackedQuantLinearFn packed_quant_linear_bf16_avx512bf16();
 PackedQuantLinearFn packed_quant_linear_bf16_amx();
 PackedQuantLinearFn packed_quant_linear_f32_avx512();
+PackedQuantLinearFn packed_quant_linear_f32_avx2();
 
 }  // namespace vllm_lite::cpu

@@ -68,7 +68,7 @@ _INT8_MAX = 127
 def cpu_qweight(q: torch.Tensor) -> torch.Tensor:
     """A CPU layer's int8 [N, K] / int4 uint8 [N, K / 2] weight as its GEMM wants it: packed
     in panels of output columns (``ops.pack_linear_weight``) where the selected CPU build
-    runs packed quantized weights (AVX-512), so int8_linear / int4_linear run every row
+    runs packed quantized weights (AVX2 and wider), so int8_linear / int4_linear run every row
     count on packed_linear's tiles, a panel dequantized at a time (measured against the row
     kernels in README "CPU kernels"); elsewhere as it is."""
     return ops.pack_linear_weight(q) if ops.packed_quant_linear_kernel_selected() else q
