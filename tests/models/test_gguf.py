@@ -114,7 +114,8 @@ def test_default_model_converts_once_and_caches(default_model: dict[str, Any]) -
     assert len(d["calls"]) == 1, "the second load converted again"
     assert (folder / "model.safetensors").stat().st_mtime_ns == d["weights_mtime"]
     assert d["via_folder"] == folder and d["via_file"] == folder
-    assert d["second_s"] < d["first_s"]
+    # (No timing assertion: the conversion count above is what shows the cache; the two
+    # loads' times are printed, and on a busy machine the second can take as long.)
 
     config = d["config"]
     assert config.architectures == ["LlamaForCausalLM"]
