@@ -7,9 +7,8 @@
 //   panel of 48 output columns dequantized once per block of rows into a per-thread
 //   buffer in the packed float layout (packed_dequant.h, packed_quant_linear in
 //   packed_linear.cpp), any number of rows; a decode's few rows (kQuantFusedRows; float32
-//   with int8 weights kQuantFusedRowsF32; AVX2 kQuantFusedRowsAvx2) take the panel's rows
-//   dequantized in registers instead, no buffer. The generic build unpacks it per call and
-//   runs the paths below.
+//   with int8 weights kQuantFusedRowsF32) take the panel's rows dequantized in registers
+//   instead, no buffer. The generic build unpacks it per call and runs the paths below.
 // - A qweight [N, K] / [N, K / 2]: decode-sized float32 inputs (<= kInt8KernelMaxRows rows)
 //   run the block kernels of int8_linear_kernel.h (the AVX2 build where the CPU ISA switch,
 //   cpu_isa.h, picks a non-generic build, else the generic one) on tasks of

@@ -22,8 +22,9 @@
 // Limits: as the AVX-512 kernels (rows of x contiguous within themselves, bf16 K even, any
 // M and N; the last panel's columns past N are zero in the weight and not stored).
 // Quantized weights (packed_quant_linear, float32 x): int8 / int4 panels dequantized a
-// vector at a time (dequant_panel) straight into the accumulators for up to
-// kQuantFusedRowsAvx2 rows, into a panel buffer for the float32 tiles past that.
+// vector at a time (dequant_panel) straight into the accumulators for a decode's few rows
+// (kQuantFusedRows, int8 kQuantFusedRowsF32), into a panel buffer for the float32 tiles
+// past that.
 // Standard headers come before the target pragma, under the default target.
 #include <algorithm>
 #include <cstdint>
@@ -317,15 +318,13 @@ struct F32QuantTile {
   }
 };
 
-// Rows up to which the quantized entry point stays in registers, in passes of kTileRows
-// rows that each dequantize the panel again; past them a panel buffer is cheaper.
-constexpr int64_t kQuantFusedRowsAvx2 = 2 * kTileRows;
-
 // The quantized entry point (packed_quant_linear): a few rows F32QuantTile, more each panel
 // dequantized into this thread's buffer and the float32 tiles run on it.
 void f32_quant_linear_panels(const PackedLinearArgs& a, const PackedQuantWeight& qw, int64_t p0,
                              int64_t p1) {
-  if (a.M <= kQuantFusedRowsAvx2) {
+  // The AVX-512 float32 kernel's row limits (packed_linear_params.h), in passes of this
+  // kernel's 2-row tile: measured the same way here.
+  if (a.M <= (qw.int4 ? kQuantFusedRows : kQuantFusedRowsF32)) {
     return quant_tile_passes<F32QuantTile, kTileRows, float>(a, qw, p0, p1);
   }
   float* buf = panel_buffer<float>(a.K * kPackedPanelCols);
