@@ -162,10 +162,11 @@ def test_group_scales_match_float64(isa: str, m: int, k: int, n: int, group: int
 @pytest.mark.parametrize("group", [0, 32], ids=["channel", "groups"])
 def test_packed_few_rows_equal_the_buffered_tiles(isa: str, dtype: torch.dtype,
                                                    group: int) -> None:
-    """Up to kQuantFusedRows (4) rows (float32: 8, in two passes), the packed kernels
-    dequantize each row of a panel in registers; more rows share a dequantized panel buffer. Both run the same products in
-    the same k order, so a row's output is the same bits either way (odd K: nothing read
-    past a row, NaN there; K 97 and 3 panels, the last partial)."""
+    """Up to kQuantFusedRows (4) rows (float32: 8, in passes of the tile's rows), the
+    packed kernels dequantize each row of a panel in registers; more rows share a
+    dequantized panel buffer. Both run the same products in the same k order, so a row's
+    output is the same bits either way (odd K: nothing read past a row, NaN there; K 97
+    and 3 panels, the last partial)."""
     if not ops.packed_quant_linear_kernel_selected():
         pytest.skip(f"the {isa} build has no packed quantized kernel")
     k = 96 if group else 97

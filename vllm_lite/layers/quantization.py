@@ -258,7 +258,7 @@ class Int8GroupLinear(nn.Module):
                                 f"a {self.out_features}x{self.in_features} linear layer")
         device = linear.weight.device
         self.group_size = weight.group_size
-        self.on_cpu = _int4_kernel_on(device)
+        self.on_cpu = device.type == "cpu"
         q = weight.qweight.to(device).contiguous()
         self.register_buffer("qweight", cpu_qweight(q) if self.on_cpu else q)
         self.register_buffer("scales", weight.scales.to(device=device,
