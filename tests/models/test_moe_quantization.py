@@ -200,13 +200,15 @@ def test_an_expert_no_token_chose_costs_nothing(monkeypatch: pytest.MonkeyPatch)
     assert calls == [2, 5]
 
 
+@pytest.mark.parametrize("method", ["int4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_dequantized_at_load_run_fused(monkeypatch: pytest.MonkeyPatch,
-                                               dtype: torch.dtype) -> None:
-    """Where int4 has no kernel (off the CPU; here the check patched so the CPU is such a
-    device), each expert projection dequantizes at load and the layer becomes one FusedMoE
-    again on exactly those weights, answering as the per-expert layers do; with the kernel
-    (the CPU) the experts stay int4."""
+                                               dtype: torch.dtype, method: str) -> None:
+    """Where the format has no kernel (int4 off the CPU, int8 where torch has no int8 GEMM
+    either; here the checks patched so the CPU is such a device), each expert projection
+    dequantizes at load, keeping no quantized copy beside the dense weight, and the layer
+    becomes one FusedMoE again on exactly those weights, answering as the per-expert layers
+    do; with the kernel (the CPU) the experts stay quantized."""
     from vllm_lite.layers import quantization
 
     torch.manual_seed(5)
@@ -222,14 +224,19 @@ def test_experts_dequantized_at_load_run_fused(monkeypatch: pytest.MonkeyPatch,
         holder.experts.load_state_dict(base.state_dict())
         with monkeypatch.context() as m:
             m.setattr(quantization, "_int4_kernel_on", lambda device: False)
+            m.setattr(quantization, "_int8_kernel_on", lambda device: False)
+            m.setattr(quantization, "_int8_mm_works", lambda device, dtype: False)
             if not fuse:
                 m.setattr(quantization, "_fuse_dequantized_experts", lambda model: None)
-            quantize_model(holder, "int4", group_size=32)
+            quantize_model(holder, method, group_size=32)
         return holder.experts
 
     fused, split = quantized(fuse=True), quantized(fuse=False)
     assert isinstance(fused, FusedMoE) and isinstance(split, SplitExperts)
     for e in range(experts):
+        for proj in (split.expert(e).gate_up_proj, split.expert(e).down_proj):
+            assert proj._dequantized is not None and proj._dequantized.dtype == dtype
+            assert not dict(proj.named_buffers()), "a quantized copy kept beside the dense one"
         assert torch.equal(fused.w13_weight[e], split.expert(e).gate_up_proj._dequantized)
         assert torch.equal(fused.w2_weight[e], split.expert(e).down_proj._dequantized)
     x, logits = torch.randn(40, hidden).to(dtype), torch.randn(40, experts)
@@ -240,8 +247,9 @@ def test_experts_dequantized_at_load_run_fused(monkeypatch: pytest.MonkeyPatch,
 
     holder = torch.nn.Module()
     holder.experts = FusedMoE(hidden, experts, top_k, inter, renormalize=True).to(dtype)
-    quantize_model(holder, "int4", group_size=32)
-    assert isinstance(holder.experts, SplitExperts)  # the CPU keeps its int4 experts
+    quantize_model(holder, method, group_size=32)
+    assert isinstance(holder.experts, SplitExperts)  # the CPU keeps its quantized experts
+    assert holder.experts.expert(0).down_proj._dequantized is None
 
 
 # -- GPTQ / AWQ checkpoints in HF's per-expert layout ----------------------------------------

@@ -116,22 +116,25 @@ class Int8Linear(nn.Module):
         self.out_features = linear.out_features
         dtype, device = linear.weight.dtype, linear.weight.device
         q, scale = quantize_int8(linear.weight)
-        self.on_cpu = device.type == "cpu"
-        self.register_buffer("qweight", cpu_qweight(q) if self.on_cpu else q.to(device))
-        # vllm_lite's CPU op takes float32 scales and bias; torch's op wants the scales in
-        # the activation dtype.
-        self.register_buffer("scales", scale.to(device=device,
-                                                dtype=torch.float32 if self.on_cpu else dtype))
+        self.on_cpu = _int8_kernel_on(device)
         self.bias = linear.bias
         self._bias_f32 = (None if linear.bias is None or not self.on_cpu
                           else linear.bias.detach().float())
-        # Set when the device has no int8 GEMM: the dequantized weight, used by F.linear.
+        # Set when the device has no int8 GEMM: the dequantized weight, used by F.linear. The
+        # int8 copy is not kept beside it (it would cost half the dense weight's memory again
+        # and nothing reads it), as Int4Linear keeps no nibbles when it dequantizes.
         self._dequantized: torch.Tensor | None = None
         if not self.on_cpu and not _int8_mm_works(device, dtype):
             _warn_once(("int8", device, dtype), "no int8 weight-only GEMM for %s %s in this "
                        "torch: dequantizing the weights at load (correct, no memory saving)",
                        device, dtype)
             self._dequantized = dequantize_int8(q, scale).to(device=device, dtype=dtype)
+            return
+        self.register_buffer("qweight", cpu_qweight(q) if self.on_cpu else q.to(device))
+        # vllm_lite's CPU op takes float32 scales and bias; torch's op wants the scales in
+        # the activation dtype.
+        self.register_buffer("scales", scale.to(device=device,
+                                                dtype=torch.float32 if self.on_cpu else dtype))
 
     def decode_form(self, dtype: torch.dtype) -> ops.DecodeForm | None:
         return _int8_decode_form(self, dtype)
@@ -173,6 +176,12 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
     return Int4Weight(pack_nibbles(q.view(n, k)), scale.contiguous(), lo.contiguous(),
                       group_size)
+
+
+def _int8_kernel_on(device: torch.device) -> bool:
+    """Whether Int8Linear runs vllm_lite's int8 op on ``device`` (the CPU); elsewhere torch's
+    int8 GEMM where it has one, else the weights dequantize at load."""
+    return device.type == "cpu"
 
 
 def _int4_kernel_on(device: torch.device) -> bool:
