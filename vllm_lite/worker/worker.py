@@ -59,12 +59,21 @@ class Worker:
             from vllm_lite.layers.quantization import quantize_model
 
             # The head stays in the activation dtype (its logits feed the sampler; a tied
-            # head is the embedding).
+            # head is the embedding), but for a GGUF in float32 on the CPU with one rank:
+            # there its own blocks run on the CPU kernel, as the projections' do, streaming
+            # a quarter of the float32 head's bytes (the embedding keeps its dequantized
+            # rows for the lookup). A bf16 head is already half those bytes and its kernel
+            # outran the int8 one on the bf16 activations (docs/results/throughput.md).
             kept_weights = None
+            skip: tuple[torch.nn.Module, ...] = (model.lm_head,)
             if mc.quantization == "gguf":
-                from vllm_lite.models.gguf_quant import read_llama_projections
+                from vllm_lite.models.gguf_quant import LM_HEAD, read_llama_projections
 
-                kept_weights = read_llama_projections(mc.gguf_file, mc.hf_config)
+                head = (torch.device(self.device).type == "cpu" and tp is None
+                        and mc.dtype == torch.float32)
+                kept_weights = read_llama_projections(mc.gguf_file, mc.hf_config, lm_head=head)
+                if LM_HEAD in kept_weights:
+                    skip = ()
             elif mc.quantization in ("gptq", "awq"):
                 from vllm_lite.models.gptq_awq import read_checkpoint_projections
 
@@ -73,7 +82,7 @@ class Worker:
                 from vllm_lite.distributed.layers import shard_kept_weights
 
                 kept_weights = shard_kept_weights(model, kept_weights)
-            n = quantize_model(model, mc.quantization, skip=(model.lm_head,),
+            n = quantize_model(model, mc.quantization, skip=skip,
                                group_size=mc.quantization_group_size, kept_weights=kept_weights)
         if torch.device(self.device).type == "cpu" and hasattr(model, "relocate_packed_weights"):
             # A decode step streams every projection's weights: huge pages spare the TLB.
