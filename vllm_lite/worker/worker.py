@@ -92,8 +92,11 @@ class Worker:
         if tp is None or tp.rank == 0:
             # One line for what runs: dtype and quantization never told apart.
             dtype = str(self.dtype).removeprefix("torch.")
-            weights = (f"{n} projections {mc.quantization}, the rest {dtype}" if mc.quantization
-                       else dtype)
+            weights = dtype
+            if mc.quantization:
+                kept = (f"{n - 1} projections and the LM head" if not skip
+                        else f"{n} projections")
+                weights = f"{kept} {mc.quantization}, the rest {dtype}"
             logger.info("model: %s on %s, %s", type(model).__name__,
                         torch.device(self.device), weights)
         self.kv_cache_dtype = config.cache_config.kv_cache_dtype
