@@ -158,27 +158,28 @@ def test_group_scales_match_float64(isa: str, m: int, k: int, n: int, group: int
         assert_rounded_once_to_bf16(y, ref, RTOL)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("group", [0, 32], ids=["channel", "groups"])
 def test_packed_few_rows_equal_the_buffered_tiles(isa: str, dtype: torch.dtype,
-                                                   group: int) -> None:
+                                                   group: int, bias: bool) -> None:
     """Up to kQuantFusedRows (4) rows (float32: 8, in passes of the tile's rows), the
     packed kernels dequantize each row of a panel in registers; more rows share a
-    dequantized panel buffer. Both run the same products in the same k order, so a row's
-    output is the same bits either way (odd K: nothing read past a row, NaN there; K 97
-    and 3 panels, the last partial)."""
+    dequantized panel buffer. Both run the same products in the same k order and the same
+    epilogue (scale and bias), so a row's output is the same bits either way (odd K:
+    nothing read past a row, NaN there; K 97 and 3 panels, the last partial)."""
     if not ops.packed_quant_linear_kernel_selected():
         pytest.skip(f"the {isa} build has no packed quantized kernel")
     k = 96 if group else 97
-    x, q, scales, _ = (_group_case(9, k, 130, group, seed=4, bias=False) if group
-                       else _case(9, k, 130, seed=4, bias=False))
+    x, q, scales, b = (_group_case(9, k, 130, group, seed=4, bias=bias) if group
+                       else _case(9, k, 130, seed=4, bias=bias))
     wide = torch.full((9, k + 8), float("nan"), dtype=dtype)  # NaN right after each row
     wide[:, :k] = x
     x, qp = wide[:, :k], _weight(q, True)
-    many = ops.int8_linear(x, qp, scales, None)
+    many = ops.int8_linear(x, qp, scales, b)
     assert not torch.isnan(many).any()
     for m in range(1, 9):
-        assert torch.equal(ops.int8_linear(x[:m], qp, scales, None), many[:m]), m
+        assert torch.equal(ops.int8_linear(x[:m], qp, scales, b), many[:m]), m
 
 
 def test_empty_inputs() -> None:
