@@ -80,9 +80,10 @@ def _table_entries(outdir: Path, name: str) -> dict[str, list[str]]:
 
 def test_default_builds_every_instance_exactly_once(tmp_path):
     units = gk.generate(tmp_path)
-    # (kernel, query dtype, cache element), the tensor-core decode kernel's (fp16 / bf16,
-    # cache) and the tensor-core prefill kernel's (fp16 / bf16, caches in the query dtype)
-    assert len(units) == 2 * 3 * 3 + 2 * 3 + 2
+    # The SIMT decode kernel's (query dtype, cache element); per query dtype, every cache
+    # in one unit, the varlen kernel's and the tensor-core decode kernel's (fp16 / bf16);
+    # the tensor-core prefill kernel's (fp16 / bf16, caches in the query dtype)
+    assert len(units) == 3 * 3 + 3 + 2 + 2
     got = _instances(tmp_path)
     assert len(got) == len(set(got)), "an instance is compiled twice"
     assert sorted(got) == sorted(_expected((64, 128, 256), CTS))
@@ -107,9 +108,9 @@ def test_options_leave_out_exactly_the_unselected(tmp_path):
     # 80 falls in the <= 128 bucket; "fp8" is fp8_e4m3, as kv_cache_dtype reads it.
     gk.generate(tmp_path, "80", "fp8")
     assert sorted(p.name for p in tmp_path.glob("*.cu")) == sorted(
-        [f"{k}_{q}_fp8_e4m3.cu" for k in ("paged_attention", "varlen_attention")
-         for q in ("f32", "f16", "bf16")]
-        + [f"paged_attention_tc_{q}_fp8_e4m3.cu" for q in ("f16", "bf16")])
+        [f"paged_attention_{q}_fp8_e4m3.cu" for q in ("f32", "f16", "bf16")]
+        + [f"varlen_attention_{q}.cu" for q in ("f32", "f16", "bf16")]
+        + [f"paged_attention_tc_{q}.cu" for q in ("f16", "bf16")])
     assert sorted(_instances(tmp_path)) == sorted(_expected((128,), ["fp8_e4m3"]))
     assert _table_entries(tmp_path, "paged_attention") == {
         "fp8_e4m3": [f"AttentionInstance<T, CT, {bs}, 128>" for bs in (8, 16, 32)]}
@@ -151,10 +152,10 @@ def test_cli_reads_the_environment_and_rewrites_only_changes(tmp_path):
 
     first = run()
     assert sorted(Path(p).name for p in first) == sorted(
-        [f"{k}_{q}_auto.cu" for k in ("paged_attention", "varlen_attention")
-         for q in ("f32", "f16", "bf16")]
-        + [f"{k}_tc_{q}_auto.cu" for k in ("paged_attention", "varlen_attention")
-           for q in ("f16", "bf16")])
+        [f"paged_attention_{q}_auto.cu" for q in ("f32", "f16", "bf16")]
+        + [f"varlen_attention_{q}.cu" for q in ("f32", "f16", "bf16")]
+        + [f"paged_attention_tc_{q}.cu" for q in ("f16", "bf16")]
+        + [f"varlen_attention_tc_{q}_auto.cu" for q in ("f16", "bf16")])
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
     os.utime(tmp_path / "kernel_build_config.h", ns=(1, 1))  # would change if rewritten
     assert run() == first
@@ -164,7 +165,8 @@ def test_cli_reads_the_environment_and_rewrites_only_changes(tmp_path):
     env["VLLM_LITE_KV_CACHE_DTYPES"] = "fp8_e5m2"
     second = run()
     assert sorted(p.name for p in tmp_path.glob("*.cu")) == sorted(Path(p).name for p in second)
-    assert all("fp8_e5m2" in p for p in second)
+    texts = [Path(p).read_text() for p in second]
+    assert all("fp8_e5m2" in t and "fp8_e4m3" not in t for t in texts)
 
 
 # Calls the real dispatch (attention_kernels.cuh / varlen_attention_kernels.cuh with the
@@ -254,7 +256,7 @@ def test_instance_list_builds_exactly_the_listed(tmp_path):
     out = tmp_path / "g"
     assert sorted(p.name for p in units) == sorted([
         "paged_attention_bf16_fp8_e4m3.cu", "paged_attention_f32_auto.cu",
-        "paged_attention_tc_f16_auto.cu", "varlen_attention_f16_fp8_e5m2.cu"])
+        "paged_attention_tc_f16.cu", "varlen_attention_f16.cu"])
     assert sorted(_instances(out)) == sorted([
         ("AttentionInstance", "__nv_bfloat16", "fp8_e4m3", "16", "64"),
         ("AttentionInstance", "float", "float", "8", "256"),
