@@ -262,9 +262,11 @@ def _default_reader() -> Any:
     return gguf.GGUFReader(str(alias_gguf_file("smollm2-135m")))
 
 
-def _requantized_default_model(path: Path, retype: dict[str, str]) -> Path:
-    """The default model's GGUF file with the tensors ``retype`` names (projections: attn_q,
-    ffn_up, ...; token_embd) requantized to the GGML type it gives (Q8_0, Q4_0, F16, ...)."""
+def _requantized_default_model(path: Path, retype: dict[str, str],
+                               output: str | None = None) -> Path:
+    """The default model's GGUF file with the projections ``retype`` names (attn_q, ffn_up,
+    ...) requantized to the GGML type it gives (Q8_0, Q4_0, F16, ...); ``output``: an
+    untied head too, ``output.weight``, the embedding requantized to that type."""
     import gguf
     from gguf.quants import dequantize
     from gguf.quants import quantize as gguf_quantize
@@ -279,8 +281,11 @@ def _requantized_default_model(path: Path, retype: dict[str, str]) -> Path:
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), vtype, sub)
     for t in reader.tensors:
-        key = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
-        kind = t_[retype[key]] if key in retype else None
+        kind = t_[retype[t.name.split(".")[-2]]] \
+            if t.name.startswith("blk.") and t.name.split(".")[-2] in retype else None
+        if output is not None and t.name == "token_embd.weight":
+            emb = dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))
+            writer.add_tensor("output.weight", gguf_quantize(emb, t_[output]), raw_dtype=t_[output])
         if kind is None:
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
             continue
@@ -297,17 +302,18 @@ def _requantized_default_model(path: Path, retype: dict[str, str]) -> Path:
 def test_engine_gguf_keeps_q8_0_and_matches_the_dequantized_model(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """quantization="gguf" on a Q8_0 / Q4_0 / Q4_1 file: the Q8_0 (and mixed) projections
-    become Int8GroupLinear, ffn_down and the tied head (token_embd Q4_1 here) Int4Linear,
-    exactly the file's values; greedy outputs equal the dequantized float32 model's on the
-    default-model test's prompts."""
+    become Int8GroupLinear, ffn_down and the untied head (output.weight Q4_0 here, not the
+    Q8_0 embedding) Int4Linear, exactly the file's values; greedy outputs equal the
+    dequantized float32 model's on the default-model test's prompts."""
     from vllm_lite import LLM
 
     monkeypatch.setenv("VLLM_LITE_CACHE", str(tmp_path / "cache"))
     # q / k / output / gate / up Q8_0, v Q4_0 (a fused qkv mixing Q8_0 with Q4_0), down
-    # stays Q4_1: every kept type; the head (the Q8_0 test is the default model's) Q4_1.
+    # stays Q4_1: every kept type; an untied Q4_0 head (the tied Q8_0 one is the default
+    # model's, tests/models/test_int4_quantization.py).
     path = _requantized_default_model(tmp_path / "smollm2-q8.gguf", {
         "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q8_0",
-        "ffn_up": "Q8_0", "attn_v": "Q4_0", "token_embd": "Q4_1"})
+        "ffn_up": "Q8_0", "attn_v": "Q4_0"}, output="Q4_0")
     opts = dict(device="cpu", dtype="float32", kv_cache_space=0.05)
     kept = LLM(str(path), **opts)  # the default for a GGUF it can keep on a CPU: gguf
     assert kept.llm_engine.config.model_config.quantization == "gguf"
@@ -323,9 +329,10 @@ def test_engine_gguf_keeps_q8_0_and_matches_the_dequantized_model(
     for name, m in q8.items():  # the converted (dequantized) float weights, bit for bit
         got = Int8GroupWeight(m.qweight_rows(), m.scales, m.group_size).dequantize()
         assert torch.equal(got, ref[name].weight), name
-    head = q4["lm_head"]  # tied: the dequantized embedding's rows
+    head = q4["lm_head"]  # the file's output.weight, not the embedding
     got = Int4Weight(head.qweight_rows(), head.scales, head.zeros, head.group_size).dequantize()
-    assert torch.equal(got, ref["model.embed_tokens"].weight)
+    assert torch.equal(got, ref["lm_head"].weight)
+    assert not torch.equal(got, ref["model.embed_tokens"].weight)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [[1, 504, 3458, 282, 4321], [1, 2683, 314, 253, 1345, 30, 198]]
     got_out = kept.generate(prompts, params, use_tqdm=False)

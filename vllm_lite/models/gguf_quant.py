@@ -218,7 +218,7 @@ def why_not_kept(gguf_file: str | Path, num_layers: int) -> str | None:
 LM_HEAD = "lm_head"
 
 
-def read_llama_projections(gguf_file: str | Path, hf_config: Any, lm_head: bool = False
+def read_llama_projections(gguf_file: str | Path, hf_config: Any, lm_head: str | None = None
                            ) -> dict[str, Int4Weight | Int8GroupWeight]:
     """Our module name (e.g. ``model.layers.0.self_attn.qkv_proj``) -> its kept weight, for
     every decoder projection; in a mixture-of-experts file (Mixtral, Qwen2-MoE, Qwen3-MoE,
@@ -227,11 +227,11 @@ def read_llama_projections(gguf_file: str | Path, hf_config: Any, lm_head: bool 
     are not projections: they load dequantized with the float weights. ValueError naming
     the tensor for a type this cannot keep.
 
-    ``lm_head``: also the head (:data:`LM_HEAD`): the file's ``output.weight``, or the
-    embedding ``token_embd.weight`` it is tied to where there is none, when its blocks are
-    a kept type (the default model's tied head is Q8_0: a quarter of its float32 bytes, and
-    llama.cpp computes the logits on those blocks too); another type (F16, Q6_K, ...) is
-    left out, and the head stays in the model's dtype."""
+    ``lm_head``: also the head (:data:`LM_HEAD`), from this tensor of the file (the model's
+    own: ``output.weight``, or ``token_embd.weight`` for a head tied to the embedding), when
+    its blocks are a kept type (the default model's tied head is Q8_0: a quarter of its
+    float32 bytes, and llama.cpp computes the logits on those blocks too); another type
+    (F16, Q6_K, ...) is left out, and the head stays in the model's dtype."""
     header = read_header(gguf_file)
     tensors, data = header.tensors, tensor_data(header)
     n_head = hf_config.num_attention_heads
@@ -268,7 +268,6 @@ def read_llama_projections(gguf_file: str | Path, hf_config: Any, lm_head: bool 
                     out[name] = _cat([load(f"{blk}{p}.weight", e) for p in parts], name)
             else:
                 out[ours] = _cat([load(f"{blk}{p}.weight") for p in parts], ours)
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    if lm_head and head in tensors and tensors[head].type_name in _BLOCK_BYTES:
-        out[LM_HEAD] = load(head)
+    if lm_head in tensors and tensors[lm_head].type_name in _BLOCK_BYTES:
+        out[LM_HEAD] = load(lm_head)
     return out

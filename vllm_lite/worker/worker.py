@@ -69,8 +69,10 @@ class Worker:
             if mc.quantization == "gguf":
                 from vllm_lite.models.gguf_quant import LM_HEAD, read_llama_projections
 
-                head = (torch.device(self.device).type == "cpu" and tp is None
-                        and mc.dtype == torch.float32)
+                tied = getattr(model, "tie_word_embeddings", None)
+                head = None if (torch.device(self.device).type != "cpu" or tp is not None
+                                or mc.dtype != torch.float32 or tied is None) else (
+                    "token_embd.weight" if tied else "output.weight")
                 kept_weights = read_llama_projections(mc.gguf_file, mc.hf_config, lm_head=head)
                 if LM_HEAD in kept_weights:
                     skip = ()
