@@ -209,3 +209,33 @@ def test_engine_gguf_keeps_q4_and_matches_the_dequantized_model() -> None:
     want = plain.generate(prompts, params, use_tqdm=False)
     for g_out, w_out in zip(got, want, strict=True):
         assert g_out.outputs[0].token_ids == w_out.outputs[0].token_ids
+
+
+def test_gguf_head_is_kept_only_where_its_kernel_pays() -> None:
+    """The LM head keeps a GGUF's blocks in float32 on the CPU with one rank, in the CPU
+    builds that run packed quantized weights (the tensor the model's head reads: the
+    embedding's when tied); elsewhere (bf16, a GPU, tensor parallelism, the generic build,
+    a model without the tie flag) it stays dense."""
+    from types import SimpleNamespace
+
+    from vllm_lite import ops
+    from vllm_lite.worker.worker import gguf_head_tensor
+
+    tied, untied = SimpleNamespace(tie_word_embeddings=True), SimpleNamespace(
+        tie_word_embeddings=False)
+    before = ops.cpu_isa()
+    try:
+        for isa in ops.cpu_isas():
+            ops.set_cpu_isa(isa)
+            packed = ops.packed_quant_linear_kernel_selected()
+            assert packed == (isa != "generic"), isa
+            want = "token_embd.weight" if packed else None
+            assert gguf_head_tensor(tied, "cpu", torch.float32, None) == want, isa
+            assert gguf_head_tensor(untied, "cpu", torch.float32, None) == (
+                "output.weight" if packed else None), isa
+            assert gguf_head_tensor(tied, "cpu", torch.bfloat16, None) is None
+            assert gguf_head_tensor(tied, "cuda", torch.float32, None) is None
+            assert gguf_head_tensor(tied, "cpu", torch.float32, object()) is None
+            assert gguf_head_tensor(SimpleNamespace(), "cpu", torch.float32, None) is None
+    finally:
+        ops.set_cpu_isa(before)

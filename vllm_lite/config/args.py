@@ -130,7 +130,8 @@ class EngineArgs:
         "output channel), int4 (groups of --quantization-group-size), gguf (a GGUF model's "
         "own Q4_0/Q4_1/Q8_0 blocks, kept), gptq / awq (a 4-bit GPTQ / AWQ checkpoint, kept), "
         "none (the weights in --dtype, a GGUF's blocks dequantized); embeddings and LM head "
-        "stay in --dtype (gguf in float32 on a CPU: the file's head blocks too)", type=str, choices=QUANTIZATION_CHOICES,
+        "stay in --dtype (gguf in float32 on an AVX2 or wider CPU: the file's head blocks too)",
+        type=str, choices=QUANTIZATION_CHOICES,
         none_means="the checkpoint's own: gguf for a GGUF whose projections it can keep, on "
         "a CPU; gptq / awq for such a checkpoint; else none")
     quantization_group_size: int | None = _opt(

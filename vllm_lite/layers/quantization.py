@@ -15,9 +15,9 @@ and a memory-bound decode GEMM reads that much less. The GEMM:
 
 The embedding and the LM head stay in the activation dtype (as vLLM's weight-only
 methods do): the head's logits feed the sampler, and a tied head is the embedding. The one
-exception is ``gguf`` in float32 on the CPU (one rank), where the worker passes the file's
-own head blocks in ``kept_weights`` as llama.cpp runs them (the embedding keeps its
-dequantized rows).
+exception is ``gguf`` in float32 on the CPU (vllm_lite.worker.worker.gguf_head_tensor),
+where the worker passes the file's own head blocks in ``kept_weights`` as llama.cpp runs
+them (the embedding keeps its dequantized rows).
 
 ``int4``: groups of ``group_size`` (32, 64 or 128) consecutive input weights of a row share
 a scale and a zero (asymmetric): ``scale = (max - min) / 15``, ``zero = min``, ``q =

@@ -11,7 +11,7 @@ broadcasts each step's inputs), the others run :meth:`Worker.serve` in their own
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,26 @@ if TYPE_CHECKING:
     from vllm_lite.config.schema import EngineConfig
 
 logger = logging.getLogger(__name__)
+
+
+def gguf_head_tensor(model: torch.nn.Module, device: Any, dtype: torch.dtype,
+                     tp: TensorParallelGroup | None) -> str | None:
+    """The GGUF tensor whose own blocks the LM head keeps with quantization="gguf"
+    (``token_embd.weight`` for a head tied to the embedding, else ``output.weight``), or None
+    where the head stays dense in ``dtype``. Kept: float32 on the CPU with one rank, where
+    the CPU build runs packed quantized weights (AVX2 and wider): the head then streams a
+    quarter of its float32 bytes a decode step (the embedding keeps its dequantized rows
+    for the lookup). A bf16 head is already half those bytes and its kernel outran the int8
+    one on bf16 activations; the generic build's int8 kernel ran a batch's head at 16-32
+    rows about 2x slower than the dense GEMM; with tensor parallelism each rank holds its
+    vocabulary rows of the dense head (docs/results/llama_cpp.md)."""
+    from vllm_lite import ops
+
+    tied = getattr(model, "tie_word_embeddings", None)
+    if (torch.device(device).type != "cpu" or tp is not None or dtype != torch.float32
+            or tied is None or not ops.packed_quant_linear_kernel_selected()):
+        return None
+    return "token_embd.weight" if tied else "output.weight"
 
 
 class Worker:
@@ -59,20 +79,13 @@ class Worker:
             from vllm_lite.layers.quantization import quantize_model
 
             # The head stays in the activation dtype (its logits feed the sampler; a tied
-            # head is the embedding), but for a GGUF in float32 on the CPU with one rank:
-            # there its own blocks run on the CPU kernel, as the projections' do, streaming
-            # a quarter of the float32 head's bytes (the embedding keeps its dequantized
-            # rows for the lookup). A bf16 head is already half those bytes and its kernel
-            # outran the int8 one on the bf16 activations (docs/results/throughput.md).
+            # head is the embedding), but for a GGUF where gguf_head_tensor says.
             kept_weights = None
             skip: tuple[torch.nn.Module, ...] = (model.lm_head,)
             if mc.quantization == "gguf":
                 from vllm_lite.models.gguf_quant import LM_HEAD, read_llama_projections
 
-                tied = getattr(model, "tie_word_embeddings", None)
-                head = None if (torch.device(self.device).type != "cpu" or tp is not None
-                                or mc.dtype != torch.float32 or tied is None) else (
-                    "token_embd.weight" if tied else "output.weight")
+                head = gguf_head_tensor(model, self.device, mc.dtype, tp)
                 kept_weights = read_llama_projections(mc.gguf_file, mc.hf_config, lm_head=head)
                 if LM_HEAD in kept_weights:
                     skip = ()
