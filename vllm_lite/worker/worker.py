@@ -42,9 +42,9 @@ def gguf_head_tensor(model: torch.nn.Module, device: Any, dtype: torch.dtype,
     the CPU build runs packed quantized weights (AVX2 and wider): the head then streams a
     quarter of its float32 bytes a decode step (the embedding keeps its dequantized rows
     for the lookup). A bf16 head is already half those bytes and its kernel outran the int8
-    one on bf16 activations; the generic build's int8 kernel ran a batch's head at 16-32
-    rows about 2x slower than the dense GEMM; with tensor parallelism each rank holds its
-    vocabulary rows of the dense head (docs/results/llama_cpp.md)."""
+    one on bf16 activations; the generic build's int8 kernel ran a batch's head (16-32
+    rows) well behind the dense GEMM; with tensor parallelism each rank holds its
+    vocabulary rows of the dense head (measured: docs/results/llama_cpp.md)."""
     from vllm_lite import ops
 
     tied = getattr(model, "tie_word_embeddings", None)
