@@ -214,9 +214,9 @@ constexpr int64_t kQuantFusedRows = 4;
 static_assert(kQuantFusedRows * kPackedPanelVecs + kPackedPanelVecs + 4 <= 32);
 // The float32 kernels (AVX-512, AVX2) go on in registers up to this many rows of an int8
 // weight, in passes of their tile rows that each dequantize the panel again: their buffer
-// costs more than the extra passes (5-8 rows about 1.2x faster so). An int4 panel's
-// dequantizing (a scale and a zero per group) costs more than the buffer past 4 rows, and
-// the bfloat16 kernel's passes gained nothing.
+// costs more than the extra passes (docs/results/linear.md measures 5-8 rows). An int4
+// panel's dequantizing (a scale and a zero per group) costs more than the buffer past 4
+// rows, and the bfloat16 kernel's passes gained nothing.
 constexpr int64_t kQuantFusedRowsF32 = 2 * kQuantFusedRows;
 
 // Kernel::tile<rows>(a, qw, p, prefetch_next) for 1 <= rows <= R: the quantized entry

@@ -35,9 +35,11 @@ void fused_moe(const MoeArgs& d) {
   const int T_ = static_cast<int>(d.tokens), E = static_cast<int>(d.experts);
   const int k = static_cast<int>(d.top_k), H = static_cast<int>(d.hidden);
   const int I = static_cast<int>(d.inter), P = static_cast<int>(pairs);
-  const auto blocks = [](int n) { return static_cast<unsigned>((n + moe::kMoeThreads - 1) / moe::kMoeThreads); };
-  const auto route_blocks = static_cast<unsigned>(vllm_lite::cuda::ceil_div(T_, moe::kMoeRouteTokens));
-  cuda_emu::launch(&moe::moe_route_kernel<L>, dim3(route_blocks), dim3(moe::kMoeThreads), 0,
+  const auto blocks = [](int n, int per_block = moe::kMoeThreads) {
+    return static_cast<unsigned>(vllm_lite::cuda::ceil_div(n, per_block));
+  };
+  cuda_emu::launch(&moe::moe_route_kernel<L>, dim3(blocks(T_, moe::kMoeRouteTokens)),
+                   dim3(moe::kMoeThreads), 0,
                    "moe_route_kernel", static_cast<const L*>(d.router_logits), T_, E, k,
                    d.renormalize, topk_w.data(), topk_id.data());
   cuda_emu::launch(&moe::moe_sort_kernel, dim3(1), dim3(moe::kMoeSortThreads), 0,
